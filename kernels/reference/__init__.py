@@ -1,0 +1,26 @@
+"""Pure-PyTorch reference of Sparrow's block-sparse decode attention (CPU and GPU).
+
+Every faster backend (Triton kernels, the vLLM plugin) is tested against these functions.
+"""
+
+from .attention import dense_block_ids, paged_decode_attention
+from .causal import block_sparse_causal_attention, sparse_causal_mask
+from .landmarks import landmarks_from_keys, update_landmarks, write_kv
+from .scoring import group_mean_queries, score_landmarks, score_paged_blocks
+from .selection import select_blocks
+from .sparse_decode import block_sparse_decode
+
+__all__ = [
+    "block_sparse_causal_attention",
+    "block_sparse_decode",
+    "dense_block_ids",
+    "group_mean_queries",
+    "landmarks_from_keys",
+    "paged_decode_attention",
+    "score_landmarks",
+    "score_paged_blocks",
+    "select_blocks",
+    "sparse_causal_mask",
+    "update_landmarks",
+    "write_kv",
+]

@@ -1,0 +1,79 @@
+"""Teacher-forced block-sparse attention over whole sequences: the trainer's view of a rollout.
+
+For the query at position i the context is L = i + 1 tokens, exactly what the rollout engine had when
+it decoded from that position; every query selects its own blocks with the same rule and landmarks
+(full blocks only, which are all the candidates since `recent` ≥ 1). A query with budget ≥ its block
+count, a prompt position, or a dense layer attends densely with an ordinary causal mask.
+"""
+
+import torch
+
+from ..config import SparseAttentionConfig
+from .landmarks import landmarks_from_keys
+from .scoring import group_mean_queries, score_landmarks
+
+
+def sparse_causal_mask(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    budgets: torch.Tensor,
+    config: SparseAttentionConfig,
+) -> torch.Tensor:
+    """Boolean `[H_kv, T, T]` mask of the keys each query may attend to.
+
+    `q: [T, H_q, D]`, `k: [T, H_kv, D]` (post-RoPE), `budgets: [T]` total blocks per query
+    (use a value ≥ ceil(T / block_size) for dense positions).
+    """
+    seq_len, num_kv_heads, _ = k.shape
+    bs = config.block_size
+    device = q.device
+    positions = torch.arange(seq_len, device=device)
+    num_blocks = positions // bs + 1  # blocks in the context of query i (L = i + 1)
+    budgets = torch.maximum(budgets.long(), torch.full_like(num_blocks, config.reserved_blocks))
+    dense = num_blocks <= budgets
+    k_row = torch.where(dense, 0, budgets - config.reserved_blocks)
+
+    n_full = seq_len // bs
+    block_pos = torch.arange(max(n_full, 1), device=device)
+    candidate = (block_pos[None, :] >= config.sink) & (block_pos[None, :] < (num_blocks - config.recent)[:, None])
+    candidate = candidate[:, :n_full]
+    if n_full:
+        lms = landmarks_from_keys(k, bs, config.landmark)  # [n_full, H, W]
+        scores = score_landmarks(group_mean_queries(q, num_kv_heads), lms, config.landmark)  # [T, H, n_full]
+        ranked = torch.nan_to_num(scores.double(), nan=float("-inf")).masked_fill(~candidate[:, None, :], float("-inf"))
+        order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices
+        rank = torch.empty_like(order).scatter_(-1, order, block_pos[:n_full].expand_as(order).clone())
+        chosen = candidate[:, None, :] & (rank < k_row[:, None, None])  # [T, H, n_full]
+    else:
+        chosen = torch.zeros(seq_len, num_kv_heads, 0, dtype=torch.bool, device=device)
+
+    key_block = positions // bs  # [T]
+    causal = positions[None, :] <= positions[:, None]  # [T(query), T(key)]
+    reserved = (key_block[None, :] < config.sink) | (key_block[None, :] >= (num_blocks - config.recent)[:, None])
+    chosen_key = torch.zeros(seq_len, num_kv_heads, seq_len, dtype=torch.bool, device=device)
+    if n_full:
+        chosen_key[..., : n_full * bs] = chosen.repeat_interleave(bs, dim=-1)
+    allowed = (reserved | dense[:, None])[:, None, :] | chosen_key
+    return (allowed & causal[:, None, :]).transpose(0, 1)
+
+
+def block_sparse_causal_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    budgets: torch.Tensor,
+    config: SparseAttentionConfig,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Attention of `q: [T, H_q, D]` over `k, v: [T, H_kv, D]` under `sparse_causal_mask`."""
+    seq_len, num_q_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    group = num_q_heads // num_kv_heads
+    acc = torch.promote_types(q.dtype, torch.float32)
+    scale = head_dim**-0.5 if scale is None else scale
+    mask = sparse_causal_mask(q, k, budgets, config)  # [H_kv, T, T]
+    qg = q.to(acc).view(seq_len, num_kv_heads, group, head_dim)
+    logits = torch.einsum("thgd,shd->hgts", qg, k.to(acc)) * scale
+    logits = logits.masked_fill(~mask[:, None], float("-inf"))
+    out = torch.einsum("hgts,shd->thgd", torch.softmax(logits, dim=-1), v.to(acc))
+    return out.reshape(seq_len, num_q_heads, head_dim).to(q.dtype)

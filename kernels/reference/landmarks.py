@@ -1,0 +1,72 @@
+"""Paged KV-cache writes with landmark maintenance (reference semantics).
+
+Layout (HND pages): `k_cache, v_cache: [num_blocks, H_kv, block_size, D]`; landmarks
+`[num_blocks, H_kv, W]` with W = D (mean key) or 2·D (channel-wise max ‖ min, Quest). A token's
+slot is `physical_block * block_size + offset`. Tokens of a sequence are written in order, so the
+highest offset written into a block tells how many of its slots are valid.
+
+Mean landmarks are written only when a block fills (the written token has offset block_size-1),
+from the block's stored keys accumulated in float32 or wider, as Sparrow does. Min/max landmarks are
+exact for any prefix of the block, so they are kept current on every write.
+"""
+
+import torch
+
+
+def write_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    landmarks: torch.Tensor | None,
+    slots: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mode: str = "mean",
+) -> None:
+    """Store `k, v: [T, H_kv, D]` at `slots: [T]` and refresh the landmarks of the touched blocks."""
+    block_size = k_cache.shape[2]
+    slots = slots.long()
+    blocks, offsets = slots // block_size, slots % block_size
+    k_cache[blocks, :, offsets] = k.to(k_cache.dtype)
+    v_cache[blocks, :, offsets] = v.to(v_cache.dtype)
+    if landmarks is not None:
+        update_landmarks(k_cache, landmarks, blocks, offsets, mode)
+
+
+def update_landmarks(
+    k_cache: torch.Tensor,
+    landmarks: torch.Tensor,
+    blocks: torch.Tensor,
+    offsets: torch.Tensor,
+    mode: str,
+) -> None:
+    """Recompute the landmark of every block touched by a write at (blocks, offsets)."""
+    block_size = k_cache.shape[2]
+    touched, inverse = torch.unique(blocks, return_inverse=True)
+    last = torch.full_like(touched, -1).scatter_reduce(0, inverse, offsets, "amax")
+    if mode == "mean":
+        full = touched[last == block_size - 1]
+        if full.numel():
+            acc = torch.promote_types(k_cache.dtype, torch.float32)
+            landmarks[full] = k_cache[full].to(acc).mean(dim=2).to(landmarks.dtype)
+        return
+    if mode != "minmax":
+        raise ValueError(f"landmark mode {mode!r}: use 'mean' or 'minmax'")
+    keys = k_cache[touched]  # [n, H, bs, D]
+    valid = (torch.arange(block_size, device=keys.device)[None, :] <= last[:, None])[:, None, :, None]
+    kmax = keys.masked_fill(~valid, float("-inf")).amax(dim=2)
+    kmin = keys.masked_fill(~valid, float("inf")).amin(dim=2)
+    landmarks[touched] = torch.cat([kmax, kmin], dim=-1).to(landmarks.dtype)
+
+
+def landmarks_from_keys(keys: torch.Tensor, block_size: int, mode: str = "mean") -> torch.Tensor:
+    """Landmarks of the full blocks of a contiguous key sequence `keys: [T, H_kv, D]`.
+
+    Returns `[T // block_size, H_kv, W]`; used by the teacher-forced (trainer) path, and as the
+    from-scratch recomputation the paged writes are tested against.
+    """
+    n_full = keys.shape[0] // block_size
+    blocks = keys[: n_full * block_size].reshape(n_full, block_size, *keys.shape[1:])
+    if mode == "mean":
+        acc = torch.promote_types(keys.dtype, torch.float32)
+        return blocks.to(acc).mean(dim=1).to(keys.dtype)
+    return torch.cat([blocks.amax(dim=1), blocks.amin(dim=1)], dim=-1)

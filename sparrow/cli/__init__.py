@@ -1,0 +1,1 @@
+"""The `sparrow` command line: one module per subcommand, each with `register(subparsers)`."""

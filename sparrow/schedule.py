@@ -1,0 +1,191 @@
+"""Sparsity schedules: how many KV blocks a sequence attends to, as a function of its total length.
+
+A schedule divides the total length L (prompt + generated so far, the token being decoded included)
+into bins at token `edges`; each bin has a number of top-k blocks (Sparrow's table value). A row
+attends to `topk + sink + recent` blocks, and densely when its ceil(L / block_size) blocks fit in
+that. The bin of L is the number of edges e with ceil(L / block_size)·block_size ≥ e, which with
+edges at multiples of 2000 reproduces Sparrow's `min(ceil(L/16) // 125, 19)` exactly.
+A bin whose value is None is dense.
+"""
+
+import json
+import math
+from dataclasses import asdict, dataclass, field, replace
+from importlib import resources
+from pathlib import Path
+
+import torch
+import yaml
+
+DENSE_BUDGET = 1 << 30
+"""Budget (in blocks) standing for 'attend to everything' in tensors of budgets."""
+
+SPARROW_EDGES = tuple(range(2000, 40000, 2000))
+
+
+class ScheduleError(ValueError):
+    """A schedule that cannot be used, with the field, the value and the fix in the message."""
+
+
+@dataclass(frozen=True)
+class SparsitySchedule:
+    name: str
+    topk_blocks: tuple[int | None, ...]
+    edges: tuple[int, ...] = SPARROW_EDGES
+    sink: int = 1
+    recent: int = 2
+    block_size: int = 16
+    version: int = 0
+    source: str = ""
+    notes: tuple[str, ...] = field(default=())
+
+    def __post_init__(self):
+        object.__setattr__(self, "topk_blocks", tuple(self.topk_blocks))
+        object.__setattr__(self, "edges", tuple(self.edges))
+        object.__setattr__(self, "notes", tuple(self.notes))
+        self.validate()
+
+    def validate(self) -> None:
+        where = f"schedule {self.name!r}"
+        for fname in ("block_size", "sink", "recent", "version"):
+            value = getattr(self, fname)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ScheduleError(f"{where}: {fname}={value!r} must be an integer")
+        if self.block_size < 1:
+            raise ScheduleError(f"{where}: block_size={self.block_size} must be >= 1 (Sparrow uses 16)")
+        if self.sink < 0:
+            raise ScheduleError(f"{where}: sink={self.sink} must be >= 0 (Sparrow uses 1)")
+        if self.recent < 1:
+            raise ScheduleError(
+                f"{where}: recent={self.recent} must be >= 1: the partial current block has no landmark "
+                "and is always attended (Sparrow uses 2)"
+            )
+        if self.version < 0:
+            raise ScheduleError(f"{where}: version={self.version} must be >= 0")
+        for i, e in enumerate(self.edges):
+            if not isinstance(e, int) or isinstance(e, bool) or e <= 0:
+                raise ScheduleError(f"{where}: edges[{i}]={e!r} must be a positive integer token count")
+            if i and e <= self.edges[i - 1]:
+                raise ScheduleError(
+                    f"{where}: edges[{i}]={e} must be greater than edges[{i - 1}]={self.edges[i - 1]} "
+                    "(edges are increasing token lengths)"
+                )
+        if len(self.topk_blocks) != len(self.edges) + 1:
+            raise ScheduleError(
+                f"{where}: topk_blocks has {len(self.topk_blocks)} values but {len(self.edges)} edges "
+                f"define {len(self.edges) + 1} bins; give one value per bin"
+            )
+        for i, v in enumerate(self.topk_blocks):
+            if v is None:
+                continue
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ScheduleError(
+                    f"{where}: topk_blocks[{i}]={v!r} must be an integer >= 0 (top-k blocks besides "
+                    "sink and recent) or null for dense"
+                )
+
+    @property
+    def num_bins(self) -> int:
+        return len(self.topk_blocks)
+
+    def bin_of(self, length: int) -> int:
+        """Bin index of total length `length` (tokens)."""
+        aligned = math.ceil(length / self.block_size) * self.block_size
+        return sum(1 for e in self.edges if aligned >= e)
+
+    def bin_range(self, index: int) -> tuple[int, int | None]:
+        """Inclusive token range [lo, hi] of a bin (hi None for the last)."""
+        bs = self.block_size
+        lo = 1 if index == 0 else (math.ceil(self.edges[index - 1] / bs) - 1) * bs + 1
+        hi = None if index == len(self.edges) else (math.ceil(self.edges[index] / bs) - 1) * bs
+        return lo, hi
+
+    def blocks_for_bin(self, index: int) -> int | None:
+        """Blocks attended per row in a bin, sinks and recents included; None = dense."""
+        v = self.topk_blocks[index]
+        return None if v is None else v + self.sink + self.recent
+
+    def blocks_attended(self, length: int) -> int | None:
+        """Blocks a row of total length `length` attends to, or None when attention is dense there."""
+        blocks = math.ceil(length / self.block_size)
+        budget = self.blocks_for_bin(self.bin_of(length))
+        return None if budget is None or blocks <= budget else budget
+
+    def budgets_for_lengths(self, lengths: torch.Tensor) -> torch.Tensor:
+        """Vectorised budget (total blocks) per length; dense bins give DENSE_BUDGET."""
+        lengths = lengths.long()
+        aligned = (lengths + self.block_size - 1) // self.block_size * self.block_size
+        edges = torch.tensor(self.edges, dtype=torch.long, device=lengths.device)
+        bins = (aligned[..., None] >= edges).sum(-1)
+        table = torch.tensor(
+            [DENSE_BUDGET if b is None else b for b in map(self.blocks_for_bin, range(self.num_bins))],
+            dtype=torch.long,
+            device=lengths.device,
+        )
+        return table[bins]
+
+    def with_topk(self, topk_blocks, version: int | None = None, name: str | None = None) -> "SparsitySchedule":
+        return replace(
+            self,
+            topk_blocks=tuple(topk_blocks),
+            version=self.version + 1 if version is None else version,
+            name=self.name if name is None else name,
+        )
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["topk_blocks"] = list(self.topk_blocks)
+        d["edges"] = list(self.edges)
+        d["notes"] = list(self.notes)
+        return d
+
+    @classmethod
+    def from_dict(cls, data: dict, origin: str = "schedule") -> "SparsitySchedule":
+        if not isinstance(data, dict):
+            raise ScheduleError(f"{origin}: expected a mapping with keys name, topk_blocks, ... got {type(data).__name__}")
+        allowed = {f for f in cls.__dataclass_fields__}
+        unknown = sorted(set(data) - allowed)
+        if unknown:
+            raise ScheduleError(f"{origin}: unknown key(s) {unknown}; allowed keys are {sorted(allowed)}")
+        if "topk_blocks" not in data:
+            raise ScheduleError(f"{origin}: missing key 'topk_blocks' (one top-k block count per length bin)")
+        data = dict(data)
+        data.setdefault("name", Path(origin).stem)
+        if not isinstance(data["topk_blocks"], (list, tuple)):
+            raise ScheduleError(f"{origin}: topk_blocks={data['topk_blocks']!r} must be a list")
+        if "edges" in data and not isinstance(data["edges"], (list, tuple)):
+            raise ScheduleError(f"{origin}: edges={data['edges']!r} must be a list of token lengths")
+        return cls(**data)
+
+    def save(self, path: str | Path) -> None:
+        path = Path(path)
+        text = yaml.safe_dump(self.to_dict(), sort_keys=False) if path.suffix in (".yaml", ".yml") else json.dumps(self.to_dict(), indent=1)
+        path.write_text(text)
+
+
+def published_schedules() -> dict[str, SparsitySchedule]:
+    """Every table of the Sparrow code release, with Sparrow's exact semantics."""
+    raw = json.loads(resources.files("sparrow").joinpath("data/published_schedules.json").read_text())
+    return {
+        name: SparsitySchedule(name=name, topk_blocks=tuple(values), source=raw["source"])
+        for name, values in raw["schedules"].items()
+    }
+
+
+def load_schedule(name_or_file: str | Path) -> SparsitySchedule:
+    """A published schedule by name, or a JSON/YAML schedule file."""
+    text = str(name_or_file)
+    tables = published_schedules()
+    if text in tables:
+        return tables[text]
+    path = Path(text)
+    if not path.exists():
+        raise ScheduleError(
+            f"schedule {text!r}: not a published schedule name and no such file; "
+            f"run `sparrow schedule list` for names (e.g. qwen3-1.7b-0.86) or give a .json/.yaml path"
+        )
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ScheduleError(f"{path}: not valid JSON/YAML ({exc.__class__.__name__}: {str(exc).splitlines()[0]})") from None
+    return SparsitySchedule.from_dict(data, origin=str(path))
