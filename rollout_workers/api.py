@@ -1,0 +1,133 @@
+"""The contract every rollout backend (native engine, vLLM) implements, and the data it returns."""
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from sparrow.schedule import SparsitySchedule
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling. Logprobs always come from the fp32, temperature-scaled, *unfiltered*
+    log-softmax (what the trainer recomputes), whatever top-p / top-k do to sampling."""
+
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    n: int = 1
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int = 20
+
+    def validate(self) -> None:
+        """Raise ValueError naming the field, the value and the allowed range."""
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens={self.max_tokens!r}: must be an integer >= 1")
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature={self.temperature!r}: must be a finite number >= 0 (0 = greedy)")
+        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            raise ValueError(f"top_p={self.top_p!r}: must be in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k={self.top_k!r}: must be an integer >= 0 (0 = off)")
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"n={self.n!r}: must be an integer >= 1")
+        if not isinstance(self.logprobs, int) or self.logprobs < 0:
+            raise ValueError(f"logprobs={self.logprobs!r}: must be an integer >= 0")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise ValueError(f"seed={self.seed!r}: must be an integer or None")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class RolloutRequest:
+    """One prompt; `sampling.n` samples are drawn from it (a GRPO group shares its prompt blocks)."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    prompt_text: str = ""
+    metadata: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class RolloutSample:
+    """One finished sample. Per generated token t:
+
+    - `token_ids[t]`, `logprobs[t]` (log q of the sampled token),
+    - `top_ids[t, :]`, `top_logprobs[t, :]` (the K most likely tokens under q, descending),
+    - `blocks_attended[t]`: KV blocks per KV head attended in the sparse layers by the forward pass
+      that produced token t (its whole context when that pass was dense).
+
+    `finish_reason` is "stop" (EOS or a stop id), "length" (max_tokens or the model's maximum
+    length) or "error" (then `error` says why and the tensors are empty).
+    """
+
+    request_id: str
+    sample_index: int
+    prompt_token_ids: list[int]
+    token_ids: torch.Tensor
+    logprobs: torch.Tensor
+    top_ids: torch.Tensor
+    top_logprobs: torch.Tensor
+    blocks_attended: torch.Tensor
+    finish_reason: str
+    policy_version: int
+    schedule_version: int
+    error: str | None = None
+    metadata: Mapping[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def failed(cls, request: RolloutRequest, sample_index: int, error: str, policy_version: int, schedule_version: int):
+        empty = torch.zeros(0)
+        return cls(
+            request_id=request.request_id, sample_index=sample_index, prompt_token_ids=list(request.prompt_token_ids),
+            token_ids=empty.long(), logprobs=empty, top_ids=empty.long().view(0, 0), top_logprobs=empty.view(0, 0),
+            blocks_attended=empty.int(), finish_reason="error", policy_version=policy_version,
+            schedule_version=schedule_version, error=error, metadata=dict(request.metadata),
+        )
+
+
+WeightsSource = Mapping[str, torch.Tensor] | str | Path
+
+
+class RolloutEngine(ABC):
+    """A rollout backend. A bad request yields a sample with finish_reason "error" and leaves the
+    other requests of the call untouched; only engine-wide failures raise."""
+
+    @abstractmethod
+    def generate(self, requests: Sequence[RolloutRequest]) -> list[RolloutSample]:
+        """All samples of all requests, in request order then sample order."""
+
+    @abstractmethod
+    def stream(self, requests: Sequence[RolloutRequest]) -> AsyncIterator[RolloutSample]:
+        """The same samples, each yielded as soon as it finishes."""
+
+    @abstractmethod
+    def load_weights(self, weights: WeightsSource, version: int) -> None:
+        """Replace the policy weights in place (a state dict or an HF directory) and set its version."""
+
+    @abstractmethod
+    def set_schedule(self, schedule: SparsitySchedule | None) -> None:
+        """Use `schedule` from the next decode step on (None = dense); called between steps."""
+
+    @abstractmethod
+    def stats(self) -> dict:
+        """Counters for metrics: tokens generated, throughput, cache use, preemptions, versions."""
+
+    @property
+    @abstractmethod
+    def policy_version(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def schedule(self) -> SparsitySchedule | None: ...
