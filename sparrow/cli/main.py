@@ -7,6 +7,7 @@ import sys
 SUBCOMMANDS = [
     "sparrow.cli.schedule_cmd",
     "sparrow.cli.fetch_model_cmd",
+    "sparrow.cli.cost_cmd",
 ]
 
 
