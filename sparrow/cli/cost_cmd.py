@@ -108,7 +108,7 @@ def run(args) -> int:
         return 0
     m, h, ro, sa = rep["model"], rep["hardware"], rep["rollout"], rep["schedule_aware"]
     budget = "dense" if rep["paper_budget_tokens"] is None else f"{rep['paper_budget_tokens']} tok"
-    print(f"{m['name']} (P={m['decode_params'] / 1e9:.2f}B per token, D={m['kv_dim']}, r={m['gqa_ratio']}) "
+    print(f"{m['name']} (P={m['decode_params'] / 1e9:.2f}B weights per token, D={m['kv_dim']} K elements per token, r={m['gqa_ratio']}) "
           f"on {h['name']}: {h['flops'] / 1e12:.1f} TFLOP/s, {h['bandwidth'] / 1e12:.2f} TB/s, I={h['intensity']:.1f} FLOP/B")
     print(f"schedule {rep['schedule']}; prompt {ro['prompt_len']} + {ro['gen_len']} generated tokens, "
           f"{ro['batch']} prompt(s) x {ro['samples']} samples, first {ro['dense_layers']} of {m['layers']} layers dense")
