@@ -1,0 +1,142 @@
+"""The three ways the model's attention runs: paged prefill, paged decode, teacher-forced.
+
+All three implement one rule (`sparrow.kernels.reference`): a query at position i has context
+L = i + 1; it attends densely in dense layers, at prompt positions and when its ceil(L/16) blocks
+fit its budget; otherwise to its sink blocks, its recent blocks and the top-scoring full blocks by
+landmark, chosen per KV head.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from torch.nn import functional as F
+
+from sparrow.kernels import AttentionBackend, SparseAttentionConfig
+from sparrow.kernels.reference import (
+    block_sparse_causal_attention,
+    group_mean_queries,
+    landmarks_from_keys,
+    score_landmarks,
+    select_blocks,
+)
+
+from .kv_cache import KVCache
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None, causal: bool = False):
+    """`q: [C, H, D]` over `k, v: [T, H_kv, D]`; `mask: [H_kv or 1, C, T]` boolean (True = attend)."""
+    group = q.shape[1] // k.shape[1]
+    if mask is not None and mask.shape[0] > 1:
+        mask = mask.repeat_interleave(group, dim=0)[None]
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+        attn_mask=mask, is_causal=causal, enable_gqa=group > 1,
+    )
+    return out[0].transpose(0, 1)
+
+
+def sparse_rows_mask(
+    q: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, budgets: torch.Tensor, config: SparseAttentionConfig
+) -> torch.Tensor:
+    """Rows of `reference.sparse_causal_mask` for queries `q: [C, H, D]` at `positions` over the
+    context `keys: [T, H_kv, D]` → boolean `[H_kv, C, T]`, without computing the other rows."""
+    bs = config.block_size
+    total = keys.shape[0]
+    max_blocks = -(-total // bs)
+    landmarks = landmarks_from_keys(keys, bs, config.landmark)  # full blocks only
+    scores = score_landmarks(group_mean_queries(q, keys.shape[1]), landmarks, config.landmark)  # [C, H_kv, n_full]
+    scores = F.pad(scores, (0, max_blocks - scores.shape[-1]), value=float("-inf"))
+    block_ids, _ = select_blocks(scores, positions // bs + 1, budgets, config.sink, config.recent)
+    keep = torch.zeros(*block_ids.shape[:2], max_blocks + 1, dtype=torch.bool, device=q.device)
+    keep.scatter_(-1, torch.where(block_ids >= 0, block_ids, max_blocks), True)
+    token_keep = keep[..., :max_blocks].repeat_interleave(bs, dim=-1)[..., :total]  # [C, H_kv, T]
+    causal = torch.arange(total, device=q.device)[None, :] <= positions[:, None]
+    return (token_keep & causal[:, None, :]).transpose(0, 1)
+
+
+def blocks_attended(num_tokens: torch.Tensor, budgets: torch.Tensor | None, config: SparseAttentionConfig) -> torch.Tensor:
+    """Blocks per KV head a query with context `num_tokens` attends to under `budgets` (None = dense)."""
+    blocks = (num_tokens + config.block_size - 1) // config.block_size
+    if budgets is None:
+        return blocks
+    return torch.minimum(blocks, budgets.clamp(min=config.reserved_blocks))
+
+
+@dataclass
+class PrefillChunkMeta:
+    rows: slice
+    """This chunk's rows in the flat batch."""
+    start: int
+    end: int
+    block_table: torch.Tensor
+    """Physical blocks holding positions [0, end)."""
+    positions: torch.Tensor
+    budgets: torch.Tensor | None
+    """Per-row budgets when some row is sparse (recompute of decoded positions), else None."""
+
+
+class PagedPrefill:
+    """Writes the chunk's K/V into the cache, then attends: a chunk starting at 0 with dense rows
+    uses its own K/V under a causal mask; others read their context back from the cache."""
+
+    def __init__(self, cache: KVCache, backend: AttentionBackend, config: SparseAttentionConfig,
+                 slots: torch.Tensor, chunks: list[PrefillChunkMeta]):
+        self.cache, self.backend, self.config = cache, backend, config
+        self.slots, self.chunks = slots, chunks
+
+    def __call__(self, layer: int, q, k, v):
+        k_cache, v_cache, landmarks = self.cache.layer(layer)
+        self.backend.write_kv(k_cache, v_cache, landmarks, self.slots, k, v, self.config)
+        sparse_layer = not self.config.is_dense_layer(layer)
+        out = torch.empty_like(q)
+        for c in self.chunks:
+            qc = q[c.rows]
+            budgets = c.budgets if sparse_layer else None
+            if c.start == 0 and budgets is None:
+                out[c.rows] = sdpa(qc, k[c.rows], v[c.rows], causal=True)
+                continue
+            keys = k_cache[c.block_table].transpose(1, 2).flatten(0, 1)[: c.end]  # [end, H_kv, D]
+            values = v_cache[c.block_table].transpose(1, 2).flatten(0, 1)[: c.end]
+            if budgets is None:
+                causal = torch.arange(c.end, device=q.device)[None, :] <= c.positions[:, None]
+                mask = causal[None]
+            else:
+                mask = sparse_rows_mask(qc, keys, c.positions, budgets, self.config)
+            out[c.rows] = sdpa(qc, keys, values, mask)
+        return out
+
+
+class PagedDecode:
+    """One new token per sequence: write its K/V, then let the backend attend (sparse layers get the
+    budgets). `blocks_attended` holds the first sparse layer's per-sequence block counts."""
+
+    def __init__(self, cache: KVCache, backend: AttentionBackend, config: SparseAttentionConfig, slots, block_tables,
+                 seq_lens, budgets: torch.Tensor | None, scale: float):
+        self.cache, self.backend, self.config = cache, backend, config
+        self.slots, self.block_tables, self.seq_lens, self.budgets, self.scale = slots, block_tables, seq_lens, budgets, scale
+        self.blocks_attended: torch.Tensor | None = None
+
+    def __call__(self, layer: int, q, k, v):
+        k_cache, v_cache, landmarks = self.cache.layer(layer)
+        self.backend.write_kv(k_cache, v_cache, landmarks, self.slots, k, v, self.config)
+        sparse = landmarks is not None and self.budgets is not None
+        out, counts = self.backend.decode(
+            q, k_cache, v_cache, landmarks if sparse else None, self.block_tables, self.seq_lens,
+            self.budgets if sparse else None, self.config, self.scale,
+        )
+        if sparse and self.blocks_attended is None:
+            self.blocks_attended = counts
+        return out
+
+
+class TeacherForced:
+    """Whole sequences without a cache: the reference `block_sparse_causal_attention` in sparse
+    layers (per-query budgets), causal dense attention elsewhere."""
+
+    def __init__(self, config: SparseAttentionConfig, budgets: torch.Tensor | None):
+        self.config, self.budgets = config, budgets
+
+    def __call__(self, layer: int, q, k, v):
+        if self.budgets is None or self.config.is_dense_layer(layer):
+            return sdpa(q, k, v, causal=True)
+        return block_sparse_causal_attention(q, k, v, self.budgets, self.config)

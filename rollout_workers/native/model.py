@@ -1,0 +1,136 @@
+"""Llama / Qwen2 / Qwen3 decoder over a flat batch of tokens, with attention left to the caller.
+
+Parameter names equal the HF checkpoint names (`model.layers.0.self_attn.q_proj.weight`, ...), so
+checkpoints and trainer state dicts load without a name map. The model only projects, normalises,
+rotates and runs the MLP; each layer hands `q, k, v` to an `attention(layer, q, k, v)` callable, which
+is where the paged cache, the sparse decode and the teacher-forced sparse attention live.
+"""
+
+from typing import Protocol
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from .model_spec import ModelSpec
+from .rope import RotaryEmbedding
+
+
+class Attention(Protocol):
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """`q: [N, H, D]`, `k, v: [N, H_kv, D]` (post-RoPE) → `[N, H, D]`."""
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        h, d = spec.hidden_size, spec.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, d
+        self.q_proj = nn.Linear(h, spec.num_heads * d, bias=spec.qkv_bias)
+        self.k_proj = nn.Linear(h, spec.num_kv_heads * d, bias=spec.qkv_bias)
+        self.v_proj = nn.Linear(h, spec.num_kv_heads * d, bias=spec.qkv_bias)
+        self.o_proj = nn.Linear(spec.num_heads * d, h, bias=spec.o_bias)
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(d, spec.rms_norm_eps)
+            self.k_norm = RMSNorm(d, spec.rms_norm_eps)
+        self.qk_norm = spec.qk_norm
+
+    def forward(self, x, positions, rope: RotaryEmbedding, attention: Attention, layer: int) -> torch.Tensor:
+        n = x.shape[0]
+        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope(q, k, positions)
+        out = attention(layer, q, k, v)
+        return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        h, i, b = spec.hidden_size, spec.intermediate_size, spec.mlp_bias
+        self.gate_proj = nn.Linear(h, i, bias=b)
+        self.up_proj = nn.Linear(h, i, bias=b)
+        self.down_proj = nn.Linear(i, h, bias=b)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.self_attn = SelfAttention(spec)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.mlp = MLP(spec)
+
+    def forward(self, x, positions, rope, attention, layer):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, attention, layer)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Body(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+
+class DecoderModel(nn.Module):
+    """`forward(input_ids [N], positions [N], attention)` → final hidden states `[N, hidden]`;
+    `logits(hidden)` → float32 logits. A tied model has no `lm_head` parameter of its own."""
+
+    def __init__(self, spec: ModelSpec, max_positions: int, device: torch.device | str = "cpu", dtype=torch.float32):
+        super().__init__()
+        self.spec = spec
+        with torch.device("meta"):
+            self.model = Body(spec)
+            self.lm_head = None if spec.tie_word_embeddings else nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.to_empty(device=device)
+        self.to(dtype)
+        self.rope = RotaryEmbedding(spec.rope, spec.head_dim, max_positions, device=device)
+        self.requires_grad_(False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: Attention) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, positions, self.rope, attention, i)
+        return self.model.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def init_random(self, seed: int = 0, std: float = 0.02) -> "DecoderModel":
+        """Random weights (norms at 1) for shape-only benchmarks."""
+        gen = torch.Generator(device=self.device).manual_seed(seed)
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, std, generator=gen)
+        return self
