@@ -1,0 +1,218 @@
+"""Split-K paged decode attention over per-row block lists, and the LSE merge of the splits.
+
+Grid (rows = B·H_kv, splits). A program owns one KV head of one sequence and a contiguous slice of the
+row's block list; the G query heads of that KV head are packed as rows of one [16 × D] tile, so every
+K/V byte is read once per KV head and `tl.dot` applies. Each iteration gathers `PPI` (block, head)
+tiles of 16 × D contiguous elements (one 16-byte vector per thread per row), computes the logits, and
+runs the base-2 online softmax in float32. A row's list is its block table when the context fits the
+budget (dense row, or the whole batch in DENSE mode) and the selection kernel's physical ids otherwise;
+either way the last entry is the partial current block, whose tokens ≥ seq_len are masked.
+
+Each split writes its normalized partial output and log2-sum-exp; `merge_splits` combines them. With
+one split the program writes the final output directly. Grids depend only on (B, splits), never on
+lengths or budgets, so the launches are CUDA-graph capturable with budgets that change every step.
+"""
+
+import math
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+
+class AttentionTiling(NamedTuple):
+    """Fixed launch configuration per head_dim (no autotuning, so graph capture sees one variant)."""
+
+    blocks_per_iter: int
+    num_warps: int
+    num_stages: int
+
+
+def attention_tiling(head_dim: int) -> AttentionTiling:
+    if head_dim <= 64:
+        return AttentionTiling(blocks_per_iter=8, num_warps=4, num_stages=3)
+    if head_dim <= 128:
+        return AttentionTiling(blocks_per_iter=4, num_warps=4, num_stages=3)
+    return AttentionTiling(blocks_per_iter=2, num_warps=8, num_stages=2)
+
+
+@triton.jit
+def _decode_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, sel_ptr, seq_len_ptr, budget_ptr,
+    out_ptr, o_part_ptr, lse_part_ptr,
+    stride_qb, stride_qh, stride_bt, stride_sel, stride_ob, stride_oh,
+    sm_scale_log2, sink, recent, num_splits,
+    H: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    BS: tl.constexpr, PPI: tl.constexpr, DENSE: tl.constexpr, DIRECT_OUT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    b = row // H
+    h = row % H
+    seq_len = tl.load(seq_len_ptr + b).to(tl.int32)
+    n = (seq_len + BS - 1) // BS
+    if DENSE:
+        dense_row = n >= 0
+        count = n
+    else:
+        budget = tl.maximum(tl.minimum(tl.load(budget_ptr + b), 1 << 30).to(tl.int32), sink + recent)
+        dense_row = n <= budget
+        count = tl.minimum(n, budget)
+    per_split = tl.cdiv(tl.cdiv(count, num_splits), PPI) * PPI
+    lo = split * per_split
+    hi = tl.minimum(lo + per_split, count)
+    last_len = seq_len - (n - 1) * BS
+
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    g_mask = g < G
+    q = tl.load(
+        q_ptr + b * stride_qb + (h * G + g[:, None]) * stride_qh + d[None, :],
+        mask=g_mask[:, None] & (d[None, :] < D), other=0.0,
+    ).to(k_cache_ptr.dtype.element_ty)
+
+    tok = tl.arange(0, PPI * BS)
+    tok_block = tok // BS
+    tok_off = tok % BS
+    head_base = h * (BS * D)
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    for start in range(lo, hi, PPI):
+        entry = start + tok_block
+        in_range = entry < hi
+        if DENSE:
+            ids = tl.load(block_table_ptr + b * stride_bt + entry, mask=in_range, other=0).to(tl.int64)
+        else:
+            from_table = tl.load(block_table_ptr + b * stride_bt + entry, mask=entry < tl.where(dense_row, hi, 0), other=0)
+            from_sel = tl.load(sel_ptr + row * stride_sel + entry, mask=entry < tl.where(dense_row, 0, hi), other=0)
+            ids = tl.where(dense_row, from_table.to(tl.int64), from_sel.to(tl.int64))
+        valid = in_range & ((entry != count - 1) | (tok_off < last_len))
+        offs = ids * (H * BS * D) + head_base + tok_off * D
+        offs = tl.multiple_of(offs, 8)
+        kv_mask = valid[:, None] & (d[None, :] < D)
+        k = tl.load(k_cache_ptr + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_cache_ptr + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    has = l_i > 0
+    o = tl.where(has[:, None], acc / tl.where(has, l_i, 1.0)[:, None], 0.0)
+    if DIRECT_OUT:
+        out_offs = b * stride_ob + (h * G + g[:, None]) * stride_oh + d[None, :]
+        tl.store(out_ptr + out_offs, o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & (d[None, :] < D))
+    else:
+        part = (row * num_splits + split) * G + g
+        tl.store(o_part_ptr + part[:, None] * D + d[None, :], o, mask=g_mask[:, None] & (d[None, :] < D))
+        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        tl.store(lse_part_ptr + part, lse, mask=g_mask)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    o_part_ptr, lse_part_ptr, out_ptr,
+    stride_ob, stride_oh,
+    H: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    b = row // H
+    h = row % H
+    sp = tl.arange(0, BLOCK_S)
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    lse = tl.load(
+        lse_part_ptr + (row * SPLITS + sp[:, None]) * G + g[None, :],
+        mask=(sp[:, None] < SPLITS) & (g[None, :] < G), other=float("-inf"),
+    )
+    top = tl.max(lse, axis=0)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    denom = tl.zeros([BLOCK_G], dtype=tl.float32)
+    g_mask = g < G
+    for s in tl.static_range(SPLITS):
+        lse_s = tl.load(lse_part_ptr + (row * SPLITS + s) * G + g, mask=g_mask, other=float("-inf"))
+        live = lse_s > float("-inf")
+        w = tl.where(live, tl.exp2(lse_s - top), 0.0)
+        o_s = tl.load(
+            o_part_ptr + ((row * SPLITS + s) * G + g[:, None]) * D + d[None, :],
+            mask=(live & g_mask)[:, None] & (d[None, :] < D), other=0.0,
+        )
+        acc += w[:, None] * o_s
+        denom += w
+    out = tl.where(denom[:, None] > 0, acc / tl.where(denom > 0, denom, 1.0)[:, None], 0.0)
+    out_offs = b * stride_ob + (h * G + g[:, None]) * stride_oh + d[None, :]
+    tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & (d[None, :] < D))
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    out: torch.Tensor,
+    o_part: torch.Tensor,
+    lse_part: torch.Tensor,
+    *,
+    scale: float,
+    splits: int,
+    budgets: torch.Tensor | None = None,
+    selected: torch.Tensor | None = None,
+    sink: int = 0,
+    recent: int = 1,
+    tiling: AttentionTiling | None = None,
+) -> None:
+    """Attention of `q: [B, H_q, D]` into `out`. Dense when `budgets` is None; otherwise rows with more
+    blocks than their budget attend to `selected` (physical ids from `select_blocks`).
+    `o_part: [≥B·H_kv·splits·G·D]` and `lse_part: [≥B·H_kv·splits·G]` float32 scratch (unused if splits == 1)."""
+    attention_partials(q, k_cache, v_cache, block_tables, seq_lens, out, o_part, lse_part, scale=scale, splits=splits,
+                       budgets=budgets, selected=selected, sink=sink, recent=recent, tiling=tiling)
+    if splits > 1:
+        merge_splits(o_part, lse_part, out, num_kv_heads=k_cache.shape[1], splits=splits)
+
+
+def attention_partials(q, k_cache, v_cache, block_tables, seq_lens, out, o_part, lse_part, *, scale: float,
+                       splits: int, budgets=None, selected=None, sink: int = 0, recent: int = 1,
+                       tiling: AttentionTiling | None = None) -> None:
+    """The split-K kernel alone: per-split partials (or `out` directly when splits == 1)."""
+    bsz, num_q_heads, head_dim = q.shape
+    _, num_kv_heads, block_size, _ = k_cache.shape
+    group = num_q_heads // num_kv_heads
+    tiling = tiling or attention_tiling(head_dim)
+    dense = budgets is None
+    if not dense and selected is None:
+        raise ValueError("sparse attention (budgets given) needs `selected` from select_blocks")
+    _decode_attention_kernel[(bsz * num_kv_heads, splits)](
+        q, k_cache, v_cache, block_tables, block_tables if dense else selected, seq_lens,
+        seq_lens if dense else budgets,
+        out, o_part, lse_part,
+        q.stride(0), q.stride(1), block_tables.stride(0), 0 if dense else selected.stride(0), out.stride(0), out.stride(1),
+        scale * math.log2(math.e), sink, recent, splits,
+        H=num_kv_heads, G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim), BS=block_size, PPI=tiling.blocks_per_iter,
+        DENSE=dense, DIRECT_OUT=splits == 1, DOT_PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
+        num_warps=tiling.num_warps, num_stages=tiling.num_stages,
+    )
+
+
+def merge_splits(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor, *, num_kv_heads: int, splits: int) -> None:
+    """Combine the per-split partial outputs by their log-sum-exp into `out: [B, H_q, D]`."""
+    bsz, num_q_heads, head_dim = out.shape
+    group = num_q_heads // num_kv_heads
+    _merge_splits_kernel[(bsz * num_kv_heads,)](
+        o_part, lse_part, out,
+        out.stride(0), out.stride(1),
+        H=num_kv_heads, G=group, BLOCK_G=triton.next_power_of_2(group), D=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim), SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits),
+        num_warps=4,
+    )

@@ -1,0 +1,373 @@
+"""Kernel benchmark behind `sparrow bench kernels`: decode attention bandwidth against the copy ceiling.
+
+For each (batch, context, group size, budget) it times, as CUDA-graph replays with a cold L2 (median of
+`triton.testing.do_bench`): the dense Triton decode, torch SDPA (flash) on a contiguous cache, and the
+sparse layer — score, select, split-K attention and merge, each alone and together. It reports the
+bytes each must move and the achieved fraction of the device-to-device copy bandwidth measured in the
+same run (bytes read + written):
+
+    dense   = Σ_b L_b · H_kv · D · 2 (K and V) · 2 B
+    sparse  = selected K/V tokens · H_kv · D · 4 B + candidate landmarks · H_kv · W · 2 B + scores (fp32, written + read)
+
+Run: `sparrow bench kernels` or `python -m sparrow.kernels.triton.bench` (CUDA only).
+"""
+
+import argparse
+import datetime
+import json
+import math
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from sparrow.tables import format_table
+
+from ..config import SparseAttentionConfig
+from .attention import AttentionTiling, attention_partials, attention_tiling, merge_splits
+from .backend import TritonBackend, choose_splits
+from .scoring import score_blocks
+from .selection import select_blocks
+
+BS = 16
+DEVICE = "cuda"
+RESULTS_DIR = Path("benchmarks/results")
+
+
+@dataclass
+class BenchSpec:
+    batches: list[int] = field(default_factory=lambda: [8, 64])
+    contexts: list[int] = field(default_factory=lambda: [8192, 16384, 32768])
+    budgets: list[int] = field(default_factory=lambda: [1024, 2048, 4096])  # tokens, sinks and recent included
+    groups: list[int] = field(default_factory=lambda: [2, 4])
+    minmax_contexts: list[int] = field(default_factory=lambda: [32768])  # also time Quest min/max landmarks here
+    num_kv_heads: int = 8
+    head_dim: int = 128
+    sweep: bool = True
+    rep_ms: int = 60
+
+
+def _bench(fn, rep_ms: int) -> float:
+    """Median microseconds of `fn` with L2 flushed before each call (triton.testing.do_bench)."""
+    import triton.testing
+
+    return 1e3 * triton.testing.do_bench(fn, warmup=10, rep=rep_ms, return_mode="median")
+
+
+def _graph(fn):
+    """Capture `fn` (already run once, so compiled) into a CUDA graph; returns its replay."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def copy_bandwidth(nbytes: int = 2 << 30, rep_ms: int = 200) -> float:
+    """Device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=DEVICE).normal_()
+    dst = torch.empty_like(src)
+    us = _bench(lambda: dst.copy_(src), rep_ms)
+    del src, dst
+    return 2 * nbytes / us / 1e3
+
+
+class Pool:
+    """One paged K/V pool with landmarks (both widths), shared by all cases; block tables are random
+    permutations of its blocks, as in a long-running engine."""
+
+    def __init__(self, num_blocks: int, num_kv_heads: int, head_dim: int):
+        shape = (num_blocks, num_kv_heads, BS, head_dim)
+        self.k = torch.empty(shape, dtype=torch.bfloat16, device=DEVICE).normal_()
+        self.v = torch.empty(shape, dtype=torch.bfloat16, device=DEVICE).normal_()
+        self.mean = torch.empty(num_blocks, num_kv_heads, head_dim, dtype=torch.bfloat16, device=DEVICE).normal_()
+        mid = torch.empty(num_blocks, num_kv_heads, head_dim, dtype=torch.bfloat16, device=DEVICE).normal_()
+        spread = torch.rand_like(mid) * 2
+        self.minmax = torch.cat([mid + spread, mid - spread], dim=-1).contiguous()
+        self.num_blocks = num_blocks
+
+
+@dataclass
+class Case:
+    batch: int
+    context: int
+    group: int
+    seq_lens: torch.Tensor
+    tables: torch.Tensor
+    q: torch.Tensor
+
+    @property
+    def lengths(self) -> list[int]:
+        return self.seq_lens.tolist()
+
+
+def make_case(pool: Pool, batch: int, context: int, group: int, num_kv_heads: int, head_dim: int, seed: int) -> Case:
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    lengths = [context - (7 * b) % 16 for b in range(batch)]  # mixed partial blocks, about `context` tokens
+    width = math.ceil(context / BS)
+    perm = torch.randperm(pool.num_blocks, device=DEVICE, generator=gen)[: batch * width]
+    q = torch.randn(batch, num_kv_heads * group, head_dim, device=DEVICE, generator=gen).to(torch.bfloat16)
+    return Case(batch, context, group, torch.tensor(lengths, dtype=torch.int32, device=DEVICE),
+                perm.view(batch, width).int().contiguous(), q)
+
+
+def dense_bytes(case: Case, num_kv_heads: int, head_dim: int) -> int:
+    return sum(case.lengths) * num_kv_heads * head_dim * 2 * 2
+
+
+def sparse_bytes(case: Case, budget_blocks: int, config: SparseAttentionConfig, num_kv_heads: int,
+                 head_dim: int) -> dict[str, int]:
+    kv = scan = scores = 0
+    for length in case.lengths:
+        n = math.ceil(length / BS)
+        budget = max(budget_blocks, config.reserved_blocks)
+        if n <= budget:
+            kv += length
+            continue
+        kv += (budget - 1) * BS + length - (n - 1) * BS
+        candidates = n - config.reserved_blocks
+        scan += candidates * config.landmark_width(head_dim) * 2
+        scores += candidates * 4 * 2
+    kv *= num_kv_heads * head_dim * 2 * 2
+    return {"kv": kv, "landmarks": scan * num_kv_heads, "scores": scores * num_kv_heads,
+            "total": kv + (scan + scores) * num_kv_heads}
+
+
+def sdpa_dense_us(pool: Pool, case: Case, num_kv_heads: int, head_dim: int, rep_ms: int,
+                  check: torch.Tensor | None) -> tuple[float, str, float | None]:
+    """torch SDPA on a contiguous [B, H_kv, L, D] cache at uniform length L = context (flash if available)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    n = math.ceil(case.context / BS)
+    k = pool.k[case.tables[:, :n].long()].permute(0, 2, 1, 3, 4).reshape(case.batch, num_kv_heads, n * BS, head_dim)
+    v = pool.v[case.tables[:, :n].long()].permute(0, 2, 1, 3, 4).reshape(case.batch, num_kv_heads, n * BS, head_dim)
+    k, v = k[:, :, : case.context].contiguous(), v[:, :, : case.context].contiguous()
+    q = case.q[:, :, None, :]
+    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
+        try:
+            with sdpa_kernel([backend]):
+                fn = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)  # noqa: E731
+                out = fn()
+                us = _bench(fn, rep_ms)
+        except RuntimeError:  # backend unsupported for these shapes (or out of memory): try the next
+            continue
+        err = None if check is None else ((check.float() - out[:, :, 0].float()).norm() / out.float().norm()).item()
+        return us, backend.name.lower(), err
+    return None, "none", None
+
+
+def time_attention(pool: Pool, case: Case, tiling: AttentionTiling, splits: int, rep_ms: int,
+                   budget_blocks: int | None = None, config: SparseAttentionConfig | None = None) -> float:
+    """Microseconds of the split-K attention kernel alone (dense, or sparse after a real selection)."""
+    rows = case.batch * pool.k.shape[1]
+    g, d = case.group, pool.k.shape[3]
+    o_part = torch.empty(rows * splits * g * d, device=DEVICE)
+    lse = torch.empty(rows * splits * g, device=DEVICE)
+    out = torch.empty_like(case.q)
+    kwargs = {}
+    if budget_blocks is not None:
+        budgets = torch.full((case.batch,), budget_blocks, device=DEVICE, dtype=torch.int32)
+        scores = torch.empty(rows, case.tables.shape[1], device=DEVICE)
+        selected = torch.empty(rows, case.tables.shape[1], device=DEVICE, dtype=torch.int32)
+        counts = torch.empty(case.batch, dtype=torch.long, device=DEVICE)
+        score_blocks(case.q, pool.mean, case.tables, case.seq_lens, budgets, scores, block_size=BS, sink=config.sink,
+                     recent=config.recent, minmax=False)
+        select_blocks(scores, case.tables, case.seq_lens, budgets, selected, counts, num_kv_heads=pool.k.shape[1],
+                      block_size=BS, sink=config.sink, recent=config.recent)
+        kwargs = dict(budgets=budgets, selected=selected, sink=config.sink, recent=config.recent)
+    fn = lambda: attention_partials(case.q, pool.k, pool.v, case.tables, case.seq_lens, out, o_part, lse,  # noqa: E731
+                                    scale=d**-0.5, splits=splits, tiling=tiling, **kwargs)
+    return _bench(_graph(fn), rep_ms)
+
+
+def sweep_attention(pool: Pool, spec: BenchSpec, num_sms: int, log) -> tuple[AttentionTiling, int, list[dict]]:
+    """Pick the attention tiling and the split-K target (waves of programs per SM) on two probe shapes."""
+    config = SparseAttentionConfig()
+    probes = [(8, 32768, 4, None), (64, 32768, 4, 128), (8, 32768, 4, 128)]
+    tilings = [attention_tiling(spec.head_dim), AttentionTiling(2, 4, 3), AttentionTiling(2, 4, 5),
+               AttentionTiling(8, 4, 3), AttentionTiling(4, 8, 3), AttentionTiling(4, 4, 2)]
+    waves = [2, 4, 8, 16]
+    rows, totals = [], {}
+    for i, (batch, context, group, budget) in enumerate(probes):
+        case = make_case(pool, batch, context, group, spec.num_kv_heads, spec.head_dim, seed=1000 + i)
+        nbytes = (dense_bytes(case, spec.num_kv_heads, spec.head_dim) if budget is None
+                  else sparse_bytes(case, budget, config, spec.num_kv_heads, spec.head_dim)["kv"])
+        for tiling in dict.fromkeys(tilings):
+            for w in waves:
+                splits = choose_splits(batch * spec.num_kv_heads, num_sms, waves=w)
+                try:
+                    us = time_attention(pool, case, tiling, splits, spec.rep_ms, budget, config)
+                except Exception as exc:  # a tiling that does not compile or fit is skipped, and said so
+                    log(f"  tiling {tuple(tiling)} failed: {type(exc).__name__}: {str(exc)[:120]}")
+                    break
+                key = (tuple(tiling), w)
+                totals[key] = totals.get(key, 0.0) + us / nbytes
+                rows.append({"batch": batch, "context": context, "group": group, "budget_blocks": budget,
+                             "tiling": list(tiling), "waves": w, "splits": splits, "us": us,
+                             "GBps": nbytes / us / 1e3})
+    complete = {k: v for k, v in totals.items() if sum(1 for r in rows if (tuple(r["tiling"]), r["waves"]) == k) == len(probes)}
+    (best_tiling, best_waves) = min(complete, key=complete.get)
+    return AttentionTiling(*best_tiling), best_waves, rows
+
+
+def run(spec: BenchSpec, out_path: Path | None, command: str, log=print) -> dict:
+    if not torch.cuda.is_available():
+        raise ValueError("sparrow bench kernels needs a CUDA GPU (the Triton kernels are CUDA kernels)")
+    import triton
+
+    props = torch.cuda.get_device_properties(0)
+    num_sms = props.multi_processor_count
+    h, d = spec.num_kv_heads, spec.head_dim
+    copy_gbps = copy_bandwidth()
+    log(f"{props.name}: {num_sms} SMs, device-to-device copy {copy_gbps:.0f} GB/s (read + write)")
+    max_tokens = max(spec.batches) * max(spec.contexts)
+    pool = Pool(math.ceil(max_tokens / BS) + max(spec.batches), h, d)
+
+    tiling, waves, sweep_rows = attention_tiling(d), 8, []
+    if spec.sweep:
+        tiling, waves, sweep_rows = sweep_attention(pool, spec, num_sms, log)
+        log(f"attention tiling {tuple(tiling)} (blocks/iter, warps, stages), split-K target {waves} waves")
+
+    results = []
+    mean_cfg, minmax_cfg = SparseAttentionConfig(), SparseAttentionConfig(landmark="minmax")
+    cases = [(b, c, g) for b in spec.batches for c in spec.contexts for g in spec.groups]
+    for i, (batch, context, group) in enumerate(cases):
+        case = make_case(pool, batch, context, group, h, d, seed=i)
+        splits = choose_splits(batch * h, num_sms, waves=waves)
+        backend = TritonBackend(splits=splits, tiling=tiling)
+        backend.prepare(batch, case.tables.shape[1], h * group, h, d, DEVICE)
+        scale = d**-0.5
+
+        dense_fn = lambda: backend.decode(case.q, pool.k, pool.v, None, case.tables, case.seq_lens, None,  # noqa: E731
+                                          mean_cfg, scale)
+        dense_us = _bench(_graph(dense_fn), spec.rep_ms)
+        nbytes = dense_bytes(case, h, d)
+        uniform = torch.full_like(case.seq_lens, context)
+        check = backend.decode(case.q, pool.k, pool.v, None, case.tables, uniform, None, mean_cfg, scale)[0]
+        sdpa_us, sdpa_name, sdpa_err = sdpa_dense_us(pool, case, h, d, spec.rep_ms, check)
+        base = {"batch": batch, "context": context, "group": group, "splits": splits}
+        results.append({**base, "kind": "dense", "us": dense_us, "bytes": nbytes,
+                        "pct_copy": 100 * nbytes / dense_us / 1e3 / copy_gbps,
+                        "sdpa_us": sdpa_us, "sdpa_backend": sdpa_name,
+                        "sdpa_pct_copy": None if sdpa_us is None else
+                        100 * (case.batch * context * h * d * 4) / sdpa_us / 1e3 / copy_gbps,
+                        "rel_err_vs_sdpa": sdpa_err})
+        log(f"[{i + 1}/{len(cases)}] B={batch} L={context} G={group}: dense {dense_us:.1f} us "
+            f"({results[-1]['pct_copy']:.0f}% of copy), sdpa[{sdpa_name}] {_fmt(sdpa_us, '.1f')} us, "
+            f"rel err vs sdpa {_fmt(sdpa_err, '.1e')}")
+
+        modes = [("mean", mean_cfg, pool.mean)] + ([("minmax", minmax_cfg, pool.minmax)]
+                                                   if context in spec.minmax_contexts else [])
+        for mode, cfg, landmarks in modes:
+            for budget_tokens in spec.budgets:
+                row = time_sparse(backend, pool, case, landmarks, cfg, budget_tokens // BS, splits, tiling, spec.rep_ms)
+                row.update(base, kind="sparse", landmark=mode, budget_tokens=budget_tokens,
+                           speedup_vs_dense=dense_us / row["layer_us"])
+                total = row["bytes"]["total"]
+                row["layer_pct_copy"] = 100 * total / row["layer_us"] / 1e3 / copy_gbps
+                row["attn_pct_copy"] = 100 * row["bytes"]["kv"] / row["attn_us"] / 1e3 / copy_gbps
+                row["score_pct_copy"] = 100 * (row["bytes"]["landmarks"] + row["bytes"]["scores"] // 2) / row["score_us"] / 1e3 / copy_gbps
+                results.append(row)
+        torch.cuda.empty_cache()
+
+    report = {
+        "device": props.name, "num_sms": num_sms, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": command, "torch": torch.__version__, "triton": triton.__version__,
+        "copy_GBps": copy_gbps, "tiling": list(tiling), "split_waves": waves, "spec": asdict(spec),
+        "sweep": sweep_rows, "results": results,
+    }
+    if out_path is not None:
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        out_path.write_text(json.dumps(report, indent=1))
+        log(f"wrote {out_path}")
+    log(render_tables(report))
+    return report
+
+
+def time_sparse(backend: TritonBackend, pool: Pool, case: Case, landmarks: torch.Tensor, cfg: SparseAttentionConfig,
+                budget_blocks: int, splits: int, tiling: AttentionTiling, rep_ms: int) -> dict:
+    """Per-kernel and whole-layer graph-replay times of one sparse decode layer."""
+    h, d = pool.k.shape[1], pool.k.shape[3]
+    ws = backend.workspace
+    budgets = torch.full((case.batch,), budget_blocks, dtype=torch.int32, device=DEVICE)
+    counts = torch.empty(case.batch, dtype=torch.long, device=DEVICE)
+    out = torch.empty_like(case.q)
+    minmax = cfg.landmark == "minmax"
+    score = lambda: score_blocks(case.q, landmarks, case.tables, case.seq_lens, budgets, ws.scores, block_size=BS,  # noqa: E731
+                                 sink=cfg.sink, recent=cfg.recent, minmax=minmax)
+    select = lambda: select_blocks(ws.scores, case.tables, case.seq_lens, budgets, ws.selected, counts,  # noqa: E731
+                                   num_kv_heads=h, block_size=BS, sink=cfg.sink, recent=cfg.recent)
+    attend = lambda: attention_partials(case.q, pool.k, pool.v, case.tables, case.seq_lens, out, ws.o_part,  # noqa: E731
+                                        ws.lse_part, scale=d**-0.5, splits=splits, budgets=budgets,
+                                        selected=ws.selected, sink=cfg.sink, recent=cfg.recent, tiling=tiling)
+    merge = lambda: merge_splits(ws.o_part, ws.lse_part, out, num_kv_heads=h, splits=splits)  # noqa: E731
+    layer = lambda: backend.decode(case.q, pool.k, pool.v, landmarks, case.tables, case.seq_lens, budgets, cfg,  # noqa: E731
+                                   d**-0.5)
+    times = {"score_us": _bench(_graph(score), rep_ms), "select_us": _bench(_graph(select), rep_ms),
+             "attn_us": _bench(_graph(attend), rep_ms),
+             "merge_us": _bench(_graph(merge), rep_ms) if splits > 1 else 0.0,
+             "layer_us": _bench(_graph(layer), rep_ms)}
+    return {**times, "budget_blocks": budget_blocks, "bytes": sparse_bytes(case, budget_blocks, cfg, h, d)}
+
+
+def render_tables(report: dict) -> str:
+    dense = [r for r in report["results"] if r["kind"] == "dense"]
+    sparse = [r for r in report["results"] if r["kind"] == "sparse"]
+    lines = [f"{report['device']}, copy bandwidth {report['copy_GBps']:.0f} GB/s; times are medians of CUDA-graph "
+             f"replays with a cold L2 (us); % = achieved bandwidth on the bytes that must move / copy bandwidth", ""]
+    lines.append(format_table(
+        ["B", "L", "G", "splits", "dense us", "dense %", "sdpa us", "sdpa %", "sdpa backend", "rel err vs sdpa"],
+        [[r["batch"], r["context"], r["group"], r["splits"], f"{r['us']:.1f}", f"{r['pct_copy']:.0f}",
+          _fmt(r["sdpa_us"], ".1f"), _fmt(r["sdpa_pct_copy"], ".0f"), r["sdpa_backend"], _fmt(r["rel_err_vs_sdpa"], ".1e")]
+         for r in dense]))
+    lines.append("")
+    lines.append(format_table(
+        ["B", "L", "G", "lm", "budget", "score us", "score %", "select us", "attn us", "attn %", "merge us",
+         "layer us", "layer %", "vs dense"],
+        [[r["batch"], r["context"], r["group"], r["landmark"], r["budget_tokens"], f"{r['score_us']:.1f}",
+          f"{r['score_pct_copy']:.0f}", f"{r['select_us']:.1f}", f"{r['attn_us']:.1f}", f"{r['attn_pct_copy']:.0f}",
+          f"{r['merge_us']:.1f}", f"{r['layer_us']:.1f}", f"{r['layer_pct_copy']:.0f}", f"{r['speedup_vs_dense']:.2f}x"]
+         for r in sparse]))
+    return "\n".join(lines)
+
+
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def default_out_path(device_name: str) -> Path:
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    slug = "".join(c if c.isalnum() else "-" for c in device_name.lower()).strip("-")
+    return RESULTS_DIR / f"kernels-{slug}-{stamp}.json"
+
+
+def run_from_args(args, command: str) -> dict:
+    """Run with the options of `sparrow bench kernels` (None = the BenchSpec default)."""
+    defaults = BenchSpec()
+    pick = lambda name: getattr(defaults, name) if getattr(args, name, None) is None else getattr(args, name)  # noqa: E731
+    spec = BenchSpec(batches=pick("batches"), contexts=pick("contexts"), budgets=pick("budgets"), groups=pick("groups"),
+                     minmax_contexts=pick("minmax_contexts"), sweep=not args.no_sweep, rep_ms=pick("rep_ms"))
+    for budget in spec.budgets:
+        if budget <= 0 or budget % BS:
+            raise ValueError(f"--budgets {budget}: use positive multiples of the block size {BS}")
+    out = args.out
+    if out is None and torch.cuda.is_available():
+        out = default_out_path(torch.cuda.get_device_properties(0).name)
+    return run(spec, out, command)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from sparrow.cli.bench_cmd import register_kernels
+
+    parser = argparse.ArgumentParser(prog="python -m sparrow.kernels.triton.bench")
+    register_kernels(parser.add_subparsers(dest="action", required=True))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(["kernels", *argv])
+    run_from_args(args, "python -m sparrow.kernels.triton.bench " + " ".join(argv))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

