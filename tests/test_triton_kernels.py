@@ -60,21 +60,21 @@ def test_interpreter_suite():
 class Paged:
     """A paged KV cache with shuffled physical blocks, filled through the reference write."""
 
-    def __init__(self, lengths, num_kv_heads, head_dim, dtype, device, mode, seed):
+    def __init__(self, lengths, num_kv_heads, head_dim, dtype, device, mode, seed, spare=1):
         gen = torch.Generator(device="cpu").manual_seed(seed)
         self.lengths = list(lengths)
         nblocks = [math.ceil(n / BS) for n in lengths]
-        total = sum(nblocks) + len(lengths) + 3  # one spare block per row for appends, three never used
+        total = sum(nblocks) + spare * len(lengths) + 3  # `spare` blocks per row for appends, three never used
         width = head_dim if mode == "mean" else 2 * head_dim
         self.k_cache = torch.randn(total, num_kv_heads, BS, head_dim, generator=gen).to(dtype).to(device)
         self.v_cache = torch.randn(total, num_kv_heads, BS, head_dim, generator=gen).to(dtype).to(device)
         self.landmarks = torch.randn(total, num_kv_heads, width, generator=gen).to(dtype).to(device)
         perm = torch.randperm(total, generator=gen)
-        self.tables = torch.zeros(len(lengths), max(nblocks) + 1, dtype=torch.int32)
+        self.tables = torch.zeros(len(lengths), max(nblocks) + spare, dtype=torch.int32)
         used = 0
         for b, nb in enumerate(nblocks):
-            self.tables[b, : nb + 1] = perm[used : used + nb + 1].int()
-            used += nb + 1
+            self.tables[b, : nb + spare] = perm[used : used + nb + spare].int()
+            used += nb + spare
         self.tables = self.tables.to(device)
         self.keys, self.values, self.slots = [], [], []
         for b, n in enumerate(lengths):
@@ -266,8 +266,8 @@ GPU_LENGTHS = [4096, 4097, 4111, 1, 17, 2000, 3071, 800]  # L mod 16 in {0, 1, 1
 GPU_BUDGETS = [64, 96, 40, 8, 3, DENSE_BUDGET, 130, 50]  # blocks, incl. dense rows and the dense sentinel
 
 
-def _gpu_case(mode, group, seed, num_kv_heads=4, head_dim=128):
-    p = Paged(GPU_LENGTHS, num_kv_heads, head_dim, torch.bfloat16, "cuda", mode, seed=seed).fill_reference()
+def _gpu_case(mode, group, seed, num_kv_heads=4, head_dim=128, spare=1):
+    p = Paged(GPU_LENGTHS, num_kv_heads, head_dim, torch.bfloat16, "cuda", mode, seed=seed, spare=spare).fill_reference()
     gen = torch.Generator(device="cpu").manual_seed(seed + 100)
     q = torch.randn(len(GPU_LENGTHS), num_kv_heads * group, head_dim, generator=gen).to(torch.bfloat16).cuda()
     budgets = torch.tensor(GPU_BUDGETS, device="cuda")
@@ -402,7 +402,7 @@ def test_gpu_budget_covering_context_equals_dense(tk):
 def test_gpu_graph_replay_with_changing_lengths_and_budgets_equals_eager(tk):
     """Capture write_kv + decode once; replay with new lengths, tokens and budgets written in place."""
     cfg = SparseAttentionConfig(landmark="minmax")
-    p, q, budgets = _gpu_case("minmax", 4, seed=25)
+    p, q, budgets = _gpu_case("minmax", 4, seed=25, spare=3)  # room for 20 appends per row: no shared blocks
     eager_state = [t.clone() for t in (p.k_cache, p.v_cache, p.landmarks)]
     bsz, num_kv_heads = len(GPU_LENGTHS), p.k_cache.shape[1]
     seq_lens = p.seq_lens.clone()

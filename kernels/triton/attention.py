@@ -32,8 +32,8 @@ class AttentionTiling(NamedTuple):
 def attention_tiling(head_dim: int) -> AttentionTiling:
     if head_dim <= 64:
         return AttentionTiling(blocks_per_iter=8, num_warps=4, num_stages=3)
-    if head_dim <= 128:
-        return AttentionTiling(blocks_per_iter=4, num_warps=4, num_stages=3)
+    if head_dim <= 128:  # best of a sweep on an H200 (benchmarks/results, docs/performance.md)
+        return AttentionTiling(blocks_per_iter=4, num_warps=4, num_stages=2)
     return AttentionTiling(blocks_per_iter=2, num_warps=8, num_stages=2)
 
 
@@ -120,38 +120,29 @@ def _decode_attention_kernel(
 @triton.jit
 def _merge_splits_kernel(
     o_part_ptr, lse_part_ptr, out_ptr,
-    stride_ob, stride_oh,
-    H: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-    SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+    stride_ob, stride_oh, num_splits,
+    H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
+    """One program per (row, query head): all splits are read in one [splits × D] load, so the merge
+    costs one memory round trip instead of one per split."""
+    pid = tl.program_id(0).to(tl.int64)
+    row = pid // G
+    g = pid % G
     b = row // H
     h = row % H
     sp = tl.arange(0, BLOCK_S)
-    g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
-    lse = tl.load(
-        lse_part_ptr + (row * SPLITS + sp[:, None]) * G + g[None, :],
-        mask=(sp[:, None] < SPLITS) & (g[None, :] < G), other=float("-inf"),
-    )
+    part = (row * num_splits + sp) * G + g
+    lse = tl.load(lse_part_ptr + part, mask=sp < num_splits, other=float("-inf"))
+    live = lse > float("-inf")
     top = tl.max(lse, axis=0)
     top = tl.where(top == float("-inf"), 0.0, top)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-    denom = tl.zeros([BLOCK_G], dtype=tl.float32)
-    g_mask = g < G
-    for s in tl.static_range(SPLITS):
-        lse_s = tl.load(lse_part_ptr + (row * SPLITS + s) * G + g, mask=g_mask, other=float("-inf"))
-        live = lse_s > float("-inf")
-        w = tl.where(live, tl.exp2(lse_s - top), 0.0)
-        o_s = tl.load(
-            o_part_ptr + ((row * SPLITS + s) * G + g[:, None]) * D + d[None, :],
-            mask=(live & g_mask)[:, None] & (d[None, :] < D), other=0.0,
-        )
-        acc += w[:, None] * o_s
-        denom += w
-    out = tl.where(denom[:, None] > 0, acc / tl.where(denom > 0, denom, 1.0)[:, None], 0.0)
-    out_offs = b * stride_ob + (h * G + g[:, None]) * stride_oh + d[None, :]
-    tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & (d[None, :] < D))
+    w = tl.where(live, tl.exp2(lse - top), 0.0)
+    o = tl.load(o_part_ptr + part[:, None] * D + d[None, :], mask=live[:, None] & (d[None, :] < D), other=0.0)
+    acc = tl.sum(w[:, None] * o, axis=0)
+    denom = tl.sum(w, axis=0)
+    out = tl.where(denom > 0, acc / tl.where(denom > 0, denom, 1.0), 0.0)
+    tl.store(out_ptr + b * stride_ob + (h * G + g) * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
 
 
 def decode_attention(
@@ -208,11 +199,9 @@ def attention_partials(q, k_cache, v_cache, block_tables, seq_lens, out, o_part,
 def merge_splits(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor, *, num_kv_heads: int, splits: int) -> None:
     """Combine the per-split partial outputs by their log-sum-exp into `out: [B, H_q, D]`."""
     bsz, num_q_heads, head_dim = out.shape
-    group = num_q_heads // num_kv_heads
-    _merge_splits_kernel[(bsz * num_kv_heads,)](
+    _merge_splits_kernel[(bsz * num_q_heads,)](
         o_part, lse_part, out,
-        out.stride(0), out.stride(1),
-        H=num_kv_heads, G=group, BLOCK_G=triton.next_power_of_2(group), D=head_dim,
-        BLOCK_D=triton.next_power_of_2(head_dim), SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits),
-        num_warps=4,
+        out.stride(0), out.stride(1), splits,
+        H=num_kv_heads, G=num_q_heads // num_kv_heads, D=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_S=triton.next_power_of_2(splits), num_warps=4,
     )

@@ -32,7 +32,7 @@ from .selection import select_blocks
 MAX_SPLITS = 16
 
 
-SPLIT_WAVES = 8
+SPLIT_WAVES = 4  # best of {2, 4, 8, 16} in the H200 sweep (docs/performance.md)
 
 
 def choose_splits(rows: int, num_sms: int, waves: int = SPLIT_WAVES) -> int:

@@ -15,7 +15,7 @@ import triton.language as tl
 def _score_kernel(
     q_ptr, lm_ptr, block_table_ptr, seq_len_ptr, budget_ptr, score_ptr,
     stride_qb, stride_qh, stride_bt, stride_sr,
-    sink, recent,
+    sink, recent, max_blocks,
     H: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BS: tl.constexpr, MINMAX: tl.constexpr, PB: tl.constexpr,
 ):
@@ -23,19 +23,19 @@ def _score_kernel(
     chunk = tl.program_id(1)
     b = row // H
     h = row % H
-    seq_len = tl.load(seq_len_ptr + b).to(tl.int32)
-    n = (seq_len + BS - 1) // BS
-    budget = tl.maximum(tl.load(budget_ptr + b).to(tl.int32), sink + recent)
     j = sink + chunk * PB + tl.arange(0, PB)
-    active = j < tl.where(n > budget, n - recent, 0)  # candidates of sparse rows only
-
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
-    q_mask = (g[:, None] < G) & (d[None, :] < D)
-    q = tl.load(q_ptr + b * stride_qb + (h * G + g[:, None]) * stride_qh + d[None, :], mask=q_mask, other=0.0)
+    # Issued together: nothing below waits for seq_len before its first memory access.
+    phys = tl.load(block_table_ptr + b * stride_bt + j, mask=j < max_blocks, other=0).to(tl.int64)
+    q = tl.load(q_ptr + b * stride_qb + (h * G + g[:, None]) * stride_qh + d[None, :],
+                mask=(g[:, None] < G) & (d[None, :] < D), other=0.0)
+    seq_len = tl.load(seq_len_ptr + b).to(tl.int32)
+    budget = tl.maximum(tl.minimum(tl.load(budget_ptr + b), 1 << 30).to(tl.int32), sink + recent)
+    n = (seq_len + BS - 1) // BS
+    active = j < tl.where(n > budget, n - recent, 0)  # candidates of sparse rows only
     q_mean = tl.sum(q.to(tl.float32), axis=0) / G
 
-    phys = tl.load(block_table_ptr + b * stride_bt + j, mask=active, other=0).to(tl.int64)
     m = active[:, None] & (d[None, :] < D)
     if MINMAX:
         base = (phys * H + h) * (2 * D)
@@ -68,13 +68,14 @@ def score_blocks(
     num_kv_heads = landmarks.shape[1]
     group = num_q_heads // num_kv_heads
     max_blocks = block_tables.shape[1]
-    pb = 64 if head_dim <= 128 else 32
+    width = 2 * head_dim if minmax else head_dim
+    pb = max(16, min(128, 16384 // width))  # 32 KB of bf16 landmarks per program
     grid = (bsz * num_kv_heads, max(1, triton.cdiv(max_blocks - sink, pb)))
     _score_kernel[grid](
         q, landmarks, block_tables, seq_lens, budgets, scores,
         q.stride(0), q.stride(1), block_tables.stride(0), scores.stride(0),
-        sink, recent,
+        sink, recent, max_blocks,
         H=num_kv_heads, G=group, BLOCK_G=triton.next_power_of_2(group), D=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim), BS=block_size, MINMAX=minmax, PB=pb,
-        num_warps=8 if minmax else 4,
+        num_warps=8,
     )
