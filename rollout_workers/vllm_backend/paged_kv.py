@@ -1,0 +1,98 @@
+"""How the sparse layers store K and V inside vLLM's KV pages, and dense prefill over them.
+
+vLLM allocates every attention layer `num_pages` pages of `page_size = 16·m` tokens and leaves the
+meaning of a page's bytes to the layer's backend. A sparse layer stores one page as `[m, 2, H_kv, 16,
+D]`: m Sparrow blocks, each a K block then a V block in the reference HND layout. Then
+
+- Sparrow block `page·m + j` has its K and V at fixed strides, so the whole cache is two zero-copy
+  `[num_pages·m, H_kv, 16, D]` views that `sparrow.kernels` backends read and write directly;
+- a vLLM slot `page·16m + offset` is also the Sparrow slot of that token (block·16 + offset);
+- each page stays self-contained, so vLLM may zero, copy, share (prefix caching) or reuse pages.
+
+On CPU the dense layers' `CPU_ATTN` forces pages of 32 tokens (m = 2); on CUDA pages are 16 tokens.
+"""
+
+import torch
+import torch.nn.functional as F
+
+SPARROW_BLOCK = 16
+
+
+def _page_memory(kv_cache: torch.Tensor) -> torch.Tensor:
+    """`[num_pages, page_elems]` view of each page's memory, whatever logical order vLLM chose."""
+    inner = sorted((1, 2, 3), key=lambda d: -kv_cache.stride(d))
+    pages = kv_cache.permute(0, *inner)
+    try:
+        return pages.view(pages.shape[0], -1)
+    except RuntimeError:
+        raise ValueError(
+            f"KV page of shape {tuple(kv_cache.shape)} and strides {kv_cache.stride()} is not contiguous "
+            "inside a page; the sparse layers need block-compact pages"
+        ) from None
+
+
+def sparse_block_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of every Sparrow block: two views `[num_pages·m, H_kv, 16, D]` into `kv_cache`.
+
+    `kv_cache` is vLLM's logical `[num_pages, H_kv, page_size, 2·D]` tensor of one layer.
+    """
+    num_pages, num_kv_heads, page_size, two_d = kv_cache.shape
+    if page_size % SPARROW_BLOCK:
+        raise ValueError(f"vLLM block_size={page_size}: the sparse layers need a multiple of {SPARROW_BLOCK}")
+    per_page = page_size // SPARROW_BLOCK
+    head_dim = two_d // 2
+    blocks = _page_memory(kv_cache).view(num_pages, per_page, 2, num_kv_heads, SPARROW_BLOCK, head_dim)
+    shape = (num_pages * per_page, num_kv_heads, SPARROW_BLOCK, head_dim)
+    try:
+        return blocks[:, :, 0].view(shape), blocks[:, :, 1].view(shape)
+    except RuntimeError:
+        raise ValueError(
+            f"vLLM block_size={page_size} packs {per_page} Sparrow blocks per page, which needs the layer's pages "
+            "to be contiguous (layer-outermost KV layout); use block_size=16 or an LBHNC/LBNHC layout"
+        ) from None
+
+
+def sparse_block_table(block_table: torch.Tensor, page_size: int) -> torch.Tensor:
+    """vLLM's page table `[B, P]` → Sparrow's block table `[B, P·m]` (block = page·m + j)."""
+    per_page = page_size // SPARROW_BLOCK
+    if per_page == 1:
+        return block_table
+    offsets = torch.arange(per_page, device=block_table.device, dtype=block_table.dtype)
+    return (block_table[:, :, None] * per_page + offsets).flatten(1)
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,
+    k_blocks: torch.Tensor,
+    v_blocks: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: list[int],
+    seq_lens: list[int],
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """Dense causal attention for prefill rows whose keys are already in the paged cache.
+
+    Row r's queries `query[query_start_loc[r]:query_start_loc[r+1]]` are the last positions of its
+    `seq_lens[r]` tokens (chunked prefill and prefix-cache hits read earlier pages). Writes `out`
+    rows `[num_tokens, H_q, D]`. Keys are gathered per row (O(context) copy, like any paged read),
+    then one SDPA call with a bottom-right causal mask.
+    """
+    num_kv_heads, head_dim = k_blocks.shape[1], k_blocks.shape[3]
+    num_q_heads = query.shape[1]
+    for row, seq_len in enumerate(seq_lens):
+        start, end = query_start_loc[row], query_start_loc[row + 1]
+        num_queries = end - start
+        if num_queries == 0:
+            continue
+        ids = block_table[row, : (seq_len + SPARROW_BLOCK - 1) // SPARROW_BLOCK].long()
+        keys = k_blocks[ids].transpose(0, 1).reshape(num_kv_heads, -1, head_dim)[:, :seq_len]
+        values = v_blocks[ids].transpose(0, 1).reshape(num_kv_heads, -1, head_dim)[:, :seq_len]
+        pos_q = torch.arange(seq_len - num_queries, seq_len, device=query.device)
+        mask = torch.arange(seq_len, device=query.device)[None, :] <= pos_q[:, None]
+        q = query[start:end].transpose(0, 1)
+        attended = F.scaled_dot_product_attention(
+            q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask, scale=scale,
+            enable_gqa=num_q_heads != num_kv_heads,
+        )
+        out[start:end] = attended.transpose(0, 1).to(out.dtype)

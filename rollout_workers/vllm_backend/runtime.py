@@ -1,0 +1,160 @@
+"""Process-wide state of the sparse layers inside one vLLM worker.
+
+The engine front end cannot reach the attention layers directly (they live in vLLM's engine-core
+process), so what they share lives here: the attention settings and the first schedule arrive with
+the model through `additional_config["sparrow"]`; later schedules arrive between engine steps
+through the `sparrow_set_schedule` worker RPC. Every sparse layer reads the same schedule, so a
+replacement takes effect at the next step for all of them at once.
+"""
+
+from collections import deque
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from sparrow.kernels import AttentionBackend, ReferenceBackend, SparseAttentionConfig
+from sparrow.schedule import ScheduleError, SparsitySchedule
+
+OPTIONS_KEY = "sparrow"
+"""Key of Sparrow's section in vLLM's `additional_config`."""
+
+BACKENDS = ("auto", "reference", "triton")
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    """What the engine front end tells each worker (JSON-serialisable through `to_dict`)."""
+
+    attention: SparseAttentionConfig = field(default_factory=SparseAttentionConfig)
+    attention_backend: str = "auto"
+    schedule: dict | None = None
+    trace_steps: int = 0
+
+    def to_dict(self) -> dict:
+        return {
+            "attention": {**asdict(self.attention), "dense_layers": list(self.attention.dense_layers)},
+            "attention_backend": self.attention_backend,
+            "schedule": self.schedule,
+            "trace_steps": self.trace_steps,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "WorkerOptions":
+        return cls(
+            attention=SparseAttentionConfig(**data["attention"]),
+            attention_backend=data["attention_backend"],
+            schedule=data["schedule"],
+            trace_steps=data["trace_steps"],
+        )
+
+
+def check_schedule(schedule: SparsitySchedule | None, attention: SparseAttentionConfig) -> None:
+    """A schedule must speak about the same blocks the layers select from."""
+    if schedule is None:
+        return
+    for name in ("block_size", "sink", "recent"):
+        theirs, ours = getattr(schedule, name), getattr(attention, name)
+        if theirs != ours:
+            raise ScheduleError(
+                f"schedule {schedule.name!r}: {name}={theirs} but the engine's sparse attention uses {name}={ours}; "
+                f"make them equal (VllmEngineConfig.{name})"
+            )
+
+
+def make_attention_backend(kind: str, device: torch.device) -> AttentionBackend:
+    """The torch reference on CPU, the Triton kernels on CUDA (imported only there)."""
+    if kind not in BACKENDS:
+        raise ValueError(f"attention_backend={kind!r}: use one of {BACKENDS}")
+    if kind == "auto":
+        kind = "triton" if device.type == "cuda" else "reference"
+    if kind == "reference":
+        return ReferenceBackend()
+    if device.type != "cuda":
+        raise ValueError(f"attention_backend='triton' needs a CUDA device, the KV cache is on {device}")
+    from sparrow.kernels.triton import TritonBackend
+
+    return TritonBackend()
+
+
+class SparseRuntime:
+    """Schedule, kernels and counters shared by the sparse layers of one worker."""
+
+    def __init__(self, options: WorkerOptions):
+        self.attention = options.attention
+        self.backend_kind = options.attention_backend
+        self.schedule: SparsitySchedule | None = None
+        self.set_schedule(options.schedule)
+        self._backend: AttentionBackend | None = None
+        self.trace: deque | None = deque(maxlen=options.trace_steps) if options.trace_steps else None
+        self.first_sparse_layer: int | None = None
+        """The layer whose decode steps are counted (all sparse layers attend to the same counts)."""
+        self.landmark_bytes = 0
+        self.decode_steps = 0
+        self.decode_rows = 0
+        self._block_sums: torch.Tensor | None = None
+
+    @property
+    def schedule_version(self) -> int:
+        return -1 if self.schedule is None else self.schedule.version
+
+    def set_schedule(self, payload: dict | None) -> None:
+        schedule = None if payload is None else SparsitySchedule.from_dict(payload, origin="sparrow_set_schedule")
+        check_schedule(schedule, self.attention)
+        self.schedule = schedule
+
+    def backend(self, device: torch.device) -> AttentionBackend:
+        if self._backend is None:
+            self._backend = make_attention_backend(self.backend_kind, device)
+        return self._backend
+
+    def budgets(self, seq_lens: torch.Tensor) -> torch.Tensor | None:
+        """Blocks each decode row may attend to (total context length → schedule); None = dense."""
+        if self.schedule is None:
+            return None
+        return self.schedule.budgets_for_lengths(seq_lens)
+
+    def record_step(self, seq_lens: torch.Tensor, blocks: torch.Tensor) -> None:
+        """Count one decode step of one sparse layer (the first): rows, blocks attended vs in context."""
+        self.decode_steps += 1
+        self.decode_rows += seq_lens.shape[0]
+        context = (seq_lens.long() + self.attention.block_size - 1) // self.attention.block_size
+        sums = torch.stack([blocks.long().sum(), context.sum()])
+        self._block_sums = sums if self._block_sums is None else self._block_sums + sums
+        if self.trace is not None:
+            self.trace.append({
+                "schedule_version": self.schedule_version,
+                "seq_lens": seq_lens.tolist(),
+                "blocks_attended": blocks.tolist(),
+            })
+
+    def stats(self) -> dict:
+        attended, context = (0, 0) if self._block_sums is None else self._block_sums.tolist()
+        return {
+            "schedule_version": self.schedule_version,
+            "attention_backend": None if self._backend is None else self._backend.name,
+            "landmark_bytes": self.landmark_bytes,
+            "decode_steps": self.decode_steps,
+            "decode_rows": self.decode_rows,
+            "blocks_attended": attended,
+            "blocks_in_context": context,
+        }
+
+
+_RUNTIME: SparseRuntime | None = None
+
+
+def configure(options: dict) -> SparseRuntime:
+    """Called by the Sparrow model classes when vLLM builds the model in a worker."""
+    global _RUNTIME
+    _RUNTIME = SparseRuntime(WorkerOptions.from_dict(options))
+    return _RUNTIME
+
+
+def current() -> SparseRuntime:
+    if _RUNTIME is None:
+        raise RuntimeError(
+            "Sparrow's sparse attention is not configured in this process: the model must be one of the "
+            "Sparrow architectures (SparrowQwen3ForCausalLM, SparrowLlamaForCausalLM) built with "
+            f"additional_config['{OPTIONS_KEY}'] (VllmEngine does both)"
+        )
+    return _RUNTIME

@@ -1,0 +1,24 @@
+"""Worker-side RPCs (vLLM mixes this class into its worker via `worker_extension_cls`).
+
+The engine calls them with `AsyncLLM.collective_rpc`, which vLLM runs between engine steps, so a
+schedule set here is the one the very next decode step reads.
+"""
+
+from . import _vllm, runtime
+
+
+class SparrowWorkerExtension:
+    def sparrow_set_schedule(self, payload: dict | None) -> dict[str, int] | None:
+        """Install a schedule (`SparsitySchedule.to_dict()`, None = dense). Returns how many tokens each
+        request in the runner had generated when the switch happened (None if unreadable)."""
+        counts = _vllm.generated_token_counts(self)
+        runtime.current().set_schedule(payload)
+        return counts
+
+    def sparrow_stats(self) -> dict:
+        return runtime.current().stats()
+
+    def sparrow_trace(self) -> list[dict]:
+        """Recent decode steps of the first sparse layer (kept when trace_steps > 0)."""
+        trace = runtime.current().trace
+        return [] if trace is None else list(trace)
