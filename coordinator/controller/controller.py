@@ -254,7 +254,7 @@ class SparsityController:
         est, latest = self._estimates(st)
         stats = {"target": tau, **({} if est is None else est.to_dict())}
         if latest is not None:
-            stats["alpha_latest"] = latest.value
+            stats["alpha_latest"], stats["alpha_latest_high"] = latest.value, latest.high
 
         def hold(reason: str) -> Decision:
             return Decision(b, old, old, reason, dict(stats, violations=st.violations, headroom=st.headroom))
@@ -265,9 +265,9 @@ class SparsityController:
 
         if est is None or est.count < cfg.min_samples:
             return hold("hold_insufficient_samples")
-        # The pooled lower bound, or the latest step's point estimate when that is lower: a sudden
+        # The pooled lower bound, or the latest step's upper bound when even that is lower: a sudden
         # drop shows in one step, a persistent small deficit in the pooled bound.
-        evidence = est.low if latest is None else min(est.low, latest.value)
+        evidence = est.low if latest is None else min(est.low, latest.high)
         self.models[b].record(Measurement(st.level, evidence, est.count, self.step))
 
         if evidence < tau:
