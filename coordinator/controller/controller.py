@@ -2,20 +2,21 @@
 
 Each training step the coordinator feeds the trainers' dense-recompute α histograms (`observe`,
 tagged with the schedule version the rollouts used) and asks for a decision (`decide`). Per length
-bin, on the lower confidence bound `low` of the tail percentile (see tail.py):
+bin, the evidence is the lower confidence bound of the tail percentile pooled over the last
+window_steps steps, or the latest step's upper bound when that is lower (see tail.py):
 
-- low < τ: a violation. Raise to the cheapest level the bin's α-vs-budget model predicts at
+- evidence < τ: a violation. Raise to the cheapest level the bin's α-vs-budget model predicts at
   ≥ τ + raise_margin, by at least 1, 2, 4, … levels on consecutive violations and at most
-  max_raise_levels; after max_violation_steps consecutive violations jump to the cheapest level
-  measured safe, or dense. Raising from the ladder's top goes dense and retries the top after
-  dense_retry_steps (doubling on each failure).
-- τ ≤ low < τ + lower_margin: hold (the hysteresis band).
-- low ≥ τ + lower_margin for lower_patience judged steps, cooldown_steps after the last change, and
-  the model predicts ≥ τ one level down: lower by up to max_lower_levels.
+  max_raise_levels; at the max_violation_steps-th consecutive violation jump to the cheapest level
+  measured safe, or dense. A violation at the largest sparse budget goes dense and retries that
+  budget after dense_retry_steps (doubling after each failed retry).
+- τ ≤ pooled bound < τ + lower_margin: hold (the hysteresis band).
+- pooled bound ≥ τ + lower_margin for lower_patience judged steps, cooldown_steps after the last
+  change, and the model predicts ≥ τ below: lower by up to max_lower_levels.
 
-A bin is judged only with ≥ min_samples tokens measured at its current budget (pooled over the
-last window_steps steps). Every bin gets a `Decision` with its reason each step; the schedule's
-version is bumped only when a budget changes. No I/O: the caller logs, publishes and persists.
+A bin is judged only with ≥ min_samples tokens measured at its current budget. Every bin gets a
+`Decision` with its reason each step; the schedule's version is bumped only when a budget changes.
+No I/O: the caller logs, publishes and persists (`state_dict`).
 """
 
 from collections import OrderedDict, deque
