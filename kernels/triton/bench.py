@@ -64,7 +64,7 @@ def _bench(fn, rep_ms: int, flush: str = "read") -> float:
         _FLUSH[flush] = torch.ones(size // 4, dtype=torch.float32, device=DEVICE)
     buf = _FLUSH[flush]
     sink = torch.empty((), dtype=torch.float32, device=DEVICE)
-    wipe = (lambda: torch.sum(buf, out=sink)) if flush == "read" else buf.zero_
+    wipe = (lambda: torch.sum(buf, dim=0, out=sink)) if flush == "read" else buf.zero_
     fn()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
