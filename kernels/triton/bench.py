@@ -100,7 +100,6 @@ def copy_bandwidth(nbytes: int = 2 << 30, rep_ms: int = 200) -> float:
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=DEVICE).normal_()
     dst = torch.empty_like(src)
     us = _bench(lambda: dst.copy_(src), rep_ms)
-    del src, dst
     return 2 * nbytes / us / 1e3
 
 
