@@ -4,10 +4,12 @@ import math
 
 import pytest
 import torch
+from pydantic import ValidationError
 
 from sparrow.acceptance import AlphaHistogram
 from sparrow.coordinator.transport import (
     InvalidMessage,
+    RetryConfig,
     StatsRecord,
     Trajectory,
     TransportConfig,
@@ -166,3 +168,13 @@ def test_invalid_stats_report_names_the_field(field, fn):
     with pytest.raises(InvalidMessage) as exc:
         validate_stats_report(msg)
     assert exc.value.field == field
+
+
+def test_transport_config_errors_name_the_field():
+    with pytest.raises(ValidationError, match="retry.max_backoff_s=0.01 is below retry.initial_backoff_s=0.5"):
+        RetryConfig(initial_backoff_s=0.5, max_backoff_s=0.01)
+    with pytest.raises(ValidationError, match="queue_capacity"):
+        TransportConfig(queue_capacity=0)
+    with pytest.raises(ValidationError, match="Extra inputs are not permitted"):
+        TransportConfig(window=3)
+    assert TransportConfig(port=0).grpc_options()[0] == ("grpc.max_send_message_length", 64 * 1024 * 1024)

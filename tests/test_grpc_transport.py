@@ -92,8 +92,11 @@ def test_full_queue_makes_senders_wait_without_dropping():
         threads = [threading.Thread(target=sender, args=(w,)) for w in range(3)]
         for t in threads:
             t.start()
-        time.sleep(1.0)  # no consumer yet: the queue fills and the senders block
-        assert server.queue_depth == 4 and not done
+        deadline = time.monotonic() + 10
+        while server.queue_depth < 4 and time.monotonic() < deadline:  # no consumer yet: the queue fills
+            time.sleep(0.02)
+        time.sleep(0.3)
+        assert server.queue_depth == 4 and not done  # ... and the senders wait
         depths = []
         got = []
         while len(got) < 30:
