@@ -154,6 +154,11 @@ def test_nan_scores_are_never_preferred():
     assert ids[0, 0].tolist() == [0, 5, 8, 9]
 
 
+def test_all_nan_rows_still_fill_the_budget_by_index():
+    ids, counts = select_blocks(torch.full((1, 1, 10), float("nan")), torch.tensor([10]), torch.tensor([6]), 1, 2)
+    assert counts.tolist() == [6] and ids[0, 0].tolist() == [0, 1, 2, 3, 8, 9]
+
+
 @pytest.mark.parametrize("length", [1, 15, 16, 17, 31, 32, 33, 70])
 def test_mean_landmarks_written_when_block_fills(length):
     kc, _, lm, tables, keys, _ = build_cache([length], token_by_token=True)

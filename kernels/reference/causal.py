@@ -11,6 +11,7 @@ import torch
 from ..config import SparseAttentionConfig
 from .landmarks import landmarks_from_keys
 from .scoring import group_mean_queries, score_landmarks
+from .selection import candidate_rank
 
 
 def sparse_causal_mask(
@@ -40,9 +41,7 @@ def sparse_causal_mask(
     if n_full:
         lms = landmarks_from_keys(k, bs, config.landmark)  # [n_full, H, W]
         scores = score_landmarks(group_mean_queries(q, num_kv_heads), lms, config.landmark)  # [T, H, n_full]
-        ranked = torch.nan_to_num(scores.double(), nan=float("-inf")).masked_fill(~candidate[:, None, :], float("-inf"))
-        order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices
-        rank = torch.empty_like(order).scatter_(-1, order, block_pos[:n_full].expand_as(order).clone())
+        rank = candidate_rank(scores, candidate[:, None, :].expand_as(scores))
         chosen = candidate[:, None, :] & (rank < k_row[:, None, None])  # [T, H, n_full]
     else:
         chosen = torch.zeros(seq_len, num_kv_heads, 0, dtype=torch.bool, device=device)

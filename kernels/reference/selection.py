@@ -34,10 +34,7 @@ def select_blocks(
 
     pos = torch.arange(max_blocks, device=device)
     candidate = (pos[None, :] >= sink) & (pos[None, :] < (num_blocks - recent)[:, None])
-    ranked = torch.nan_to_num(scores.double(), nan=float("-inf"))
-    ranked = ranked.masked_fill(~candidate[:, None, :], float("-inf"))
-    order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices
-    rank = torch.empty_like(order).scatter_(-1, order, pos.expand_as(order))
+    rank = candidate_rank(scores, candidate[:, None, :].expand_as(scores))
     chosen = candidate[:, None, :] & (rank < k_row[:, None, None])
 
     reserved = (pos[None, :] < sink) | (pos[None, :] >= (num_blocks - recent)[:, None])
@@ -51,3 +48,13 @@ def select_blocks(
     block_ids.scatter_(-1, target, pos.expand(bsz, heads, max_blocks).clone())
     block_ids = block_ids[..., :width]
     return block_ids, counts
+
+
+def candidate_rank(scores: torch.Tensor, candidate: torch.Tensor) -> torch.Tensor:
+    """Rank of every position along the last dim: candidates first, by descending score (NaN last),
+    ties to the lower index; non-candidates after all candidates."""
+    ranked = torch.nan_to_num(scores.double(), nan=float("-inf"), posinf=float("inf"))
+    order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices
+    order = order.gather(-1, torch.sort((~candidate.gather(-1, order)).to(torch.int8), dim=-1, stable=True).indices)
+    pos = torch.arange(scores.shape[-1], device=scores.device).expand_as(order)
+    return torch.empty_like(order).scatter_(-1, order, pos)
