@@ -155,6 +155,11 @@ def test_every_decision_has_a_documented_reason_and_stats():
                 assert d.stats["count"] >= ctl.config.min_samples and d.stats["alpha_low"] <= d.stats["alpha"]
     raised = next(d for step in trace.decisions for d in step if d.reason == "raise")
     assert str(raised).startswith(f"bin {raised.bin}: {raised.old} -> {raised.new} (raise) α=")
+    lower, _ = Simulator(PowerLawResponse(), TOKENS, seed=1).measure(ctl.schedule)
+    step = ctl.step_with(lower, ctl.schedule.version)
+    table = step.table(all_bins=True).splitlines()
+    assert table[0].split() == ["bin", "old", "top-k", "new", "top-k", "reason", "tokens", "α", "tail", "α", "low"]
+    assert len(table) == 2 + ctl.num_bins and len(step.table().splitlines()) == 2 + len(step.changes)
 
 
 def test_schedule_version_bumps_only_on_change():
@@ -183,6 +188,8 @@ def test_late_statistics_are_attributed_to_the_schedule_that_made_them():
     assert "ignored α of schedule version 999" in ctl.decide().notes[0]
     with pytest.raises(ValueError, match="alpha has 3 length bins but the schedule has 20"):
         ctl.observe(AlphaHistogram.empty(3, 2000), ctl.schedule.version)
+    with pytest.raises(ValueError, match="alpha has resolution 100 but earlier reports had 2000"):
+        ctl.observe(AlphaHistogram.empty(20, 100), ctl.schedule.version)
 
 
 def test_upper_bound_statistic_settles_cheaper_than_the_lower_bound():

@@ -18,6 +18,7 @@ from sparrow.acceptance import AlphaHistogram
 from sparrow.coordinator.controller import ControllerConfig, PowerLawResponse, Simulator, SparsityController
 from sparrow.coordinator.metrics import MetricsConfig, SparrowMetrics, start_metrics_server
 from sparrow.coordinator.transport import Trajectory, TrajectoryClient, TrajectoryServer, TransportConfig
+from sparrow.cost import CostModel, resolve_hardware, resolve_model
 from sparrow.rollout_workers.api import RolloutSample
 from sparrow.schedule import load_schedule
 
@@ -59,7 +60,8 @@ def test_scrape_finds_every_family_with_the_recorded_values():
     metrics.record_staleness(5, [5, 4, 3])
     metrics.tokens_per_second.labels(worker="w0", pool="rollout").set(5662)
     metrics.speedup_measured.labels(pool="rollout").set(2.21)
-    metrics.speedup_predicted.labels(pool="rollout").set(2.4)
+    cost_model = CostModel(resolve_model("qwen3-1.7b"), resolve_hardware("h200"))
+    predicted = metrics.set_predicted_speedup(cost_model, step.schedule)
     metrics.tis_capped_fraction.labels(pool="trainer").set(0.02)
     metrics.weight_publication.labels(pool="trainer").observe(1.5)
     metrics.policy_version.labels(worker="w0", pool="rollout").set(3)
@@ -100,6 +102,8 @@ def test_scrape_finds_every_family_with_the_recorded_values():
     messages = families["sparrow_transport_messages"]
     assert sample_value(messages, "sparrow_transport_messages_total", queue="trajectory", status="duplicate") == 1
     assert sample_value(families["sparrow_speedup_measured"], "sparrow_speedup_measured", pool="rollout") == 2.21
+    speedup = sample_value(families["sparrow_speedup_predicted"], "sparrow_speedup_predicted", pool="rollout")
+    assert speedup == pytest.approx(predicted) and speedup > 1.5
     assert math.isfinite(sample_value(families["sparrow_weight_publication_seconds"], "sparrow_weight_publication_seconds_sum"))
 
 

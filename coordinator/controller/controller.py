@@ -26,6 +26,7 @@ import numpy as np
 
 from sparrow.acceptance import AlphaHistogram
 from sparrow.schedule import SparsitySchedule
+from sparrow.tables import format_table
 
 from .config import ControllerConfig
 from .model import BinModel, Measurement, log2_blocks
@@ -84,6 +85,16 @@ class ControlStep:
     def changes(self) -> list[Decision]:
         return [d for d in self.decisions if d.changed]
 
+    def table(self, all_bins: bool = False) -> str:
+        """The step's changes (or every bin's decision) as a printable table."""
+        fmt = lambda v: "dense" if v is None else v  # noqa: E731
+        num = lambda d, k: f"{d.stats[k]:.4f}" if k in d.stats else "-"  # noqa: E731
+        rows = [
+            [d.bin, fmt(d.old), fmt(d.new), d.reason, d.stats.get("count", 0), num(d, "alpha"), num(d, "alpha_low")]
+            for d in (self.decisions if all_bins else self.changes)
+        ]
+        return format_table(["bin", "old top-k", "new top-k", "reason", "tokens", "α tail", "α low"], rows)
+
 
 @dataclass
 class _Bin:
@@ -133,6 +144,7 @@ class SparsityController:
             for b in range(initial.num_bins)
         ]
         self.step = 0
+        self._resolution: int | None = None
         self._notes: list[str] = []
         levels = [self._snap(b, v) for b, v in enumerate(initial.topk_blocks)]
         self.bins = [_Bin(level=lvl) for lvl in levels]
@@ -168,6 +180,13 @@ class SparsityController:
             raise ValueError(
                 f"alpha has {alpha.num_length_bins} length bins but the schedule has {self.num_bins}; "
                 "histogram with the schedule's bins (schedule.bin_of)"
+            )
+        if self._resolution is None:
+            self._resolution = alpha.resolution
+        if alpha.resolution != self._resolution:
+            raise ValueError(
+                f"alpha has resolution {alpha.resolution} but earlier reports had {self._resolution}; "
+                "build every AlphaHistogram with the same resolution"
             )
         if alpha_upper is not None and alpha_upper.counts.shape != alpha.counts.shape:
             raise ValueError(f"alpha_upper shape {tuple(alpha_upper.counts.shape)} differs from alpha {tuple(alpha.counts.shape)}")
@@ -343,6 +362,7 @@ class SparsityController:
         return {
             "format": 1,
             "step": self.step,
+            "resolution": self._resolution,
             "levels": list(self.levels),
             "schedule": self.schedule.to_dict(),
             "history": {str(v): list(lv) for v, lv in self._history.items()},
@@ -368,7 +388,7 @@ class SparsityController:
             )
         schedule = SparsitySchedule.from_dict(state["schedule"], origin="controller state")
         ctl = cls(config, schedule)
-        ctl.step = state["step"]
+        ctl.step, ctl._resolution = state["step"], state["resolution"]
         ctl._history = OrderedDict((int(v), tuple(lv)) for v, lv in state["history"].items())
         for st, d in zip(ctl.bins, state["bins"]):
             st.level, st.since, st.violations, st.headroom = d["level"], d["since"], d["violations"], d["headroom"]

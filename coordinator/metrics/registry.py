@@ -167,6 +167,12 @@ class SparrowMetrics:
             self.violation_steps.labels(bin=str(d.bin)).set(d.stats.get("violations", 0))
         self.set_schedule(step.schedule, target)
 
+    def set_predicted_speedup(self, cost_model, schedule: SparsitySchedule) -> float:
+        """`sparrow.cost.CostModel` roofline speedup (dense seconds over sparse) of `schedule`."""
+        speedup = cost_model.compare(schedule).speedup_seconds
+        self.speedup_predicted.labels(pool=self.pool).set(speedup)
+        return speedup
+
     # rollouts and training -------------------------------------------------------------------------
     def record_samples(self, trajectories: Iterable) -> None:
         """Finished `Trajectory`s: tokens, finish reasons, response lengths and rewards."""
