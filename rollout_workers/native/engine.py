@@ -116,7 +116,7 @@ class NativeEngine(RolloutEngine):
         self._counters = dict.fromkeys(
             ("tokens_generated", "prefill_tokens", "decode_tokens", "prefill_steps", "decode_steps",
              "samples_finished", "samples_failed"), 0)
-        self._busy_seconds = 0.0
+        self._seconds = {"prefill": 0.0, "decode": 0.0}
         if config.schedule:
             self.set_schedule(load_schedule(config.schedule))
 
@@ -186,7 +186,8 @@ class NativeEngine(RolloutEngine):
                 results += [(request, s) for s in self.add_request(request)]
             while self.scheduler.has_work():
                 finished = self._step()
-                bar.update(len(finished))
+                if finished:
+                    bar.update(len(finished))
                 results += finished
         results.sort(key=lambda pair: (order[id(pair[0])], pair[1].sample_index))
         return [s for _, s in results]
@@ -201,11 +202,14 @@ class NativeEngine(RolloutEngine):
                     yield done
 
     def stats(self) -> dict:
-        c = self._counters
+        c, busy = self._counters, sum(self._seconds.values())
         return {
             **c,
-            "tokens_per_s": c["tokens_generated"] / self._busy_seconds if self._busy_seconds else 0.0,
-            "busy_seconds": self._busy_seconds,
+            "tokens_per_s": c["tokens_generated"] / busy if busy else 0.0,
+            "decode_tokens_per_s": c["decode_tokens"] / self._seconds["decode"] if self._seconds["decode"] else 0.0,
+            "busy_seconds": busy,
+            "prefill_seconds": self._seconds["prefill"],
+            "decode_seconds": self._seconds["decode"],
             "kv_blocks_total": self.num_kv_blocks,
             "kv_blocks_used": self.blocks.num_used,
             "kv_blocks_free": self.blocks.num_free,
@@ -300,6 +304,7 @@ class NativeEngine(RolloutEngine):
             finished += self._fail(seq, "the KV cache cannot hold this sequence even alone; raise num_kv_blocks")
         if chunks:
             finished += self._prefill(chunks)
+            phase = "prefill"
         else:
             seqs, stuck = self.scheduler.schedule_decode()
             for seq in stuck:
@@ -307,7 +312,10 @@ class NativeEngine(RolloutEngine):
                                             f"preempt (pool of {self.num_kv_blocks} blocks); raise num_kv_blocks")
             if seqs:
                 finished += self._decode(seqs)
-        self._busy_seconds += time.perf_counter() - start
+            phase = "decode"
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._seconds[phase] += time.perf_counter() - start
         return finished
 
     def _budgets(self, lengths: list[int]) -> list[int]:

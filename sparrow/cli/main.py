@@ -8,6 +8,8 @@ SUBCOMMANDS = [
     "sparrow.cli.schedule_cmd",
     "sparrow.cli.fetch_model_cmd",
     "sparrow.cli.cost_cmd",
+    "sparrow.cli.generate_cmd",
+    "sparrow.cli.bench_cmd",
 ]
 
 
