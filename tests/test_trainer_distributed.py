@@ -1,0 +1,241 @@
+"""Two DeepSpeed ranks as real Ray actors (gloo, fp32) against a single-process plain-torch reference:
+loss, gradients, the optimizer step and α under ZeRO-2 and ZeRO-3; checkpoints and HF export;
+weight publishing into the native rollout engine, including refused updates."""
+
+import os
+
+import pytest
+import torch
+
+ray = pytest.importorskip("ray")
+
+from sparrow.acceptance import AlphaHistogram, acceptance_bounds_topk  # noqa: E402
+from sparrow.schedule import load_schedule  # noqa: E402
+from sparrow.trainer import LossConfig, Trajectory, TrajectoryBatch, policy_loss  # noqa: E402
+from sparrow.trainer.publish import HandleSource, WeightReceiver, WeightsRefused, receive_state_dict  # noqa: E402
+
+pytestmark = pytest.mark.slow
+SCHEDULE = "qwen3-1.7b-0.86"
+LR = 1e-3
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def _config(model, stage, **kw):
+    return {
+        "model": str(model), "zero_stage": stage, "micro_batch_tokens": 64, "schedule": SCHEDULE,
+        "optimizer": {"lr": LR, "weight_decay": 0.01, "grad_clip": 1.0}, "recompute_topk": 8, **kw,
+    }
+
+
+def _group(model, stage, num_ranks=2, **kw):
+    from sparrow.trainer.group import TrainerGroup
+
+    return TrainerGroup(_config(model, stage, **kw), num_ranks, actor_options={"num_cpus": 0})
+
+
+def _weights(group, version=1) -> dict[str, torch.Tensor]:
+    """The group's current full weights, fetched through the object-store publishing path."""
+    report = group.publish_weights(version, channel="object_store")
+    state, got = receive_state_dict(HandleSource(report.handle))
+    assert got == version
+    return state
+
+
+def _batch(seed=0) -> TrajectoryBatch:
+    """Uneven lengths so the two ranks get different micro-batch counts (one runs dummy passes)."""
+    g = torch.Generator().manual_seed(seed)
+    trajs = []
+    for i, (p, r) in enumerate([(5, 40), (7, 9), (12, 30), (3, 5), (9, 22), (30, 17), (4, 6)]):
+        trajs.append(Trajectory(
+            prompt_ids=torch.randint(3, 2000, (p,), generator=g),
+            response_ids=torch.randint(3, 2000, (r,), generator=g),
+            rollout_logprobs=-torch.rand(r, generator=g) * 9,
+            reward=float(torch.rand((), generator=g)),
+            group_id=str(i % 3),
+            loss_mask=torch.rand(r, generator=g) > 0.15,
+            schedule_version=i % 2,
+        ))
+    return TrajectoryBatch(trajs).with_grpo_advantages()
+
+
+def _with_rollout_topk(batch: TrajectoryBatch, recompute) -> TrajectoryBatch:
+    """Rollout top-k near the dense one: same ids with a perturbed order/values, some replaced."""
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for t, ids, lp in zip(batch, recompute.top_ids, recompute.top_logprobs):
+        noisy = lp + torch.randn(lp.shape, generator=g) * 0.3
+        order = noisy.argsort(-1, descending=True)
+        ids = ids.gather(-1, order).clone()
+        ids[:, -2:] = torch.randint(3, 2000, (ids.shape[0], 2), generator=g)
+        t = Trajectory(**{**t.__dict__, "top_ids": ids, "top_logprobs": noisy.gather(-1, order).clamp(max=0)})
+        out.append(t)
+    return TrajectoryBatch(out)
+
+
+def _reference(model_dir, state, batch: TrajectoryBatch, loss_cfg: LossConfig, schedule, topk=8):
+    """Plain torch, one process: loss, gradients, one AdamW step with the same clip, and α."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.load_state_dict(state, strict=False)
+    model.train()
+    params = dict(model.named_parameters())
+    n = batch.num_response_tokens
+    total = 0.0
+    alpha = {}
+    for t in batch:
+        ids = torch.cat([t.prompt_ids, t.response_ids])[None]
+        logp_all = torch.log_softmax(model(ids).logits[0, t.prompt_len - 1 : -1].float(), -1)
+        logp = logp_all.gather(-1, t.response_ids[:, None])[:, 0]
+        mask = t.response_mask()
+        out = policy_loss(logp, logp.detach(), t.rollout_logprobs, torch.full_like(logp, t.advantage), mask, loss_cfg, n)
+        out.loss.backward()
+        total += float(out.sums["pg_loss"])
+        top_lp, top_ids = logp_all.detach().topk(topk, -1)
+        lo, _ = acceptance_bounds_topk(top_ids, top_lp, t.top_ids, t.top_logprobs)
+        hist = alpha.setdefault(t.schedule_version, AlphaHistogram.empty(schedule.num_bins))
+        bins = torch.tensor([schedule.bin_of(t.prompt_len + j) for j in range(t.response_len)])
+        hist.add(lo[mask], bins[mask])
+    grads = {k: p.grad.clone() for k, p in params.items()}
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    return total / n, grads, {k: p.detach().clone() for k, p in params.items()}, alpha
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_two_ranks_match_single_process_reference(ray_session, tiny_qwen3, stage):
+    group = _group(tiny_qwen3, stage)
+    try:
+        before = _weights(group, version=1)
+        batch = _with_rollout_topk(_batch(), group.recompute(_batch()))
+        result = group.train_step(batch, return_gradients=True)
+        after = _weights(group, version=2)
+    finally:
+        group.shutdown()
+    loss, grads, stepped, alpha = _reference(tiny_qwen3, before, batch, LossConfig(), load_schedule(SCHEDULE))
+    m = result.metrics
+    assert m["train/loss_tokens"] == batch.num_response_tokens
+    assert m["train/pg_loss"] == pytest.approx(loss, rel=1e-5, abs=1e-7)
+    assert set(result.gradients) <= set(grads) and "model.embed_tokens.weight" in result.gradients
+    for name, g in result.gradients.items():
+        assert torch.allclose(g, grads[name], rtol=1e-4, atol=1e-7), (name, (g - grads[name]).abs().max())
+    for name, w in after.items():  # Adam's first step is ≈ lr·sign(g): tiny gradients amplify float noise
+        assert torch.allclose(w, stepped[name], rtol=0, atol=0.02 * LR), (name, (w - stepped[name]).abs().max())
+    assert 0 < m["train/tis_capped_fraction"] < 1 and m["train/clip_fraction"] == 0.0  # on-policy: ratio ≡ 1
+    assert set(result.alpha.lower) == set(alpha)
+    for v, hist in alpha.items():
+        assert torch.equal(result.alpha.lower[v].counts, hist.counts)
+        assert torch.allclose(result.alpha.lower[v].sums, hist.sums, rtol=1e-9)
+    assert result.alpha.tokens() == batch.num_response_tokens
+
+
+def test_checkpoint_resume_and_hf_export(ray_session, tiny_qwen3, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    group = _group(tiny_qwen3, 2)
+    try:
+        group.train_step(_batch(0))
+        tag = group.save_checkpoint(str(tmp_path / "ckpt"))
+        second = group.train_step(_batch(1)).metrics
+        w_second = _weights(group, 1)
+        assert group.load_checkpoint(str(tmp_path / "ckpt")) == {"tag": tag, "step_count": 1}
+        again = group.train_step(_batch(1)).metrics
+        w_again = _weights(group, 2)
+        exported = group.export_hf(str(tmp_path / "hf"))
+    finally:
+        group.shutdown()
+    assert again["train/pg_loss"] == second["train/pg_loss"] and again["train/lr"] == second["train/lr"]
+    assert all(torch.equal(w_second[k], w_again[k]) for k in w_second)
+    model = AutoModelForCausalLM.from_pretrained(exported["policy"], dtype=torch.float32)
+    state = model.state_dict()
+    assert all(torch.equal(state[k], w_again[k]) for k in w_again)
+    assert "tokenizer.json" in exported["tokenizer_files"]
+
+
+@ray.remote(num_cpus=0)
+class RolloutWorker:
+    """A native engine behind a WeightReceiver, as a rollout actor would hold it."""
+
+    def __init__(self, model_dir):
+        from sparrow.rollout_workers.native import NativeEngine
+
+        self.engine = NativeEngine.from_pretrained(model_dir, num_kv_blocks=64)
+        self.receiver = WeightReceiver(self.engine)
+
+    def join(self, host, port, world_size, rank):
+        from sparrow.trainer.publish import CollectiveGroup
+
+        self.group = CollectiveGroup(host, port, rank, world_size)
+
+    def receive_collective(self):
+        from sparrow.trainer.publish import CollectiveSource
+
+        return self.receiver.receive(CollectiveSource(self.group)).version
+
+    def receive_handle(self, handle):
+        return self.receiver.receive(HandleSource(handle)).version
+
+    def weights(self):
+        return {k: v.clone() for k, v in self.engine.model.named_parameters()}, self.engine.policy_version
+
+    def greedy(self, prompt):
+        from sparrow.rollout_workers.api import RolloutRequest, SamplingParams
+
+        req = RolloutRequest("r", tuple(prompt), SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+        return self.engine.generate([req])[0].token_ids.tolist()
+
+
+def test_publish_into_native_engine_and_refuse_bad_updates(ray_session, tiny_qwen3):
+    from sparrow.trainer.publish import ObjectStoreSender, publish_state_dict
+
+    group = _group(tiny_qwen3, 2, publish={"bucket_mb": 0.05})
+    workers = [RolloutWorker.remote(str(tiny_qwen3)) for _ in range(2)]
+    try:
+        group.train_step(_batch(0))
+        host, port = ray.get(group.actors[0].address.remote())
+        joins = [w.join.remote(host, port, 3, r + 1) for r, w in enumerate(workers)]
+        ray.get(group.submit("init_weight_group", host, port, 3) + joins)
+        reports = group.submit("publish_weights", 1, "collective")
+        versions = ray.get([w.receive_collective.remote() for w in workers])
+        report = ray.get(reports)[0]
+        trained = _weights(group, 2)
+        served, version = ray.get(workers[0].weights.remote())
+        greedy_v1 = ray.get(workers[1].greedy.remote([5, 6, 7]))
+
+        bad = {k: v.clone() for k, v in trained.items()}
+        bad["model.norm.weight"][0] = float("nan")
+        missing = {k: v for k, v in trained.items() if k != "model.layers.1.mlp.up_proj.weight"}
+        shape = {**trained, "model.layers.0.self_attn.q_proj.weight": torch.zeros(3, 3)}
+        errors = []
+        for v, sd in ((3, bad), (4, missing), (5, shape)):
+            handle = publish_state_dict(sd, v, ObjectStoreSender(), 2**20).handle
+            with pytest.raises(ray.exceptions.RayTaskError) as exc:
+                ray.get(workers[1].receive_handle.remote(handle))
+            assert isinstance(exc.value.cause, WeightsRefused)
+            errors.append(str(exc.value.cause))
+        stale = publish_state_dict(trained, 1, ObjectStoreSender(), 2**20).handle
+        with pytest.raises(ray.exceptions.RayTaskError, match="not newer"):
+            ray.get(workers[1].receive_handle.remote(stale))
+        after, version_after = ray.get(workers[1].weights.remote())
+        greedy_after = ray.get(workers[1].greedy.remote([5, 6, 7]))
+    finally:
+        group.shutdown()
+        for w in workers:
+            ray.kill(w)
+    assert versions == [1, 1] and version == 1 and report.version == 1 and report.num_buckets > 5
+    assert report.seconds > 0 and report.metrics()["publish/bytes"] == sum(t.numel() * 4 for t in trained.values())
+    for name, w in served.items():
+        assert torch.equal(w, trained.get(name, trained["model.embed_tokens.weight"] if name == "lm_head.weight" else None))
+    assert "model.norm.weight: contains NaN" in errors[0] and "still serving version 1" in errors[0]
+    assert "missing keys: model.layers.1.mlp.up_proj.weight" in errors[1]
+    assert "model.layers.0.self_attn.q_proj.weight: shape (3, 3)" in errors[2]
+    assert version_after == 1 and all(torch.equal(after[k], served[k]) for k in served)
+    assert greedy_after == greedy_v1

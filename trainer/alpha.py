@@ -1,0 +1,90 @@
+"""Per-token acceptance α of the rollout against the dense recompute, aggregated per length bin.
+
+Which length: generated token t (0-based) of a trajectory with P prompt tokens was sampled from the
+forward pass whose context held L = P + t tokens (the prompt, the t tokens generated before it;
+the token fed at that step is the last of them). That is the L the rollout schedule used to pick the
+budget of that step (`SparsitySchedule`, "prompt + generated incl. the current token"), so token t
+goes to bin `schedule.bin_of(P + t)`. Token 0 comes from the dense prefill and lands in bin_of(P).
+
+α is bracketed from the two top-k lists (`acceptance_bounds_topk`): the lower bound is Sparrow's
+statistic, the upper bound adds the mass the unlisted tokens could still share. Histograms are kept
+per rollout schedule version, since the controller judges each schedule by its own rollouts.
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+
+from sparrow.acceptance import AlphaHistogram, acceptance_bounds_topk
+from sparrow.schedule import SparsitySchedule
+
+from .batch import Trajectory
+
+
+def token_context_lengths(prompt_len: int, response_len: int) -> torch.Tensor:
+    """L = prompt_len + t for each generated token t."""
+    return prompt_len + torch.arange(response_len)
+
+
+def length_bins(schedule: SparsitySchedule, lengths: torch.Tensor) -> torch.Tensor:
+    """`schedule.bin_of` for a tensor of lengths."""
+    bs = schedule.block_size
+    aligned = (lengths.long() + bs - 1) // bs * bs
+    return (aligned[..., None] >= torch.tensor(schedule.edges, dtype=torch.long)).sum(-1)
+
+
+@dataclass
+class AlphaReport:
+    """α histograms (lower and upper bound) per rollout schedule version."""
+
+    num_length_bins: int
+    lower: dict[int, AlphaHistogram] = field(default_factory=dict)
+    upper: dict[int, AlphaHistogram] = field(default_factory=dict)
+
+    def _pair(self, version: int) -> tuple[AlphaHistogram, AlphaHistogram]:
+        if version not in self.lower:
+            self.lower[version] = AlphaHistogram.empty(self.num_length_bins)
+            self.upper[version] = AlphaHistogram.empty(self.num_length_bins)
+        return self.lower[version], self.upper[version]
+
+    def add(self, version: int, lower: torch.Tensor, upper: torch.Tensor, bins: torch.Tensor) -> None:
+        lo, up = self._pair(version)
+        lo.add(lower, bins)
+        up.add(upper, bins)
+
+    def merge(self, other: "AlphaReport") -> "AlphaReport":
+        out = AlphaReport(self.num_length_bins)
+        for report in (self, other):
+            for v in report.lower:
+                lo, up = out._pair(v)
+                out.lower[v], out.upper[v] = lo.merge(report.lower[v]), up.merge(report.upper[v])
+        return out
+
+    def tokens(self) -> int:
+        return sum(int(h.count().sum()) for h in self.lower.values())
+
+    def combined(self) -> tuple[AlphaHistogram, AlphaHistogram]:
+        """All schedule versions together."""
+        lo, up = AlphaHistogram.empty(self.num_length_bins), AlphaHistogram.empty(self.num_length_bins)
+        for v in self.lower:
+            lo, up = lo.merge(self.lower[v]), up.merge(self.upper[v])
+        return lo, up
+
+
+def add_trajectory_alpha(
+    report: AlphaReport,
+    trajectory: Trajectory,
+    dense_top_ids: torch.Tensor,
+    dense_top_logprobs: torch.Tensor,
+    schedule: SparsitySchedule,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Add one trajectory's loss tokens; returns its per-token (lower, upper), or None without rollout top-k."""
+    if trajectory.top_ids is None:
+        return None
+    lower, upper = acceptance_bounds_topk(
+        dense_top_ids.cpu(), dense_top_logprobs.cpu().float(), trajectory.top_ids, trajectory.top_logprobs.float()
+    )
+    keep = trajectory.response_mask()
+    bins = length_bins(schedule, token_context_lengths(trajectory.prompt_len, trajectory.response_len))
+    report.add(trajectory.schedule_version, lower[keep], upper[keep], bins[keep])
+    return lower, upper

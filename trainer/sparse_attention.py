@@ -1,0 +1,68 @@
+"""The trainer's sparse-attention forward: Sparrow's block-sparse rule inside a Hugging Face model.
+
+`register()` adds the attention function "sparrow_block_sparse" to transformers' AttentionInterface
+(with the sdpa mask builder). A forward that passes `sparrow_sparse=SparseForward(...)` runs
+`sparrow.kernels.reference.block_sparse_causal_attention` in every layer outside `dense_layers`,
+each query with the budget of its own context; any other forward (no such argument, or a dense
+layer) is plain sdpa, so one loaded model serves both the dense policy and the sparse forward.
+
+Budgets per query position i (context L = i + 1), as the rollout engines use them: the prompt
+positions i < P (prefill, and the pass that samples the first response token) are dense; the others
+get `schedule.budgets_for_lengths(i + 1)`. The reference is O(T²) in memory per layer, which suits
+CPU tests and moderate lengths on GPU; long contexts need a fused kernel behind the same function.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from sparrow.kernels import SparseAttentionConfig
+from sparrow.kernels.reference import block_sparse_causal_attention
+from sparrow.schedule import DENSE_BUDGET, SparsitySchedule
+
+ATTENTION_NAME = "sparrow_block_sparse"
+
+
+@dataclass(frozen=True)
+class SparseForward:
+    """What one sparse forward needs: the selection rule and `[B, T]` total blocks per query."""
+
+    config: SparseAttentionConfig
+    budgets: torch.Tensor
+
+
+def query_budgets(prompt_lens: list[int], seq_len: int, schedule: SparsitySchedule) -> torch.Tensor:
+    """`[B, seq_len]` budgets: dense for prompt positions, the schedule's at L = i + 1 after them."""
+    budgets = torch.full((len(prompt_lens), seq_len), DENSE_BUDGET, dtype=torch.long)
+    scheduled = schedule.budgets_for_lengths(torch.arange(seq_len) + 1)
+    for b, p in enumerate(prompt_lens):
+        budgets[b, p:] = scheduled[p:]
+    return budgets
+
+
+def sparrow_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sparrow_sparse=None, **kwargs):
+    """HF attention function: `query [B, H_q, T, D]`, `key/value [B, H_kv, T, D]` → `[B, T, H_q, D]`."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if sparrow_sparse is None or sparrow_sparse.config.is_dense_layer(module.layer_idx):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    budgets = sparrow_sparse.budgets.to(query.device)
+    if budgets.shape != (query.shape[0], query.shape[2]):
+        raise ValueError(f"sparse budgets have shape {tuple(budgets.shape)}; expected [batch, seq] = {tuple(query.shape[::2][:2])}")
+    rows = [
+        block_sparse_causal_attention(
+            query[b].transpose(0, 1), key[b].transpose(0, 1), value[b].transpose(0, 1), budgets[b], sparrow_sparse.config, scaling
+        )
+        for b in range(query.shape[0])
+    ]
+    return torch.stack(rows), None
+
+
+def register() -> str:
+    """Make "sparrow_block_sparse" a valid `attn_implementation` (idempotent); returns the name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ATTENTION_NAME, sparrow_attention)
+    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+    return ATTENTION_NAME
