@@ -65,7 +65,8 @@ class VllmEngine(RolloutEngine):
         self._counters = dict.fromkeys(("tokens_generated", "samples_finished", "samples_failed", "engine_starts"), 0)
         self._busy_seconds = 0.0
         self._weights_root = Path(tempfile.mkdtemp(prefix="sparrow-vllm-weights-"))
-        self._weights_dir: Path | None = None
+        self._current_dir = self.model_dir
+        """Where the weights vLLM runs now came from (checkpoints written by load_weights live in _weights_root)."""
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="sparrow-vllm-loop", daemon=True)
         self._thread.start()
@@ -239,12 +240,17 @@ class VllmEngine(RolloutEngine):
             model_dir = self._weights_root / f"v{version}-{next(self._ids)}"
             save_checkpoint(weights, self.model_dir, model_dir)
         if self.weight_update_mode() == "recreate":
-            self._call(self._restart(model_dir))
+            try:
+                self._call(self._restart(model_dir))
+            except BaseException:
+                if self._llm is None:  # vLLM rejected the new weights: come back up on the old ones
+                    self._call(self._restart(self._current_dir))
+                raise
         else:
             self._call(self._reload(model_dir))
-        if self._weights_dir is not None and self._weights_dir != model_dir:
-            shutil.rmtree(self._weights_dir, ignore_errors=True)
-        self._weights_dir = model_dir if model_dir.is_relative_to(self._weights_root) else None
+        if self._current_dir.is_relative_to(self._weights_root) and self._current_dir != model_dir:
+            shutil.rmtree(self._current_dir, ignore_errors=True)
+        self._current_dir = model_dir
         self._policy_version = version
 
     def stats(self) -> dict:
@@ -391,7 +397,8 @@ class VllmEngine(RolloutEngine):
         await asyncio.sleep(0)
 
     async def _restart(self, model_dir: Path) -> None:
-        await self._stop_llm()
+        if self._llm is not None:
+            await self._stop_llm()
         self._llm = await self._start(model_dir)
 
     async def _reload(self, model_dir: Path) -> None:

