@@ -1,11 +1,13 @@
 """Reference-counted allocator of KV blocks; shared prompt blocks are freed by their last user."""
 
 from collections import deque
+from collections.abc import Callable
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int):
+    def __init__(self, num_blocks: int, on_allocate: Callable[[list[int]], None] | None = None):
         self.num_blocks = num_blocks
+        self.on_allocate = on_allocate
         self._refs = [0] * num_blocks
         self._free = deque(range(num_blocks))
         self.blocks_saved_by_sharing = 0
@@ -32,6 +34,8 @@ class BlockManager:
         blocks = [self._free.popleft() for _ in range(n)]
         for b in blocks:
             self._refs[b] = 1
+        if blocks and self.on_allocate:
+            self.on_allocate(blocks)
         return blocks
 
     def share(self, blocks: list[int]) -> list[int]:

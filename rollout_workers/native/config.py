@@ -22,8 +22,10 @@ class NativeEngineConfig(BaseModel):
     model: str | None = Field(None, description="HF model directory (config.json + safetensors)")
     dtype: DType = Field("auto", description="weights, activations and KV cache; auto = float32 on CPU, bfloat16 on CUDA")
     device: str = Field("cpu", description="cpu, cuda or cuda:N")
-    attention_backend: Literal["auto", "reference", "triton"] = Field(
-        "auto", description="decode attention; auto = triton on CUDA when importable, else reference"
+    attention_backend: Literal["auto", "torch", "reference", "triton"] = Field(
+        "auto",
+        description="decode attention; auto = triton on CUDA when importable, else torch (the reference "
+        "semantics with fast gathers); reference = sparrow.kernels.ReferenceBackend",
     )
     max_num_seqs: int = Field(64, ge=1, description="sequences decoded together (a GRPO group counts n)")
     num_kv_blocks: int | None = Field(None, ge=1, description="KV pool size in blocks; None = from kv_memory_fraction")

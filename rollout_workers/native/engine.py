@@ -29,6 +29,7 @@ from .model_spec import ModelLoadError, load_spec
 from .sampler import SampleOutput, SamplingBatch, sample
 from .scheduler import PrefillChunk, Scheduler, blocks_for
 from .sequence import Sequence, Status, sample_seed
+from .torch_backend import TorchBackend
 from .teacher_forced import TeacherForcedOutput, teacher_forced_logprobs
 from .weights import copy_weights, read_checkpoint, validated_weights
 
@@ -49,14 +50,16 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def make_backend(name: str, device: torch.device) -> AttentionBackend:
-    if name == "reference" or (name == "auto" and device.type != "cuda"):
+    if name == "reference":
         return ReferenceBackend()
+    if name == "torch" or (name == "auto" and device.type != "cuda"):
+        return TorchBackend()
     try:
         from sparrow.kernels.triton import TritonBackend
     except ImportError as exc:
         if name == "triton":
             raise ValueError(f"attention_backend='triton': cannot import the Triton kernels ({exc})") from None
-        return ReferenceBackend()
+        return TorchBackend()
     return TritonBackend()
 
 
@@ -105,7 +108,7 @@ class NativeEngine(RolloutEngine):
         self.backend = make_backend(config.attention_backend, self.device)
         self.num_kv_blocks = self._num_kv_blocks()
         self.cache = KVCache(self.spec, self.attention, self.num_kv_blocks, model.dtype, self.device)
-        self.blocks = BlockManager(self.num_kv_blocks)
+        self.blocks = BlockManager(self.num_kv_blocks, on_allocate=self.cache.zero_blocks)
         self.scheduler = Scheduler(self.blocks, self.attention.block_size, config.max_num_seqs, config.prefill_chunk_size)
         self.eos_token_ids = frozenset(self.spec.eos_token_ids)
         self._rng = random.Random(config.seed)

@@ -19,13 +19,14 @@ def bytes_per_block(spec: ModelSpec, attention: SparseAttentionConfig, dtype: to
 class KVCache:
     def __init__(self, spec: ModelSpec, attention: SparseAttentionConfig, num_blocks: int, dtype, device):
         shape = (spec.num_layers, num_blocks, spec.num_kv_heads, attention.block_size, spec.head_dim)
-        # Zeroed, not empty: stale slots are masked out of softmax, but NaN garbage would survive 0 * NaN.
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # Left uninitialised so a large CPU pool costs nothing until used; blocks are zeroed when
+        # allocated (`zero_blocks`): unwritten slots are masked out of softmax, but 0 · NaN would not be.
+        self.k = torch.empty(shape, dtype=dtype, device=device)
+        self.v = torch.empty(shape, dtype=dtype, device=device)
         self.sparse_layers = [i for i in range(spec.num_layers) if not attention.is_dense_layer(i)]
         self._landmark_index = {layer: j for j, layer in enumerate(self.sparse_layers)}
         width = attention.landmark_width(spec.head_dim)
-        self.landmarks = torch.zeros(
+        self.landmarks = torch.empty(
             (len(self.sparse_layers), num_blocks, spec.num_kv_heads, width), dtype=dtype, device=device
         )
         self.num_blocks = num_blocks
@@ -34,6 +35,11 @@ class KVCache:
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         j = self._landmark_index.get(i)
         return self.k[i], self.v[i], None if j is None else self.landmarks[j]
+
+    def zero_blocks(self, blocks: list[int]) -> None:
+        index = torch.tensor(blocks, device=self.k.device)
+        for t in (self.k, self.v, self.landmarks):
+            t.index_fill_(1, index, 0)
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
         """Copy whole blocks (all layers) — the copy-on-fork of a partial prompt block."""

@@ -2,16 +2,24 @@
 
 Logprobs and top-k lists always come from the float32 log-softmax of `logits / T` over the whole
 vocabulary, before top-p / top-k filtering; at T = 0 (greedy) they are the T = 1 log-softmax.
-Randomness is counter-based: row r's Gumbel noise for token v is a hash of (seed_r, position_r, v).
-A sample therefore depends only on its own seed and position, never on what else is in the batch,
-whether it was preempted and recomputed, or the step it ran in — and there is no generator state.
+Randomness is counter-based: the exponential noise of row r comes from a generator seeded with a
+hash of (seed_r, position_r). A sample therefore depends only on its own seed and position, never on
+what else is in the batch, whether it was preempted and recomputed, or the step it ran in.
 """
 
 from dataclasses import dataclass
 
 import torch
 
-MASK32 = 0xFFFFFFFF
+MASK64 = (1 << 64) - 1
+
+
+def mix_seed(seed: int, counter: int) -> int:
+    """splitmix64 of (seed, counter): distinct, well-spread generator seeds per sample and position."""
+    x = (seed * 0x9E3779B97F4A7C15 + counter + 1) & MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
+    return x ^ (x >> 31)
 
 
 @dataclass
@@ -21,8 +29,8 @@ class SamplingBatch:
     temperature: torch.Tensor
     top_p: torch.Tensor
     top_k: torch.Tensor
-    seeds: torch.Tensor
-    positions: torch.Tensor
+    noise_seeds: list[int]
+    """mix_seed(seed, position) per row."""
     num_logprobs: int
     any_random: bool
     any_filter: bool
@@ -34,8 +42,7 @@ class SamplingBatch:
             temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
             top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
             top_k=torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
-            seeds=torch.tensor([s % (1 << 63) for s in seeds], dtype=torch.long, device=device),
-            positions=torch.tensor(positions, dtype=torch.long, device=device),
+            noise_seeds=[mix_seed(s, p) for s, p in zip(seeds, positions)],
             num_logprobs=max((p.logprobs for p in params), default=0),
             any_random=any(p.temperature > 0 for p in params),
             any_filter=any(p.temperature > 0 and (p.top_p < 1 or p.top_k > 0) for p in params),
@@ -48,31 +55,17 @@ class SampleOutput:
     logprobs: torch.Tensor  # [R] float32, log q(sampled token)
     top_ids: torch.Tensor  # [R, K] long
     top_logprobs: torch.Tensor  # [R, K] float32
-    finite: torch.Tensor  # [R] bool: logits had no NaN/inf
+    finite: torch.Tensor  # [R] bool: the row's logits had no NaN or +inf
 
 
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """(x · c) mod 2^32 for 0 ≤ x < 2^32, in int64 without overflow."""
-    lo, hi = c & 0xFFFF, c >> 16
-    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & MASK32
-
-
-def _fmix32(h: torch.Tensor) -> torch.Tensor:
-    """MurmurHash3's 32-bit finaliser: every input bit flips each output bit with probability ~1/2."""
-    h = h ^ (h >> 16)
-    h = _mul32(h, 0x85EBCA6B)
-    h = h ^ (h >> 13)
-    h = _mul32(h, 0xC2B2AE35)
-    return h ^ (h >> 16)
-
-
-def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
-    """`[R, vocab]` float64 uniforms in (0, 1), a pure function of (seed, position, token id)."""
-    s = _fmix32((seeds & MASK32) ^ _fmix32((seeds >> 32) & MASK32))
-    row = _fmix32(s ^ _mul32(positions & MASK32, 0x9E3779B1))
-    token = _mul32(torch.arange(vocab, device=seeds.device), 0x27D4EB2F)
-    h = _fmix32(row[:, None] ^ token[None, :])
-    return (h.double() + 0.5) / 2.0**32
+def exponential_noise(noise_seeds: list[int], vocab: int, device) -> torch.Tensor:
+    """`[R, vocab]` Exp(1) draws as −log U (uniform_ is 5x faster than exponential_ on CPU); row r is
+    a pure function of `noise_seeds[r]`."""
+    gen = torch.Generator(device=device)
+    out = torch.empty(len(noise_seeds), vocab, device=device)
+    for row, seed in zip(out, noise_seeds):
+        row.uniform_(generator=gen.manual_seed(seed))
+    return out.log_().neg_()
 
 
 def filter_mask(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -101,16 +94,12 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
         candidates = scaled
         if batch.any_filter:
             candidates = scaled.masked_fill(~filter_mask(scaled, batch.top_k, batch.top_p), float("-inf"))
-        gumbel = -torch.log(-torch.log(uniform_noise(batch.seeds, batch.positions, logits.shape[-1])))
-        drawn = (candidates.double() + gumbel).argmax(dim=-1)
+        # Exponential race (= Gumbel-max): argmax_v p_v / E_v draws v with probability p_v.
+        noise = exponential_noise(batch.noise_seeds, logits.shape[-1], logits.device)
+        drawn = (candidates - noise.log()).argmax(dim=-1)
         tokens = torch.where(greedy, tokens, drawn)
-    top_logprobs, top_ids = logprobs.topk(batch.num_logprobs, dim=-1) if batch.num_logprobs else (
-        logprobs[:, :0], torch.zeros_like(tokens)[:, None][:, :0]
-    )
-    return SampleOutput(
-        tokens=tokens,
-        logprobs=logprobs.gather(-1, tokens[:, None])[:, 0],
-        top_ids=top_ids,
-        top_logprobs=top_logprobs,
-        finite=torch.isfinite(logits).all(dim=-1),
-    )
+    top_logprobs, top_ids = logprobs.topk(min(batch.num_logprobs, logprobs.shape[-1]), dim=-1)
+    chosen = logprobs.gather(-1, tokens[:, None])[:, 0]
+    # A NaN or +inf logit makes the whole row's log-softmax NaN, so the chosen entry tells.
+    return SampleOutput(tokens=tokens, logprobs=chosen, top_ids=top_ids, top_logprobs=top_logprobs,
+                        finite=torch.isfinite(chosen))

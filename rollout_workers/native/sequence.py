@@ -8,7 +8,7 @@ import torch
 from sparrow.rollout_workers.api import RolloutRequest, RolloutSample
 from sparrow.schedule import DENSE_BUDGET
 
-from .sampler import SampleOutput
+from .sampler import SampleOutput, mix_seed
 
 
 class Status(enum.Enum):
@@ -18,11 +18,8 @@ class Status(enum.Enum):
 
 
 def sample_seed(base: int, index: int) -> int:
-    """Seed of sample `index` of a request seeded `base` (splitmix64 of both, so samples differ)."""
-    x = (base * 0x9E3779B97F4A7C15 + index + 1) & ((1 << 64) - 1)
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & ((1 << 64) - 1)
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & ((1 << 64) - 1)
-    return x ^ (x >> 31)
+    """Seed of sample `index` of a request seeded `base`."""
+    return mix_seed(base, index)
 
 
 @dataclass(eq=False)

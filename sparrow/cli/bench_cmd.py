@@ -32,7 +32,7 @@ def register(sub) -> None:
     r.add_argument("--samples", type=int, default=1, help="samples per prompt sharing its KV blocks; must divide --batch")
     r.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     r.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    r.add_argument("--attention-backend", default="auto", choices=["auto", "reference", "triton"])
+    r.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "reference", "triton"])
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--json", action="store_true", help="print the results as one JSON object")
     r.set_defaults(handler=run_rollout)

@@ -1,0 +1,94 @@
+"""Bad requests fail alone with a clear message; the CLIs run end to end on the tiny model."""
+
+import json
+import re
+
+import pytest
+import torch
+
+from sparrow.cli.main import main
+from sparrow.rollout_workers.api import RolloutRequest, SamplingParams
+from sparrow.rollout_workers.native import NativeEngine, NativeEngineConfig
+from sparrow.schedule import ScheduleError, SparsitySchedule
+
+
+def test_bad_requests_fail_alone(tiny_qwen3):
+    engine = NativeEngine.from_pretrained(tiny_qwen3, num_kv_blocks=16, max_model_len=256, max_num_seqs=4)
+    good = RolloutRequest("good", tuple(range(5, 30)), SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    bad = {
+        "long": (RolloutRequest("long", tuple([7] * 256)), "the prompt has 256 tokens but max_model_len is 256"),
+        "temp": (RolloutRequest("temp", (5, 6), SamplingParams(temperature=-1.0)), "temperature=-1.0"),
+        "top_p": (RolloutRequest("top_p", (5, 6), SamplingParams(top_p=0.0)), "top_p=0.0"),
+        "vocab": (RolloutRequest("vocab", (5, 99999)), r"token ids \[99999\] are outside the vocabulary"),
+        "empty": (RolloutRequest("empty", ()), "prompt_token_ids is empty"),
+        "n": (RolloutRequest("n", (5, 6), SamplingParams(n=5)), "n=5 exceeds max_num_seqs=4"),
+        "pool": (RolloutRequest("pool", tuple([7] * 250), SamplingParams(n=4)), "the prompt needs 19 KV blocks but the pool has 16"),
+    }
+    samples = engine.generate([good] + [r for r, _ in bad.values()])
+    assert samples[0].request_id == "good" and samples[0].finish_reason == "length" and len(samples[0].token_ids) == 8
+    errors = {s.request_id: s for s in samples[1:]}
+    for name, (_, message) in bad.items():
+        assert errors[name].finish_reason == "error"
+        assert errors[name].token_ids.numel() == 0
+        assert re.search(message, errors[name].error), (name, errors[name].error)
+    assert sum(s.request_id == "n" for s in samples) == 5  # one error sample per requested sample
+    assert engine.stats()["samples_failed"] == 5 + 5 + 4
+
+
+def test_sequence_reaching_max_model_len_stops_with_length(tiny_qwen3):
+    engine = NativeEngine.from_pretrained(tiny_qwen3, num_kv_blocks=32, max_model_len=40)
+    sample = engine.generate([RolloutRequest("x", tuple(range(5, 35)), SamplingParams(max_tokens=100, ignore_eos=True))])[0]
+    assert sample.finish_reason == "length" and len(sample.token_ids) == 10
+
+
+def test_a_sequence_bigger_than_the_pool_errors_without_stalling_others(tiny_qwen3):
+    engine = NativeEngine.from_pretrained(tiny_qwen3, num_kv_blocks=6)
+    big = RolloutRequest("big", tuple(range(5, 70)), SamplingParams(max_tokens=60, temperature=0, ignore_eos=True))
+    small = RolloutRequest("small", tuple(range(5, 10)), SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    out = {s.request_id: s for s in engine.generate([big, small])}
+    assert out["small"].finish_reason == "length"
+    assert out["big"].finish_reason == "error" and "raise num_kv_blocks" in out["big"].error
+    assert engine.blocks.num_used == 0
+
+
+def test_config_and_schedule_errors_name_the_field(tiny_qwen3):
+    with pytest.raises(ValueError, match="dense_layers"):
+        NativeEngine.from_pretrained(tiny_qwen3, num_kv_blocks=8, dense_layers=(0, 9))
+    with pytest.raises(ValueError, match="device"):
+        NativeEngineConfig(device="tpu")
+    with pytest.raises(ValueError, match="prefill_chunk_size"):
+        NativeEngineConfig(prefill_chunk_size=0)
+    with pytest.raises(ValueError, match="extra"):
+        NativeEngineConfig(max_seqs=3)
+    engine = NativeEngine.from_pretrained(tiny_qwen3, num_kv_blocks=8)
+    with pytest.raises(ScheduleError, match="recent=1 but the engine uses recent=2"):
+        engine.set_schedule(SparsitySchedule(name="r1", topk_blocks=(4,), edges=(), recent=1))
+
+
+def test_generate_cli_json(tiny_qwen3, capsys):
+    code = main(["generate", "--model", str(tiny_qwen3), "--prompt", "def main():", "--max-tokens", "6", "--temperature", "0",
+                 "--n", "2", "--logprobs", "3", "--schedule", "qwen3-4b-0.86", "--json", "--chat"])
+    lines = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
+    assert code == 0 and [line["sample"] for line in lines] == [0, 1]
+    first = lines[0]
+    assert len(first["tokens"]) == len(first["logprobs"]) == len(first["blocks_attended"]) <= 6
+    assert len(first["top_ids"][0]) == 3 and first["finish_reason"] in ("stop", "length") and first["prompt"] == "def main():"
+    assert first["tokens"] == lines[1]["tokens"]  # greedy samples agree
+
+
+def test_generate_cli_reports_bad_input(tiny_qwen3, tmp_path, capsys):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "x"}\n{"text": "y"}\n')
+    assert main(["generate", "--model", str(tiny_qwen3), "--prompts-file", str(prompts), "--max-tokens", "2"]) == 2
+    assert "prompts.jsonl:2" in capsys.readouterr().err
+    assert main(["generate", "--model", str(tiny_qwen3), "--prompt", "x", "--max-tokens", "2", "--top-p", "1.5"]) == 2
+    assert "top_p=1.5" in capsys.readouterr().err
+
+
+def test_bench_rollout_cli(capsys):
+    code = main(["bench", "rollout", "--model", "tiny", "--prompt-len", "64", "--gen-len", "8", "--batch", "4",
+                 "--samples", "2", "--budget", "3", "--json"])
+    result = json.loads(capsys.readouterr().out)
+    assert code == 0 and result["dense"]["errors"] == result["sparse"]["errors"] == 0
+    assert result["sparse"]["mean_blocks"] < result["dense"]["mean_blocks"]
+    assert torch.isfinite(torch.tensor(result["decode_speedup"]))
