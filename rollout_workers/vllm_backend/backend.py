@@ -101,11 +101,12 @@ class SparrowSparseImpl(_vllm.AttentionImpl):
         landmarks = self._landmarks(k_blocks, state)
         num = slot_mapping.shape[0]
         key, value = key[:num], value[:num]
-        if kv_cache.device.type != "cuda":
+        backend = state.backend(kv_cache.device)
+        if backend.name == "reference":  # the Triton write skips padding slots (-1) itself, without a host sync
             live = slot_mapping >= 0
             if not bool(live.all()):
                 slot_mapping, key, value = slot_mapping[live], key[live], value[live]
-        state.backend(kv_cache.device).write_kv(k_blocks, v_blocks, landmarks, slot_mapping, key, value, state.attention)
+        backend.write_kv(k_blocks, v_blocks, landmarks, slot_mapping, key, value, state.attention)
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                 output_block_scale=None):
