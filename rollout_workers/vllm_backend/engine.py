@@ -64,6 +64,8 @@ class VllmEngine(RolloutEngine):
         self._samples: dict[str, SampleBuilder] = {}
         self._counters = dict.fromkeys(("tokens_generated", "samples_finished", "samples_failed", "engine_starts"), 0)
         self._busy_seconds = 0.0
+        self._busy_since = 0.0
+        """Wall time with at least one sample in flight (for tokens_per_s), and when the current stretch began."""
         self._weights_root = Path(tempfile.mkdtemp(prefix="sparrow-vllm-weights-"))
         self._current_dir = self.model_dir
         """Where the weights vLLM runs now came from (checkpoints written by load_weights live in _weights_root)."""
@@ -358,8 +360,9 @@ class VllmEngine(RolloutEngine):
             return RolloutSample.failed(request, index, error, self._policy_version, self.schedule_version)
         request_id = f"{request.request_id}/{index}/{next(self._ids)}"
         builder = SampleBuilder(request, index, request.sampling.logprobs, [(0, self._schedule)])
+        if not self._samples:
+            self._busy_since = time.perf_counter()
         self._samples[request_id] = builder
-        started = time.perf_counter()
         try:
             prompt = _vllm.TokensPrompt(prompt_token_ids=list(request.prompt_token_ids))
             async for output in self._llm.generate(prompt, self._vllm_params(request, index), request_id):
@@ -374,7 +377,8 @@ class VllmEngine(RolloutEngine):
                                         builder.versions()[-1])
         finally:
             self._samples.pop(request_id, None)
-            self._busy_seconds += time.perf_counter() - started
+            if not self._samples:
+                self._busy_seconds += time.perf_counter() - self._busy_since
         sample = builder.build(self._policy_version, self.attention.block_size)
         self._counters["samples_finished" if sample.error is None else "samples_failed"] += 1
         return sample
