@@ -169,7 +169,7 @@ def test_schedule_hot_update_changes_the_next_decode_step(sparse_qwen3):
     start = sparse_qwen3.stats()["tokens_generated"]
     with ThreadPoolExecutor(1) as pool:
         future = pool.submit(sparse_qwen3.generate, [request])
-        while sparse_qwen3.stats()["tokens_generated"] - start < 30:
+        while sparse_qwen3.stats()["tokens_generated"] - start < 30 and not future.done():
             time.sleep(0.05)
         sparse_qwen3.set_schedule(new)
         (sample,) = future.result()
@@ -294,7 +294,8 @@ def test_weight_update_on_cpu_equals_a_fresh_load_and_runs_in_a_ray_actor(vllm_e
         ray.get(control("set_schedule").remote(None))
         long = RolloutRequest("long", requests[0].prompt_token_ids, SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True))
         running = actor.generate.remote([long])
-        while ray.get(control("stats").remote())["tokens_generated"] < 20:
+        deadline = time.monotonic() + 300
+        while ray.get(control("stats").remote())["tokens_generated"] < 20 and time.monotonic() < deadline:
             time.sleep(0.05)
         ray.get(control("set_schedule").remote(SMALL))  # hot update while the actor is generating
         (hot,) = ray.get(running)
