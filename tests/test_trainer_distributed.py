@@ -98,6 +98,8 @@ def _reference(model_dir, state, batch: TrajectoryBatch, loss_cfg: LossConfig, s
         out = policy_loss(logp, logp.detach(), t.rollout_logprobs, torch.full_like(logp, t.advantage), mask, loss_cfg, n)
         out.loss.backward()
         total += float(out.sums["pg_loss"])
+        if t.top_ids is None:
+            continue
         top_lp, top_ids = logp_all.detach().topk(topk, -1)
         lo, _ = acceptance_bounds_topk(top_ids, top_lp, t.top_ids, t.top_logprobs)
         hist = alpha.setdefault(t.schedule_version, AlphaHistogram.empty(schedule.num_bins))
@@ -239,3 +241,49 @@ def test_publish_into_native_engine_and_refuse_bad_updates(ray_session, tiny_qwe
     assert "model.layers.0.self_attn.q_proj.weight: shape (3, 3)" in errors[2]
     assert version_after == 1 and all(torch.equal(after[k], served[k]) for k in served)
     assert greedy_after == greedy_v1
+
+
+def _long_batch(seed) -> TrajectoryBatch:
+    """Sequences past 4 blocks, so a top-1 schedule is sparse for most response tokens."""
+    g = torch.Generator().manual_seed(seed)
+    trajs = [
+        Trajectory(torch.randint(3, 2000, (p,), generator=g), torch.randint(3, 2000, (r,), generator=g),
+                   -torch.rand(r, generator=g) * 9, reward=float(i % 2), group_id=str(i // 2))
+        for i, (p, r) in enumerate([(20, 100), (40, 60), (10, 90), (30, 70)])
+    ]
+    return TrajectoryBatch(trajs).with_grpo_advantages()
+
+
+def test_distill_sparse_on_two_ranks(ray_session, tiny_qwen3, tmp_path):
+    """The dense update ignores a trained adapter (gradients = adapter-free reference); workers get
+    W + (α/r)·B·A (= peft's merge of the exported adapter) while the exported policy stays W."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from sparrow.schedule import SparsitySchedule
+
+    distill = {"enabled": True, "kl_coef": 1.0, "rank": 4, "alpha": 8}
+    group = _group(tiny_qwen3, 2, distill_sparse=distill, micro_batch_tokens=256)
+    try:
+        group.set_schedule(SparsitySchedule(name="top1", topk_blocks=(1,) * 20).to_dict())
+        first = group.train_step(_long_batch(0)).metrics
+        clean = group.export_hf(str(tmp_path / "w1"))
+        batch = _long_batch(1)
+        second = group.train_step(batch, return_gradients=True)
+        merged = _weights(group, 1)
+        exported = group.export_hf(str(tmp_path / "w2"))
+    finally:
+        group.shutdown()
+    assert first["distill/kl"] > 0 and first["distill/grad_norm"] > 0 and second.metrics["distill/lr"] == 5 * LR
+    w1 = AutoModelForCausalLM.from_pretrained(clean["policy"], dtype=torch.float32).state_dict()
+    _, grads, _, _ = _reference(tiny_qwen3, w1, batch, LossConfig(), load_schedule(SCHEDULE))
+    for name, g in second.gradients.items():
+        assert torch.allclose(g, grads[name], rtol=1e-4, atol=1e-7), name
+    base = AutoModelForCausalLM.from_pretrained(exported["policy"], dtype=torch.float32)
+    w2 = {k: v.clone() for k, v in base.state_dict().items()}
+    reference_merge = PeftModel.from_pretrained(base, exported["sparse_lora"]).merge_and_unload().state_dict()
+    lora_targets = [k for k in merged if k.endswith("proj.weight")]
+    assert lora_targets and all(not torch.allclose(merged[k], w2[k]) for k in lora_targets)
+    assert all(torch.equal(merged[k], w2[k]) for k in merged if k not in lora_targets)
+    assert all(torch.allclose(merged[k], reference_merge[k], atol=1e-6) for k in merged)
+

@@ -120,7 +120,9 @@ class TrainerRank:
         named = list(module.named_parameters())
         base = [p for n, p in named if not is_lora_param(n)]
         self.lora_params = [p for n, p in named if is_lora_param(n)]
-        for p in self.lora_params:
+        for p in base:  # peft freezes the base model; the dense update trains it
+            p.requires_grad_(True)
+        for p in self.lora_params:  # trained only inside distill_step
             p.requires_grad_(False)
         optimizer, scheduler = make_optimizer(base, cfg.optimizer)
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
@@ -128,6 +130,9 @@ class TrainerRank:
         )
         if distill:
             self.lora_optimizer, self.lora_scheduler = make_optimizer(self.lora_params, cfg.optimizer, cfg.distill_sparse.lr_scale)
+            # The adapter trains outside DeepSpeed (its own optimizer, replicated): its forward must not
+            # register the engine's ZeRO backward hooks, so it calls the module directly.
+            self.lora_forward = PolicyRunner(self.engine.module, self.engine.module, self.device)
         self.forward = PolicyRunner(self.engine, self.engine.module, self.device)
         self.ref_forward = None
         if cfg.loss.kl_coef > 0:
@@ -389,8 +394,8 @@ class TrainerRank:
             normalizer = self._loss_tokens(trajectories)
             for plan in plan_micro_batches([t.total_len for t in trajectories], self.config.micro_batch_tokens):
                 mb = collate(trajectories, plan, pad_id=0)
-                with self.forward.adapter(True):
-                    logq = self.forward.stats(mb, self._sparse_forward(mb)).logprobs
+                with self.lora_forward.adapter(True):
+                    logq = self.lora_forward.stats(mb, self._sparse_forward(mb)).logprobs
                 mask = self._per_token(mb, trajectories, "mask").float()
                 dense = torch.cat([dense_logprobs[i] for i in mb.indices]).to(self.device)
                 kl = k3_kl(logq, dense)
