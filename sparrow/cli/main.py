@@ -10,6 +10,7 @@ SUBCOMMANDS = [
     "sparrow.cli.cost_cmd",
     "sparrow.cli.generate_cmd",
     "sparrow.cli.bench_cmd",
+    "sparrow.cli.train_cmd",
 ]
 
 

@@ -1,0 +1,437 @@
+"""`SparrowConfig`: the one typed configuration of a `sparrow train` job.
+
+It composes the components' own config models (native / vLLM engine, trainer, controller, transport,
+metrics) with the coordinator's sections (data, reward, rollout pool, trainer pool, run). Everything is
+validated before anything starts: unknown keys and bad values fail with the dotted key path, the value
+and the fix (`ConfigError`). Its defaults *are* the embedded default job (docs/coordinator.md).
+
+    config = load_config("job.yaml", overrides=["run.steps=20", "trainer.optimizer.lr=1e-6"])
+"""
+
+import copy
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from sparrow.coordinator.controller import ControllerConfig
+from sparrow.coordinator.metrics import MetricsConfig
+from sparrow.coordinator.transport import TransportConfig
+from sparrow.rollout_workers.native import NativeEngineConfig
+from sparrow.rollout_workers.vllm_backend import VllmEngineConfig
+from sparrow.schedule import SPARROW_EDGES, ScheduleError, SparsitySchedule, load_schedule
+from sparrow.trainer import TrainerConfig
+
+BASE: dict = {"transport": {"port": 0}}
+"""Under every config: a job's servers take free ports and tell the workers (TransportConfig's own default is 50051)."""
+
+EMBEDDED: dict = {
+    "data": {"source": "arithmetic", "arithmetic": {"min_value": 1, "max_value": 20, "terms": 2, "operations": ["+", "-"]}},
+    "rollout": {
+        "engine": "native",
+        "pool": {"size": 1, "cpus": 1},
+        "native": {"max_num_seqs": 32, "max_model_len": 512},
+        "sampling": {"temperature": 0.7, "max_tokens": 96, "n": 4, "logprobs": 20},
+        "schedule": {
+            "name": "smollm2-arith",
+            "edges": [128, 160, 192],
+            "topk_blocks": [2, 2, 3, 4],
+            "notes": ["embedded default: a few 16-token blocks at ~100-250 tokens, so sparse decode is active"],
+        },
+    },
+    "trainer": {
+        "pool": {"size": 1, "cpus": 1},
+        "optimizer": {"lr": 2.0e-6, "weight_decay": 0.0},
+        "gradient_checkpointing": False,
+        "micro_batch_tokens": 4096,
+    },
+    "controller": {
+        "ladder": [1, 2, 3, 4, 5, 6, 8, 10, 12, 16], "min_samples": 200, "window_steps": 2,
+        "lower_patience": 2, "cooldown_steps": 2,
+    },
+    "run": {"steps": 6, "prompts_per_step": 4, "mode": "sync"},
+}
+"""The embedded default job (no --config): SmolLM2-135M on the arithmetic task, sized for a 2-core CPU.
+A config file starts from the components' defaults instead; deploy/configs/embedded.yaml is this job as a file."""
+
+
+class ConfigError(ValueError):
+    """A configuration problem: each line names the dotted key, the value and the fix."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class PoolConfig(_Section):
+    """One Ray pool: `size` actors, each in its own placement-group bundle."""
+
+    size: int = Field(1, ge=1, description="actors in the pool (rollout workers / trainer ranks)")
+    cpus: float = Field(1.0, ge=0, description="CPUs reserved per actor")
+    gpus: float = Field(0.0, ge=0, description="GPUs per actor (rollout: per engine; trainer: 1 per rank)")
+    threads: int | None = Field(None, ge=1, description="torch threads per actor; None = max(1, int(cpus))")
+    node_label: str | None = Field(
+        None, description="custom resource the pool's nodes declare (e.g. ray start --resources '{\"rollout_node\": 1}')"
+    )
+    label_amount: float = Field(0.001, gt=0, le=1, description="amount of node_label each bundle takes")
+    strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field("PACK", description="placement strategy")
+    ready_timeout_s: float = Field(300.0, gt=0, description="seconds to wait for the pool's placement group")
+
+    def bundle(self) -> dict[str, float]:
+        out = {"CPU": self.cpus}
+        if self.gpus:
+            out["GPU"] = self.gpus
+        if self.node_label:
+            out[self.node_label] = self.label_amount
+        return out
+
+    @property
+    def torch_threads(self) -> int:
+        return self.threads or max(1, int(self.cpus))
+
+
+class SamplingConfig(_Section):
+    temperature: float = Field(1.0, gt=0, description="rollout temperature (the trainer's log-probs use the same)")
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0, description="0 = off")
+    max_tokens: int = Field(1024, ge=1, description="generated tokens per sample at most")
+    n: int = Field(8, ge=1, description="samples per prompt (the GRPO group)")
+    logprobs: int = Field(20, ge=0, le=64, description="top-K logprobs per token (needed for α; 0 = off)")
+
+
+class RolloutConfig(_Section):
+    engine: Literal["native", "vllm"] = Field("native", description="rollout backend")
+    pool: PoolConfig = Field(default_factory=PoolConfig)
+    native: NativeEngineConfig = Field(
+        default_factory=NativeEngineConfig, description="native engine settings (model defaults to the top-level model)"
+    )
+    vllm: VllmEngineConfig = Field(default_factory=VllmEngineConfig, description="vLLM engine settings")
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    schedule: str | dict[str, Any] = Field(
+        "dense",
+        description="initial schedule: 'dense', a published name, a schedule file, or an inline mapping",
+    )
+    dense_bin_edges: list[int] | None = Field(
+        None, description="bin edges (tokens) when schedule is 'dense'; None = Sparrow's 2000-token bins"
+    )
+
+    def engine_config(self):
+        return self.native if self.engine == "native" else self.vllm
+
+
+class TrainerSection(TrainerConfig):
+    """`TrainerConfig` (model optional: the top-level model by default) plus the pool it runs on."""
+
+    model: str | None = Field(None, description="HF model directory; None = the top-level model")
+    pool: PoolConfig = Field(default_factory=PoolConfig)
+
+    def trainer_config(self, model: str, temperature: float) -> TrainerConfig:
+        data = self.model_dump(exclude={"pool"})
+        data.update(model=self.model or model, temperature=temperature)
+        return TrainerConfig.model_validate(data)
+
+
+class ControllerSection(ControllerConfig):
+    """`ControllerConfig` plus the switch; the initial schedule is `rollout.schedule` (or `calibration`)."""
+
+    enabled: bool = Field(True, description="adjust the schedule between steps from the measured α tail")
+
+
+class ArithmeticConfig(_Section):
+    """The built-in verifiable task: integer expressions with exact answers."""
+
+    min_value: int = Field(1, description="smallest operand")
+    max_value: int = Field(20, description="largest operand")
+    terms: int = Field(2, ge=2, le=8, description="operands per expression")
+    operations: list[Literal["+", "-", "*"]] = Field(default_factory=lambda: ["+", "-"], min_length=1)
+    instruction: str = Field(
+        "Solve the arithmetic problem. Show the calculation in one short line, then write the final "
+        "answer as a plain integer inside \\boxed{}, for example \\boxed{12}.",
+        description="text before the problem in the user message",
+    )
+
+    @model_validator(mode="after")
+    def _range(self):
+        if self.max_value < self.min_value:
+            raise ValueError(f"max_value={self.max_value} is below min_value={self.min_value}; swap them")
+        return self
+
+
+class DataConfig(_Section):
+    source: Literal["arithmetic", "jsonl", "parquet", "hf"] = Field("arithmetic", description="where prompts come from")
+    path: str | None = Field(None, description="JSONL/Parquet file, or a dataset saved with datasets' save_to_disk")
+    split: str = Field("train", description="split of an hf dataset")
+    prompt_key: str = Field("prompt", description="column with the prompt text (or a list of chat messages)")
+    answer_key: str = Field("answer", description="column with the reference answer")
+    system_prompt: str | None = Field(None, description="system message prepended to every prompt")
+    chat_template: bool = Field(True, description="apply the tokenizer's chat template")
+    shuffle: bool = Field(True, description="reshuffle the dataset every epoch (seeded by run.seed)")
+    arithmetic: ArithmeticConfig = Field(default_factory=ArithmeticConfig)
+
+    @model_validator(mode="after")
+    def _path(self):
+        if self.source in ("jsonl", "parquet", "hf") and not self.path:
+            raise ValueError(f"source={self.source!r} needs path (the dataset file or directory)")
+        if self.source == "arithmetic" and self.path:
+            raise ValueError(f"path={self.path!r} is set but source='arithmetic' generates its prompts; remove path or set source")
+        return self
+
+
+class RewardConfig(_Section):
+    type: Literal["auto", "arithmetic", "math_verify"] = Field(
+        "auto", description="auto = arithmetic for the arithmetic task, math_verify otherwise"
+    )
+    correct: float = Field(1.0, description="reward of a correct answer")
+    incorrect: float = Field(0.0, description="reward of a wrong or missing answer")
+    truncated: float | None = Field(None, description="reward of a sample cut at max_tokens; None = judge it like any other")
+
+    def resolved(self, source: str) -> str:
+        if self.type != "auto":
+            return self.type
+        return "arithmetic" if source == "arithmetic" else "math_verify"
+
+
+class RayConfig(_Section):
+    address: str | None = Field(None, description="None = start a local Ray; 'auto' or host:port = join a cluster")
+    num_cpus: int | None = Field(None, ge=1, description="local Ray only: logical CPUs (None = what the pools need)")
+    num_gpus: int | None = Field(None, ge=0, description="local Ray only: GPUs to declare")
+    resources: dict[str, float] = Field(default_factory=dict, description="local Ray only: custom resources (node labels)")
+    namespace: str = Field("sparrow", description="Ray namespace of the job's actors")
+    log_to_driver: bool = Field(False, description="print actor logs here (they are always in Ray's session logs)")
+
+
+class RunConfig(_Section):
+    steps: int = Field(100, ge=1, description="GRPO steps (policy updates) in total")
+    prompts_per_step: int = Field(32, ge=1, description="prompts per step; each gives rollout.sampling.n samples")
+    mode: Literal["sync", "async"] = Field("sync", description="async: rollouts of later steps overlap training")
+    max_staleness: int | None = Field(
+        None, ge=0, description="async: most policy versions a sample may lag the trainer (default 1); sync: 0"
+    )
+    seed: int = Field(0, description="seeds data order, arithmetic problems and sampling")
+    out_dir: str = Field("runs", description="run directories are created under this folder")
+    name: str | None = Field(None, description="run directory name; None = train-<date>-<time>")
+    checkpoint_every: int = Field(0, ge=0, description="checkpoint every N steps (0 = only at the end)")
+    keep_checkpoints: int = Field(1, ge=1, description="checkpoints kept on disk (older ones are deleted)")
+    weights_channel: Literal["auto", "object_store", "collective"] = Field(
+        "auto", description="auto = collective (NCCL) for sync GPU trainers, Ray's object store otherwise"
+    )
+    cost_hardware: str = Field("h200", description="hardware profile of the predicted speedup (sparrow.cost)")
+    collect_timeout_s: float = Field(600.0, gt=0, description="seconds the trainer waits for a step's samples")
+    ray: RayConfig = Field(default_factory=RayConfig)
+
+    @property
+    def staleness(self) -> int:
+        return self.max_staleness if self.max_staleness is not None else (1 if self.mode == "async" else 0)
+
+    @model_validator(mode="after")
+    def _staleness(self):
+        if self.mode == "sync" and self.max_staleness:
+            raise ValueError(f"max_staleness={self.max_staleness} needs mode='async' (sync mode trains on fresh samples only)")
+        if self.mode == "async" and self.max_staleness == 0:
+            raise ValueError("mode='async' with max_staleness=0 is sync mode; set mode='sync' or max_staleness >= 1")
+        return self
+
+
+class SparrowConfig(_Section):
+    """The whole job. Its defaults are the components' own; `load_config()` without a file gives EMBEDDED."""
+
+    model: str | None = Field(None, description="HF model directory; None = SmolLM2-135M-Instruct, fetched if missing")
+    data: DataConfig = Field(default_factory=DataConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    trainer: TrainerSection = Field(default_factory=TrainerSection)
+    controller: ControllerSection = Field(default_factory=ControllerSection)
+    transport: TransportConfig = Field(default_factory=lambda: TransportConfig(port=0))
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    run: RunConfig = Field(default_factory=RunConfig)
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        s = self.rollout.sampling
+        if "temperature" in self.trainer.model_fields_set and self.trainer.temperature != s.temperature:
+            raise ValueError(
+                f"trainer.temperature={self.trainer.temperature} differs from rollout.sampling.temperature={s.temperature}; "
+                "the trainer scores log-probs at the rollout temperature, so set only rollout.sampling.temperature"
+            )
+        self.trainer.temperature = s.temperature
+        for where, value in (("rollout.native.schedule", self.rollout.native.schedule),
+                             ("rollout.vllm.schedule", self.rollout.vllm.schedule),
+                             ("trainer.schedule", self.trainer.schedule)):
+            if value is not None:
+                raise ValueError(f"{where}={value!r}: the job's schedule is set once, with rollout.schedule")
+        if self.controller.warm_start != "dense":
+            raise ValueError(
+                f"controller.warm_start={self.controller.warm_start!r}: the initial schedule of a job is rollout.schedule "
+                "(or controller.calibration); remove controller.warm_start"
+            )
+        engine = self.rollout.engine_config()
+        if s.n > engine.max_num_seqs:
+            raise ValueError(
+                f"rollout.sampling.n={s.n} exceeds rollout.{self.rollout.engine}.max_num_seqs={engine.max_num_seqs}; "
+                "raise max_num_seqs or lower n"
+            )
+        if self.rollout.engine == "vllm" and (s.top_p != 1.0 or s.top_k != 0):
+            raise ValueError(
+                "rollout.sampling.top_p/top_k: the vLLM backend returns renormalised logprobs under top-p/top-k; "
+                "leave top_p=1 and top_k=0 with rollout.engine='vllm'"
+            )
+        if s.logprobs > self.transport.max_top_k:
+            raise ValueError(f"rollout.sampling.logprobs={s.logprobs} exceeds transport.max_top_k={self.transport.max_top_k}")
+        if self.controller.enabled and s.logprobs == 0:
+            raise ValueError(
+                "controller.enabled=true needs rollout.sampling.logprobs > 0 (α is measured from the rollout's top-k); "
+                "set logprobs (e.g. 20) or controller.enabled=false"
+            )
+        if self.rollout.engine == "vllm" and self.rollout.vllm.max_logprobs < s.logprobs:
+            raise ValueError(
+                f"rollout.sampling.logprobs={s.logprobs} exceeds rollout.vllm.max_logprobs={self.rollout.vllm.max_logprobs}"
+            )
+        if self.run.weights_channel == "collective" and self.run.mode == "async":
+            raise ValueError(
+                "run.weights_channel='collective' needs mode='sync': a broadcast waits for every rollout worker, "
+                "which in async mode are busy generating; use 'object_store' or 'auto'"
+            )
+        template = self.schedule_template()
+        for name in ("sink", "recent"):
+            if getattr(template, name) != getattr(engine, name):
+                raise ValueError(
+                    f"rollout.schedule has {name}={getattr(template, name)} but rollout.{self.rollout.engine}.{name}="
+                    f"{getattr(engine, name)}; make them equal"
+                )
+        if template.block_size != 16:
+            raise ValueError(f"rollout.schedule has block_size={template.block_size}; Sparrow's KV blocks are 16 tokens")
+        return self
+
+    # ------------------------------------------------------------------ derived values
+
+    def initial_schedule(self) -> SparsitySchedule | None:
+        """`rollout.schedule` as a schedule (None = dense); its bins are the job's α length bins."""
+        value = self.rollout.schedule
+        try:
+            if isinstance(value, dict):
+                return SparsitySchedule.from_dict(dict(value), origin="rollout.schedule")
+            if value == "dense":
+                return None
+            return load_schedule(value)
+        except ScheduleError as exc:
+            raise ValueError(f"rollout.schedule: {exc}") from None
+
+    def schedule_template(self) -> SparsitySchedule:
+        """Bins, block size, sink and recent of the job (from the initial schedule, or dense bins)."""
+        schedule = self.initial_schedule()
+        if schedule is not None:
+            return schedule
+        edges = tuple(self.rollout.dense_bin_edges or SPARROW_EDGES)
+        try:
+            return SparsitySchedule(name="dense", topk_blocks=(None,) * (len(edges) + 1), edges=edges)
+        except ScheduleError as exc:
+            raise ValueError(f"rollout.dense_bin_edges: {exc}") from None
+
+    def dump(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False, allow_unicode=True)
+
+
+# ---------------------------------------------------------------------- loading and errors
+
+
+TYPE_TAGS = {"str", "int", "float", "bool", "none", "dict", "list", "tuple"}
+"""Union-member tags pydantic puts in error locations; never config keys."""
+
+
+def _model_at(model: type[BaseModel] | None, loc: tuple) -> type[BaseModel] | None:
+    """The pydantic model class reached by following `loc` from `model` (None if it leaves models)."""
+    for key in loc:
+        if model is None or not isinstance(key, str) or key not in model.model_fields:
+            return None
+        annotation = model.model_fields[key].annotation
+        candidates = [annotation, *getattr(annotation, "__args__", ())]
+        model = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
+    return model
+
+
+def _dotted(loc: tuple) -> str:
+    out = ""
+    for key in loc:
+        out += f"[{key}]" if isinstance(key, int) else (f".{key}" if out else str(key))
+    return out
+
+
+def format_validation_error(exc: ValidationError, root: type[BaseModel] = SparrowConfig) -> str:
+    lines = []
+    for err in exc.errors():
+        loc = tuple(k for k in err["loc"] if not (isinstance(k, str) and ("[" in k or k in TYPE_TAGS)))
+        key = _dotted(loc)
+        if err["type"] == "extra_forbidden":
+            parent = _model_at(root, loc[:-1])
+            allowed = sorted(parent.model_fields) if parent else []
+            close = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
+            hint = f"did you mean {_dotted(loc[:-1] + (close[0],))!r}? " if close else ""
+            lines.append(f"{key}: unknown key; {hint}allowed here: {', '.join(allowed)}")
+            continue
+        msg = err["msg"].removeprefix("Value error, ")
+        value = err.get("input")
+        shown = "" if isinstance(value, (dict, BaseModel)) else f" (got {value!r})"
+        lines.append(f"{key}: {msg}{shown}" if key else msg)
+    return "\n".join(lines)
+
+
+def set_override(data: dict, assignment: str) -> None:
+    """Apply one `a.b.c=value` (value parsed as a YAML scalar or flow collection) to nested dicts."""
+    if "=" not in assignment:
+        raise ConfigError(f"--set {assignment!r}: expected KEY=VALUE, e.g. --set run.steps=10")
+    key, _, text = assignment.partition("=")
+    parts = key.strip().split(".")
+    if not all(parts):
+        raise ConfigError(f"--set {assignment!r}: empty key segment in {key!r}")
+    try:
+        value = yaml.safe_load(text) if text.strip() else None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--set {key}: value {text!r} is not valid YAML ({str(exc).splitlines()[0]})") from None
+    node = data
+    for i, part in enumerate(parts[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {key}: {'.'.join(parts[: i + 1])} is {child!r}, not a section with keys")
+        node = child
+    node[parts[-1]] = value
+
+
+def read_config_file(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r}: no such file")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path}: not valid YAML ({str(exc).splitlines()[0]})") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path}: the top level must be a mapping of sections (data, rollout, trainer, ...)")
+    return data
+
+
+def build_config(data: dict, origin: str = "config") -> SparrowConfig:
+    try:
+        return SparrowConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(f"invalid {origin}:\n{format_validation_error(exc)}") from None
+
+
+def merge(base: dict, top: dict) -> dict:
+    """`top` over `base`, recursively for mappings (lists and scalars in `top` replace)."""
+    out = dict(base)
+    for key, value in top.items():
+        out[key] = merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> SparrowConfig:
+    """The file's config (the embedded default when None) with `--set` overrides applied, validated."""
+    data = merge(BASE, read_config_file(path) if path else copy.deepcopy(EMBEDDED))
+    for assignment in overrides:
+        set_override(data, assignment)
+    origin = f"config {path}" if path else "config (embedded default)"
+    return build_config(data, origin + (" with --set overrides" if overrides else ""))

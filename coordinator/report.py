@@ -1,0 +1,182 @@
+"""The run report: PNG plots and `report.md` from a run directory's metrics and controller logs.
+
+    python -m sparrow.coordinator.report RUN_DIR      # (re)write RUN_DIR/report/
+"""
+
+import sys
+from pathlib import Path
+
+import yaml
+
+from sparrow.tables import format_table
+
+from .run_dir import RunDir
+
+PLOTS = {
+    "reward.png": "Reward per step",
+    "response_length.png": "Response length per step",
+    "alpha_tail.png": "Tail α per length bin vs τ",
+    "budgets.png": "KV budget per length bin over steps",
+}
+
+
+def _series(rows: list[dict], *keys):
+    out = []
+    for r in rows:
+        v = r
+        for k in keys:
+            v = v.get(k) if isinstance(v, dict) else None
+        out.append(v)
+    return out
+
+
+def _target(run_dir: RunDir) -> float:
+    config = yaml.safe_load(run_dir.config_file.read_text()) if run_dir.config_file.exists() else {}
+    return float(((config or {}).get("controller") or {}).get("target", 0.86))
+
+
+def plot(run_dir: RunDir, rows: list[dict], target: float) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = run_dir.report
+    out.mkdir(parents=True, exist_ok=True)
+    steps = [r["step"] + 1 for r in rows]
+    files = []
+
+    def save(fig, ax, name, ylabel):
+        ax.set_xlabel("step")
+        ax.set_ylabel(ylabel)
+        ax.set_title(PLOTS[name])
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=110)
+        plt.close(fig)
+        files.append(out / name)
+
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    mean, std = _series(rows, "rollout", "reward_mean"), _series(rows, "rollout", "reward_std")
+    ax.plot(steps, mean, "o-", label="mean reward")
+    lo = [m - (s or 0) if m is not None else None for m, s in zip(mean, std)]
+    hi = [m + (s or 0) if m is not None else None for m, s in zip(mean, std)]
+    if all(v is not None for v in lo + hi):
+        ax.fill_between(steps, lo, hi, alpha=0.2, label="± std over samples")
+    save(fig, ax, "reward.png", "reward")
+
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    ax.plot(steps, _series(rows, "rollout", "response_length_mean"), "o-", label="mean")
+    ax.plot(steps, _series(rows, "rollout", "response_length_max"), "s--", label="max", alpha=0.7)
+    save(fig, ax, "response_length.png", "generated tokens")
+
+    edges = rows[-1]["schedule"]["edges"]
+    names = _bin_names(edges)
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    for b in range(len(names)):
+        values = [r["alpha"]["p5"][b] if r["alpha"]["tokens"][b] else None for r in rows]
+        if any(v is not None for v in values):
+            ax.plot(steps, [float("nan") if v is None else v for v in values], "o-", label=f"bin {b} ({names[b]})")
+    ax.axhline(target, color="k", ls="--", lw=1, label=f"τ = {target:g}")
+    save(fig, ax, "alpha_tail.png", f"p{rows[-1]['alpha']['percentile']:g} of α (lower bound)")
+
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    dense_y = max((b for r in rows for b in r["schedule"]["blocks"] if b is not None), default=1) + 2
+    for b in range(len(names)):
+        values = [r["schedule"]["blocks"][b] for r in rows]
+        ax.step(steps, [dense_y if v is None else v for v in values], where="post", label=f"bin {b} ({names[b]})")
+    ax.axhline(dense_y, color="grey", ls=":", lw=1)
+    ax.text(steps[0], dense_y, " dense", va="bottom", fontsize=8, color="grey")
+    save(fig, ax, "budgets.png", "KV blocks attended (after the step)")
+    return files
+
+
+def _bin_names(edges: list[int]) -> list[str]:
+    bounds = [0, *edges]
+    return [f"≤{e}" if i == 0 else f"{bounds[i] + 1}–{e}" for i, e in enumerate(edges)] + [f">{edges[-1]}" if edges else "all"]
+
+
+def _fmt(v, spec=".3f"):
+    return "-" if v is None else format(v, spec)
+
+
+def summary_table(rows: list[dict], decisions: list[dict], target: float) -> str:
+    first, last = rows[0], rows[-1]
+    elapsed = sum(r["timing"]["step"] for r in rows)
+    tokens = sum(r["rollout"]["tokens"] for r in rows)
+    changes = sum(r["controller"]["changes"] for r in rows)
+    mean = lambda key: sum(r["timing"][key] for r in rows) / len(rows)  # noqa: E731
+    below = [b for b, (p, n) in enumerate(zip(last["alpha"]["p5"], last["alpha"]["tokens"])) if n and p is not None and p < target]
+    items = [
+        ("steps", f"{first['step'] + 1}–{last['step'] + 1}"),
+        ("time in steps", f"{elapsed:.0f} s ({elapsed / len(rows):.0f} s/step)"),
+        ("per step: rollout wait / train / publish", f"{mean('rollout_wait'):.0f} / {mean('train'):.0f} / {mean('publish'):.1f} s"),
+        ("samples, tokens generated", f"{sum(r['rollout']['samples'] for r in rows)}, {tokens}"),
+        ("reward (first → last step)", f"{_fmt(first['rollout']['reward_mean'])} → {_fmt(last['rollout']['reward_mean'])}"),
+        ("accuracy (first → last step)", f"{_fmt(first['rollout']['accuracy'])} → {_fmt(last['rollout']['accuracy'])}"),
+        ("response length (first → last)",
+         f"{_fmt(first['rollout']['response_length_mean'], '.1f')} → {_fmt(last['rollout']['response_length_mean'], '.1f')}"),
+        ("KV read vs dense (mean)", _fmt(sum(r["rollout"]["kv_read_fraction"] for r in rows) / len(rows))),
+        ("predicted speedup (last, cost model)", _fmt(last["predicted_speedup"], ".2f")),
+        ("final blocks per bin", " ".join("dense" if b is None else str(b) for b in last["schedule"]["blocks"])),
+        ("schedule version", str(last["schedule"]["version"])),
+        ("budget changes by the controller", str(changes)),
+        (f"bins below τ={target:g} at the last step", ", ".join(map(str, below)) or "none"),
+    ]
+    return format_table(["", "value"], [list(i) for i in items])
+
+
+def per_step_table(rows: list[dict]) -> str:
+    out = []
+    for r in rows:
+        tails = " ".join(_fmt(p, ".3f") if n else "-" for p, n in zip(r["alpha"]["p5"], r["alpha"]["tokens"]))
+        blocks = " ".join("d" if b is None else str(b) for b in r["schedule"]["blocks"])
+        out.append([r["step"] + 1, _fmt(r["rollout"]["reward_mean"]), _fmt(r["rollout"]["response_length_mean"], ".1f"),
+                    tails, blocks, _fmt(r["rollout"]["kv_read_fraction"], ".2f"), _fmt(r["rollout"]["tokens_per_s"], ".0f"),
+                    f"{r['timing']['step']:.0f}"])
+    return format_table(["step", "reward", "length", "α p5 per bin", "blocks after", "KV read", "tok/s", "s"], out)
+
+
+def write_report(run_dir: RunDir | str | Path) -> Path:
+    run_dir = run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
+    rows = RunDir.read_jsonl(run_dir.metrics_file)
+    if not rows:
+        raise ValueError(f"{run_dir.metrics_file}: no steps recorded yet; nothing to report")
+    decisions = RunDir.read_jsonl(run_dir.decisions_file)
+    target = _target(run_dir)
+    files = plot(run_dir, rows, target)
+    changes = [(d["step"] + 1, c["bin"], c["old"], c["new"], c["reason"]) for d in decisions for c in d["decisions"] if c["old"] != c["new"]]
+    change_table = format_table(["step", "bin", "old top-k", "new top-k", "reason"],
+                                [["dense" if v is None else v for v in row] for row in changes]) if changes else "none"
+    text = "\n".join([
+        f"# Sparrow training report: {run_dir.path.name}",
+        "",
+        "```", summary_table(rows, decisions, target), "```",
+        "",
+        "## Per step",
+        "",
+        "α p5 is the lower bound of the tail of the per-token acceptance rate per length bin (`-`: no tokens); "
+        "blocks are the KV blocks attended per bin after the step's controller decision (`d` = dense).",
+        "",
+        "```", per_step_table(rows), "```",
+        "",
+        "## Controller changes",
+        "",
+        "```", change_table, "```",
+        "",
+        "## Plots",
+        "",
+        *[f"![{PLOTS[f.name]}]({f.name})" for f in files],
+        "",
+    ])
+    path = run_dir.report / "report.md"
+    path.write_text(text)
+    return path
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m sparrow.coordinator.report RUN_DIR")
+    print(write_report(sys.argv[1]))

@@ -1,0 +1,289 @@
+"""`RolloutWorker`: one rollout engine (native or vLLM) as a Ray actor.
+
+Per step it tokenizes its share of the prompts, generates the GRPO groups, scores every finished
+sample (it holds the reference answers) and streams the samples with their rewards to the trainer
+pool's TrajectoryServer over gRPC as they finish. It serves ControlService itself (schedule updates,
+drain, health) and its own Prometheus /metrics. Weights arrive between generate calls (Ray calls to
+one actor run in submission order), and so does a new schedule: one staged by UpdateSchedule is put
+in force at the start of the next generate call, so every sample has exactly one schedule version.
+
+A plain class: `pools.py` wraps it with `ray.remote`; tests may use it directly.
+"""
+
+import asyncio
+import os
+import queue
+import threading
+import time
+from concurrent import futures
+
+import grpc
+import ray
+import torch
+
+from sparrow.coordinator.metrics import SparrowMetrics, start_metrics_server
+from sparrow.coordinator.transport import ControlServicer, Health, ScheduleState, Trajectory, TrajectoryClient
+from sparrow.protos import sparrow_v1_pb2_grpc as pb_grpc
+from sparrow.rollout_workers.api import RolloutEngine, RolloutRequest, SamplingParams
+from sparrow.schedule import SparsitySchedule
+
+from .config import SparrowConfig
+from .data import PromptRecord, _seed, render_prompt
+from .rewards import RewardFunction
+
+_DONE = object()
+
+
+def engine_model_dir(config: SparrowConfig, model: str) -> str:
+    return config.rollout.engine_config().model or model
+
+
+def build_engine(config: SparrowConfig, model: str, index: int) -> RolloutEngine:
+    """The configured engine on `model` (unless its section names another), seeded per worker."""
+    update = {"model": engine_model_dir(config, model), "seed": _seed(config.run.seed, index, 2) % (2**31)}
+    if config.rollout.engine == "native":
+        from sparrow.rollout_workers.native import NativeEngine
+
+        return NativeEngine(config.rollout.native.model_copy(update=update))
+    from sparrow.rollout_workers.vllm_backend import VllmEngine
+
+    return VllmEngine(config.rollout.vllm.model_copy(update=update))
+
+
+def advertised_host(bind_host: str) -> str:
+    """The address other nodes reach a server bound to `bind_host` at."""
+    if bind_host in ("0.0.0.0", "::", ""):
+        return ray.util.get_node_ip_address()
+    return bind_host
+
+
+class RolloutWorker:
+    def __init__(self, config: dict, model: str, index: int, threads: int):
+        torch.set_num_threads(threads)
+        self.config = SparrowConfig.model_validate(config)
+        self.index, self.worker_id = index, f"rollout-{index}"
+        self.engine = build_engine(self.config, model, index)
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(engine_model_dir(self.config, model))
+        self.reward = RewardFunction(self.config.reward, self.config.data.source)
+        self.client: TrajectoryClient | None = None
+        self.schedule_state = ScheduleState(self._stage_schedule)
+        self._staged: SparsitySchedule | None = None
+        self._lock = threading.Lock()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._draining = False
+        self._tokens = 0
+        self._samples = 0
+        self.metrics = SparrowMetrics(self.config.metrics, worker=self.worker_id, pool="rollout")
+        mcfg = self.config.metrics
+        self.metrics_server = (
+            start_metrics_server(self.metrics, mcfg.model_copy(update={"port": mcfg.port + 1 if mcfg.port else 0, "port_search": 256}))
+            if mcfg.enabled else None
+        )
+        self._control = self._start_control()
+        self.weight_group = None
+
+    # ------------------------------------------------------------------ set-up
+
+    def _start_control(self) -> grpc.Server:
+        transport = self.config.transport
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="control"),
+                             options=transport.grpc_options())
+        pb_grpc.add_ControlServiceServicer_to_server(ControlServicer(self), server)
+        self.control_port = server.add_insecure_port(f"{transport.host}:0")
+        server.start()
+        return server
+
+    def info(self) -> dict:
+        ctx = ray.get_runtime_context()
+        return {
+            "worker_id": self.worker_id,
+            "node_id": ctx.get_node_id(),
+            "pid": os.getpid(),
+            "control_address": f"{advertised_host(self.config.transport.host)}:{self.control_port}",
+            "metrics_url": self.metrics_server.url if self.metrics_server else None,
+            "engine": type(self.engine).__name__,
+        }
+
+    def connect(self, trajectory_address: str) -> None:
+        if self.client is not None:
+            self.client.close()
+        self.client = TrajectoryClient(trajectory_address, self.config.transport, client_id=self.worker_id)
+
+    # ------------------------------------------------------------------ ControlService
+
+    def _stage_schedule(self, schedule: SparsitySchedule) -> None:
+        a = getattr(self.engine, "attention", None)
+        if a is not None and (schedule.block_size, schedule.sink, schedule.recent) != (a.block_size, a.sink, a.recent):
+            raise ValueError(
+                f"schedule {schedule.name!r} v{schedule.version}: block_size/sink/recent "
+                f"{schedule.block_size}/{schedule.sink}/{schedule.recent} differ from the engine's "
+                f"{a.block_size}/{a.sink}/{a.recent}"
+            )
+        with self._lock:
+            self._staged = schedule
+
+    def update_schedule(self, schedule: SparsitySchedule) -> tuple[bool, int]:
+        return self.schedule_state.update(schedule)
+
+    def drain(self, timeout_s: float) -> tuple[bool, int]:
+        """Refuse new generate calls and wait up to `timeout_s` for the one running."""
+        self._draining = True
+        return self._idle.wait(timeout_s), 0 if self._idle.is_set() else 1
+
+    def health(self) -> Health:
+        status = "draining" if self._draining else "serving"
+        version = self.engine.schedule.version if self.engine.schedule is not None else 0
+        gauges = {"tokens": float(self._tokens), "samples": float(self._samples), "busy": float(not self._idle.is_set())}
+        return Health(status, self.worker_id, version, self.engine.policy_version, gauges)
+
+    def resume(self) -> None:
+        self._draining = False
+
+    # ------------------------------------------------------------------ rollouts
+
+    def _requests(self, step: int, records: list[PromptRecord]) -> list[RolloutRequest]:
+        s = self.config.rollout.sampling
+        out = []
+        for r in records:
+            ids = render_prompt(self.tokenizer, r.messages, self.config.data.chat_template)
+            sampling = SamplingParams(
+                max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                seed=_seed(self.config.run.seed, step, r.index, 3), n=s.n, logprobs=s.logprobs,
+            )
+            meta = {"step": str(step), "answer": r.answer, "index": str(r.index)}
+            out.append(RolloutRequest(r.prompt_id, tuple(ids), sampling, metadata=meta))
+        return out
+
+    def _produce(self, requests: list[RolloutRequest], out: queue.Queue) -> None:
+        async def run():
+            async for sample in self.engine.stream(requests):
+                out.put(sample)
+
+        try:
+            asyncio.run(run())
+        except BaseException as exc:  # handed to the caller's thread and re-raised there
+            out.put(exc)
+        finally:
+            out.put(_DONE)
+
+    def generate(self, step: int, records: list[PromptRecord]) -> dict:
+        """Generate, score and send the groups of `records`; returns what was sent and acknowledged."""
+        if self._draining:
+            return {"worker": self.worker_id, "step": step, "drained": True}
+        if self.client is None:
+            raise RuntimeError(f"{self.worker_id}: connect() to the trajectory server before generate()")
+        self._idle.clear()
+        try:
+            with self._lock:
+                staged, self._staged = self._staged, None
+            if staged is not None:
+                self.engine.set_schedule(staged)
+            return self._generate(step, records)
+        finally:
+            self._idle.set()
+
+    def _generate(self, step: int, records: list[PromptRecord]) -> dict:
+        start = time.perf_counter()
+        requests = self._requests(step, records)
+        answers = {r.request_id: r.metadata["answer"] for r in requests}
+        out: queue.Queue = queue.Queue()
+        thread = threading.Thread(target=self._produce, args=(requests, out), name="engine", daemon=True)
+        thread.start()
+        errors: list[BaseException] = []
+        tally = {"samples": 0, "failed": 0, "tokens": 0, "rewards": []}
+
+        def trajectories():
+            while (item := out.get()) is not _DONE:
+                if isinstance(item, BaseException):
+                    errors.append(item)
+                    continue
+                reward = None
+                if item.finish_reason != "error":
+                    text = self.tokenizer.decode(item.token_ids.tolist(), skip_special_tokens=True)
+                    reward = self.reward(text, answers[item.request_id], item.finish_reason)
+                    tally["rewards"].append(reward)
+                else:
+                    tally["failed"] += 1
+                n = int(item.token_ids.numel())
+                tally["samples"] += 1
+                tally["tokens"] += n
+                self._tokens += n
+                self._samples += 1
+                t = Trajectory.of(item, reward=reward, worker_id=self.worker_id)
+                self.metrics.record_samples([t])
+                yield t
+
+        report = self.client.send(trajectories())
+        thread.join()
+        if errors:
+            raise errors[0]
+        seconds = time.perf_counter() - start
+        stats = self.engine.stats()
+        self.metrics.tokens_per_second.labels(worker=self.worker_id, pool="rollout").set(tally["tokens"] / seconds)
+        self.metrics.policy_version.labels(worker=self.worker_id, pool="rollout").set(self.engine.policy_version)
+        return {
+            "worker": self.worker_id, "step": step, "drained": False, "requests": len(requests),
+            "samples": tally["samples"], "failed": tally["failed"], "tokens": tally["tokens"], "seconds": seconds,
+            "rewards": tally["rewards"], "accepted": report.accepted, "duplicate": report.duplicate,
+            "rejected": [(r.id, r.field, r.message) for r in report.rejected], "streams": report.streams,
+            "policy_version": self.engine.policy_version,
+            "schedule_version": self.engine.schedule.version if self.engine.schedule is not None else -1,
+            "engine_tokens_per_s": float(stats.get("tokens_per_s", 0.0)),
+        }
+
+    @ray.method(concurrency_group="monitor")
+    def progress(self) -> dict:
+        """Tokens and samples so far (served concurrently with generate: Ray concurrency group 'monitor')."""
+        try:
+            engine_tokens = int(self.engine.stats().get("tokens_generated", self._tokens))
+        except Exception:  # a stats read racing a step must never break progress reporting
+            engine_tokens = self._tokens
+        return {"tokens": max(engine_tokens, self._tokens), "samples": self._samples}
+
+    # ------------------------------------------------------------------ weights
+
+    def load_weights(self, handle) -> dict:
+        """A version published to Ray's object store (`WeightHandle`)."""
+        from sparrow.trainer.publish import HandleSource, WeightReceiver
+
+        report = WeightReceiver(self.engine).receive(HandleSource(handle))
+        self.metrics.policy_version.labels(worker=self.worker_id, pool="rollout").set(report.version)
+        return {"version": report.version, "bytes": report.nbytes, "seconds": report.seconds}
+
+    def join_weight_group(self, host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float) -> None:
+        from sparrow.trainer.publish import CollectiveGroup
+
+        device = "cuda" if backend == "nccl" else "cpu"
+        self.weight_group = CollectiveGroup(host, port, rank, world_size, backend=backend, device=device, timeout_s=timeout_s)
+
+    def receive_weights(self) -> dict:
+        """The next version broadcast over the weight group (the trainer sends concurrently)."""
+        from sparrow.trainer.publish import CollectiveSource, WeightReceiver
+
+        report = WeightReceiver(self.engine).receive(CollectiveSource(self.weight_group))
+        self.metrics.policy_version.labels(worker=self.worker_id, pool="rollout").set(report.version)
+        return {"version": report.version, "bytes": report.nbytes, "seconds": report.seconds}
+
+    def parameters(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """Copies of the served weights by HF name (native engine only; for checks and debugging)."""
+        model = getattr(self.engine, "model", None)
+        if model is None:
+            raise NotImplementedError(f"{type(self.engine).__name__} does not expose its weights")
+        params = dict(model.named_parameters())
+        return {n: params[n].detach().cpu().clone() for n in names}
+
+    def policy_version(self) -> int:
+        return self.engine.policy_version
+
+    def shutdown(self) -> None:
+        self._control.stop(0)
+        if self.client is not None:
+            self.client.close()
+        if self.metrics_server is not None:
+            self.metrics_server.close()
+        close = getattr(self.engine, "shutdown", None)
+        if close is not None:
+            close()

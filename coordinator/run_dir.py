@@ -1,0 +1,95 @@
+"""A run directory: what a `sparrow train` job leaves behind, and what `--resume` reads back.
+
+    RUN_DIR/config.yaml                 the effective config (resume reads it)
+    RUN_DIR/metrics.jsonl               one line per step
+    RUN_DIR/controller_decisions.jsonl  one line per step: every bin's decision and its reason
+    RUN_DIR/checkpoints/<tag>/          DeepSpeed checkpoint (model, optimizer, LR schedule)
+    RUN_DIR/checkpoints/latest          DeepSpeed's pointer to the newest tag
+    RUN_DIR/checkpoints/<tag>.json      coordinator state at that tag (step, controller, schedule)
+    RUN_DIR/report/                     report.md and PNG plots
+"""
+
+import json
+import math
+import shutil
+import time
+from pathlib import Path
+
+
+def _clean(value):
+    """JSON-safe: NaN/inf become null, tuples lists, tensors and numpy scalars plain numbers."""
+    if isinstance(value, dict):
+        return {str(k): _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    if hasattr(value, "tolist"):
+        return _clean(value.tolist())
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+class RunDir:
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.checkpoints = self.path / "checkpoints"
+        self.report = self.path / "report"
+
+    @classmethod
+    def create(cls, out_dir: str | Path, name: str | None) -> "RunDir":
+        name = name or time.strftime("train-%Y%m%d-%H%M%S")
+        path = Path(out_dir) / name
+        if path.exists() and any(path.iterdir()):
+            raise FileExistsError(f"run directory {path} exists and is not empty; pick another run.name or --resume it")
+        path.mkdir(parents=True, exist_ok=True)
+        return cls(path)
+
+    @property
+    def config_file(self) -> Path:
+        return self.path / "config.yaml"
+
+    @property
+    def metrics_file(self) -> Path:
+        return self.path / "metrics.jsonl"
+
+    @property
+    def decisions_file(self) -> Path:
+        return self.path / "controller_decisions.jsonl"
+
+    def append(self, file: Path, record: dict) -> None:
+        with file.open("a") as f:
+            f.write(json.dumps(_clean(record)) + "\n")
+
+    @staticmethod
+    def read_jsonl(file: Path) -> list[dict]:
+        if not file.exists():
+            return []
+        return [json.loads(line) for line in file.read_text().splitlines() if line.strip()]
+
+    def truncate_after(self, step: int) -> None:
+        """Drop log lines of steps >= `step` (a resumed job redoes them)."""
+        for file in (self.metrics_file, self.decisions_file):
+            rows = [r for r in self.read_jsonl(file) if r["step"] < step]
+            file.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def latest_tag(self) -> str | None:
+        latest = self.checkpoints / "latest"
+        return latest.read_text().strip() if latest.is_file() else None
+
+    def save_state(self, tag: str, state: dict, keep: int) -> None:
+        (self.checkpoints / f"{tag}.json").write_text(json.dumps(_clean(state)))
+        tags = sorted((p.stem for p in self.checkpoints.glob("*.json")), key=lambda t: int(t.removeprefix("step")))
+        for old in tags[:-keep]:
+            shutil.rmtree(self.checkpoints / old, ignore_errors=True)
+            (self.checkpoints / f"{old}.json").unlink(missing_ok=True)
+
+    def load_state(self) -> tuple[str, dict]:
+        tag = self.latest_tag()
+        if tag is None:
+            raise FileNotFoundError(f"--resume {self.path}: no checkpoint there yet (no checkpoints/latest)")
+        state_file = self.checkpoints / f"{tag}.json"
+        if not state_file.is_file():
+            raise FileNotFoundError(f"--resume {self.path}: checkpoint {tag} has no coordinator state ({state_file.name})")
+        return tag, json.loads(state_file.read_text())

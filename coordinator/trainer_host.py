@@ -1,0 +1,178 @@
+"""`TrainerHost`: a `TrainerRank` that is also the trainer pool's gRPC endpoint (rank 0).
+
+Rank 0 serves the TrajectoryServer. A background thread moves every acknowledged sample from the
+server's queue into `pending` (keyed by sample id), so samples of later steps (async mode) wait
+there instead of blocking the senders. `collect(step, ids)` takes exactly the ids the coordinator
+dispatched for that step, computes GRPO advantages over the whole batch, shards it across the ranks
+(balanced by tokens) and puts each shard in Ray's object store; every rank then trains on its shard
+(`train_shard`) and records the ids it trained on. Rank 0 streams the step's α histograms and
+metrics to the coordinator's MonitorServer.
+
+Why this gives "every sample sent is trained on exactly once": the server de-duplicates by id (a
+resend is acked DUPLICATE, never queued twice); `pending` is a dict keyed by id; `collect` pops each
+dispatched id exactly once and fails naming the ids that never arrived; `TrajectoryBatch.shard`
+partitions the batch; each rank appends exactly its shard to its ledger (`trained_ids`).
+"""
+
+import math
+import threading
+import time
+
+import ray
+import torch
+
+from sparrow.acceptance import AlphaHistogram
+from sparrow.coordinator.transport import StatsClient, StatsRecord, TrajectoryServer, TransportConfig
+from sparrow.trainer import TrainerRank, Trajectory, TrajectoryBatch
+
+from .rollout_worker import advertised_host
+
+
+def to_trainer_trajectory(t) -> Trajectory:
+    """A received transport `Trajectory` (sample + reward + ids) as the trainer's `Trajectory`."""
+    s = t.sample
+    if t.reward is None:
+        raise ValueError(f"sample {t.sample_id}: no reward; rollout workers score every sample they send")
+    has_top = s.top_ids.dim() == 2 and s.top_ids.shape[-1] > 0
+    return Trajectory(
+        prompt_ids=torch.as_tensor(list(s.prompt_token_ids), dtype=torch.long),
+        response_ids=s.token_ids.long(),
+        rollout_logprobs=s.logprobs.float(),
+        reward=float(t.reward),
+        group_id=t.group_id,
+        top_ids=s.top_ids.long() if has_top else None,
+        top_logprobs=s.top_logprobs.float() if has_top else None,
+        policy_version=s.policy_version,
+        schedule_version=s.schedule_version,
+        sample_id=t.sample_id,
+    )
+
+
+def kv_blocks_dense(prompt_len: int, response_len: int, block_size: int) -> int:
+    """KV blocks a dense decode reads over a response: token t's pass sees P + t tokens."""
+    lengths = prompt_len + torch.arange(response_len)
+    return int(((lengths + block_size - 1) // block_size).sum())
+
+
+def summarise(items: list, policy_version: int, block_size: int) -> dict:
+    """What the coordinator logs about a step's samples (all of them, failed ones included)."""
+    ok = [t for t in items if t.sample.finish_reason != "error"]
+    lengths = [int(t.sample.token_ids.numel()) for t in ok]
+    attended = sum(int(t.sample.blocks_attended.sum()) for t in ok)
+    dense = sum(kv_blocks_dense(len(t.sample.prompt_token_ids), int(t.sample.token_ids.numel()), block_size) for t in ok)
+    return {
+        "samples": len(items),
+        "failed": len(items) - len(ok),
+        "errors": [t.sample.error for t in items if t.sample.finish_reason == "error"][:3],
+        "rewards": [float(t.reward) for t in ok],
+        "response_lengths": lengths,
+        "prompt_lengths": [len(t.sample.prompt_token_ids) for t in ok],
+        "truncated": sum(t.sample.finish_reason == "length" for t in ok),
+        "staleness": [policy_version - t.sample.policy_version for t in ok],
+        "kv_read_fraction": attended / dense if dense else 1.0,
+        "schedule_versions": sorted({t.sample.schedule_version for t in ok}),
+    }
+
+
+class TrainerHost(TrainerRank):
+    def __init__(self, config: dict, rank: int, world_size: int, threads: int):
+        torch.set_num_threads(threads)
+        super().__init__(config, rank, world_size)
+        self.trained: list[str] = []
+        self.server: TrajectoryServer | None = None
+        self.stats_client: StatsClient | None = None
+        self.pending: dict[str, object] = {}
+        self._cond = threading.Condition()
+        self._stop = threading.Event()
+
+    def node(self) -> dict:
+        return {"rank": self.rank, "node_id": ray.get_runtime_context().get_node_id()}
+
+    # ------------------------------------------------------------------ ingest (rank 0)
+
+    def start_ingest(self, transport: dict, monitor_address: str) -> str:
+        """Serve trajectories; returns the address rollout workers send to."""
+        config = TransportConfig.model_validate(transport)
+        self.server = TrajectoryServer(config, server_id=f"trainer-{self.rank}")
+        port = self.server.start()
+        threading.Thread(target=self._drain_queue, name="ingest", daemon=True).start()
+        self.stats_client = StatsClient(monitor_address, config, client_id=f"trainer-{self.rank}")
+        return f"{advertised_host(config.host)}:{port}"
+
+    def _drain_queue(self) -> None:
+        while not self._stop.is_set():
+            for t in self.server.get_batch(256, timeout=0.2):
+                with self._cond:
+                    if t.sample_id in self.pending:  # the server's dedupe makes this impossible
+                        raise RuntimeError(f"sample {t.sample_id} received twice")
+                    self.pending[t.sample_id] = t
+                    self._cond.notify_all()
+
+    def resume_ingest(self) -> None:
+        """Reopen the trajectory server after a Drain RPC."""
+        self.server.resume()
+
+    def ingest_stats(self) -> dict:
+        with self._cond:
+            pending = len(self.pending)
+        return {**self.server.stats(), "pending": float(pending)}
+
+    def collect(self, step: int, expected: list[str], policy_version: int, max_staleness: int, timeout_s: float) -> dict:
+        """Take exactly the `expected` samples; shards (object refs, one per rank) and a summary."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while missing := [i for i in expected if i not in self.pending]:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(
+                        f"step {step}: {len(missing)} of {len(expected)} samples never reached the trainer after "
+                        f"{timeout_s:g} s (e.g. {missing[:3]}); raise run.collect_timeout_s or check the rollout workers"
+                    )
+                self._cond.wait(min(left, 1.0))
+            items = [self.pending.pop(i) for i in expected]
+        stale = [t.sample_id for t in items if policy_version - t.sample.policy_version > max_staleness]
+        if stale:  # admission control in the coordinator makes this an invariant violation
+            raise RuntimeError(f"step {step}: samples {stale[:3]} are more than {max_staleness} policy versions old")
+        summary = summarise(items, policy_version, self.bins.block_size)
+        ok = [to_trainer_trajectory(t) for t in items if t.sample.finish_reason != "error"]
+        if not ok:
+            raise RuntimeError(f"step {step}: all {len(items)} samples failed (e.g. {summary['errors'][:1]})")
+        loss = self.config.loss
+        batch = TrajectoryBatch(ok).with_grpo_advantages(loss.advantage_std_norm, loss.advantage_eps)
+        shards = [ray.put(shard) for _, shard in batch.shard(self.world_size)]
+        return {"shards": shards, "summary": summary}
+
+    # ------------------------------------------------------------------ training (all ranks)
+
+    def train_shard(self, shard: TrajectoryBatch, step: int, policy_version: int) -> dict | None:
+        """One GRPO update on this rank's shard (collective); rank 0 reports α and metrics to the monitor."""
+        result = self.train_step(shard)
+        self.trained.extend(t.sample_id for t in shard)
+        if self.rank != 0:
+            return None
+        metrics = {k: float(v) for k, v in result.metrics.items()}
+        finite = {k: v for k, v in metrics.items() if math.isfinite(v)}
+        versions = sorted(result.alpha.lower) or [max(self.bins.version, 0)]
+        empty = AlphaHistogram.empty(self.bins.num_bins)
+        records = [
+            StatsRecord(
+                report_id=f"step{step}-v{v}", trainer_id=f"trainer-{self.rank}", step=step,
+                policy_version=policy_version, schedule_version=v,
+                alpha=result.alpha.lower.get(v, empty), alpha_upper=result.alpha.upper.get(v, empty), metrics=finite,
+            )
+            for v in versions
+        ]
+        report = self.stats_client.send(records)
+        if report.rejected:
+            raise RuntimeError(f"the monitor rejected step {step}'s statistics: {report.rejected[0]}")
+        return metrics
+
+    def trained_ids(self) -> list[str]:
+        return list(self.trained)
+
+    def stop_ingest(self) -> None:
+        self._stop.set()
+        if self.server is not None:
+            self.server.stop(grace=0)
+        if self.stats_client is not None:
+            self.stats_client.close()

@@ -1,0 +1,179 @@
+"""`sparrow train` end to end with the tiny model through real Ray, real gRPC and real DeepSpeed.
+
+Sync job with 2 trainer ranks: every dispatched sample is trained on exactly once, also across a
+forced retry (the trajectory server drains mid-step, the workers back off and resend) and forced
+duplicates (resends of already-trained ids are acked DUPLICATE); the workers serve exactly the
+trainer's weights after each update; /metrics is served over HTTP by the coordinator and a worker.
+Async job (1 rank, max_staleness 1): rollouts of step k+1 run while step k trains, no sample is
+more than one policy version old, and `sparrow train --resume` continues from the checkpoint.
+"""
+
+import json
+import os
+import threading
+import time
+import urllib.request
+
+import pytest
+import torch
+
+ray = pytest.importorskip("ray")
+
+from sparrow.cli.main import main  # noqa: E402
+from sparrow.coordinator.config import load_config  # noqa: E402
+from sparrow.coordinator.driver import TrainingJob  # noqa: E402
+from sparrow.coordinator.run_dir import RunDir  # noqa: E402
+from sparrow.coordinator.transport import ControlClient, Trajectory, TrajectoryClient  # noqa: E402
+from sparrow.rollout_workers.api import RolloutSample  # noqa: E402
+from sparrow.trainer.publish import HandleSource, receive_state_dict  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+TINY_JOB = """
+model: {model}
+data:
+  arithmetic: {{min_value: 0, max_value: 1, operations: ["+"]}}
+rollout:
+  pool: {{size: 1, cpus: 0.5}}
+  native: {{max_num_seqs: 16, max_model_len: 256, num_kv_blocks: 512}}
+  sampling: {{max_tokens: 20, n: 4, temperature: 1.0}}
+  schedule: {{name: tiny, edges: [80, 96], topk_blocks: [2, 2, 3]}}
+trainer:
+  pool: {{size: {ranks}, cpus: 0.5}}
+  optimizer: {{lr: 1.0e-3}}
+  micro_batch_tokens: 512
+  recompute_topk: 8
+controller:
+  ladder: [1, 2, 3, 4, 6, 8]
+  min_samples: 20
+  window_steps: 1
+metrics: {{port: 0}}
+run:
+  steps: {steps}
+  prompts_per_step: 3
+  mode: {mode}
+  out_dir: {out}
+"""
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def _config_file(tmp_path, model, **kw):
+    path = tmp_path / "job.yaml"
+    path.write_text(TINY_JOB.format(model=model, out=tmp_path / "runs", **kw))
+    return path
+
+
+def _expected_ids(job: TrainingJob, steps: range) -> list[str]:
+    n = job.config.rollout.sampling.n
+    return [f"{r.prompt_id}#{i}" for k in steps for r in job.data.batch(k, job.config.run.prompts_per_step) for i in range(n)]
+
+
+def _duplicate(sample_id: str) -> Trajectory:
+    """A different sample under an id that was already accepted."""
+    sample = RolloutSample(
+        request_id=sample_id.split("#")[0], sample_index=int(sample_id.split("#")[1]), prompt_token_ids=[5, 6, 7],
+        token_ids=torch.tensor([9, 9]), logprobs=torch.tensor([-1.0, -1.0]), top_ids=torch.zeros(2, 0, dtype=torch.long),
+        top_logprobs=torch.zeros(2, 0), blocks_attended=torch.tensor([1, 1], dtype=torch.int32),
+        finish_reason="length", policy_version=0, schedule_version=0,
+    )
+    return Trajectory.of(sample, reward=1.0, sample_id=sample_id)
+
+
+def _scrape(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return response.read().decode()
+
+
+def test_sync_job_trains_every_sample_exactly_once_and_publishes_weights(ray_cluster, tiny_qwen3, tmp_path):
+    config = load_config(_config_file(tmp_path, tiny_qwen3, ranks=2, steps=2, mode="sync"))
+    run_dir = RunDir.create(config.run.out_dir, "sync")
+    initial = receive_state_dict_from_checkpoint(tiny_qwen3)
+    with TrainingJob(config, run_dir, progress=False, log=lambda *_: None) as job:
+        first = job.run(steps=1)[0]
+        trained_first = sorted(sum(job.trained_ids(), []))
+        assert trained_first == sorted(_expected_ids(job, range(1)))
+
+        # Forced duplicates: resending trained ids (with other content) is acknowledged DUPLICATE, never queued.
+        with TrajectoryClient(job.trajectory_address, config.transport, client_id="test") as client:
+            report = client.send(_duplicate(i) for i in trained_first[:5])
+        assert (report.accepted, report.duplicate, report.rejected) == (0, 5, [])
+
+        # Forced retry: the trajectory server drains during step 2's rollouts; the worker backs off and resends.
+        with ControlClient(job.trajectory_address, config.transport) as control:
+            assert control.drain(0.0)[0]
+        reopen = threading.Timer(1.0, lambda: ray.get(job.trainers.rank0.resume_ingest.remote()))
+        reopen.start()
+        second = job.run(steps=1)[0]
+        reopen.join()
+        assert second["rollout"]["streams"] > 1
+
+        per_rank = job.trained_ids()
+        trained = sum(per_rank, [])
+        assert all(per_rank), "both ranks trained on a shard"
+        assert len(trained) == len(set(trained)), "a sample was trained on twice"
+        assert sorted(trained) == sorted(_expected_ids(job, range(2)))
+        assert first["rollout"]["accepted"] + second["rollout"]["accepted"] == len(trained)
+
+        # The workers serve exactly the trainer's weights, version 2, and they moved away from the initial ones.
+        report = job.trainers.call("publish_weights", job.version, "object_store")[0]
+        trainer_state, _ = receive_state_dict(HandleSource(report.handle))
+        served = ray.get(job.rollouts.actors[0].parameters.remote(list(trainer_state)))
+        assert ray.get(job.rollouts.actors[0].policy_version.remote()) == job.version == 2
+        for name, tensor in trainer_state.items():
+            assert torch.equal(served[name], tensor), name
+        assert any(not torch.equal(trainer_state[n], initial[n]) for n in trainer_state)
+
+        coordinator = _scrape(job.metrics_server.url)
+        assert "sparrow_train_step 2.0" in coordinator
+        assert 'sparrow_alpha_bucket{bin="' in coordinator
+        assert 'sparrow_schedule_budget_blocks{bin="0"}' in coordinator
+        assert 'sparrow_queue_depth{queue="trajectory"}' in coordinator
+        assert 'sparrow_weight_publication_seconds_count{pool="trainer"} 2.0' in coordinator
+        worker = _scrape(job.workers[0]["metrics_url"])
+        assert 'sparrow_policy_version{pool="rollout",worker="rollout-0"} 2.0' in worker
+        assert 'sparrow_rollout_samples_total{finish_reason="length",pool="rollout",worker="rollout-0"}' in worker
+
+    rows = RunDir.read_jsonl(run_dir.metrics_file)
+    assert [r["step"] for r in rows] == [0, 1]
+    decisions = RunDir.read_jsonl(run_dir.decisions_file)
+    assert [d["step"] for d in decisions] == [0, 1] and all(len(d["decisions"]) == 3 for d in decisions)
+    assert run_dir.latest_tag() == "step2"
+    assert not ray.util.list_named_actors(), "the job left actors behind"
+
+
+def receive_state_dict_from_checkpoint(model_dir) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(model_dir / "model.safetensors"))
+
+
+def test_async_job_bounds_staleness_and_resumes(ray_cluster, tiny_qwen3, tmp_path, capsys):
+    path = _config_file(tmp_path, tiny_qwen3, ranks=1, steps=3, mode="async")
+    config = load_config(path, ["run.checkpoint_every=1", "run.name=async"])
+    run_dir = RunDir.create(config.run.out_dir, "async")
+    run_dir.config_file.write_text(config.dump())
+    with TrainingJob(config, run_dir, progress=False, log=lambda *_: None) as job:
+        records = job.run(steps=2)
+        assert len(job.inflight) == 1, "step 3's rollouts run while step 2 trains"
+        trained = sum(job.trained_ids(), [])
+    assert sorted(trained) == sorted(_expected_ids(job, range(2)))
+    assert records[0]["rollout"]["staleness_max"] == 0
+    assert records[1]["rollout"]["staleness_max"] == 1, "step 2 was generated by policy 0 while step 1 trained"
+
+    assert main(["train", "--resume", str(run_dir.path), "--no-progress"]) == 0
+    out = capsys.readouterr()
+    rows = RunDir.read_jsonl(run_dir.metrics_file)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert rows[2]["policy_version"] == 2 and rows[2]["rollout"]["staleness_max"] == 0
+    state = json.loads((run_dir.checkpoints / "step3.json").read_text())
+    assert state["step"] == 3 and state["controller"]["step"] == 3
+    assert not (run_dir.checkpoints / "step1").exists(), "keep_checkpoints=1 deletes older checkpoints"
+    assert (run_dir.report / "report.md").is_file() and (run_dir.report / "alpha_tail.png").is_file()
+    assert "report:" in out.out
