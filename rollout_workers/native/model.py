@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from .model_spec import ModelSpec
-from .rope import RotaryEmbedding
+from .rope import RotaryEmbedding, apply_rotary
 
 
 class Attention(Protocol):
@@ -28,9 +28,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        # Normalises in float32 like HF's RMSNorm; one fused kernel on CUDA instead of seven launches.
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 class SelfAttention(nn.Module):
@@ -47,14 +46,14 @@ class SelfAttention(nn.Module):
             self.k_norm = RMSNorm(d, spec.rms_norm_eps)
         self.qk_norm = spec.qk_norm
 
-    def forward(self, x, positions, rope: RotaryEmbedding, attention: Attention, layer: int) -> torch.Tensor:
+    def forward(self, x, rotary: tuple[torch.Tensor, torch.Tensor], attention: Attention, layer: int) -> torch.Tensor:
         n = x.shape[0]
         q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(q, k, positions)
+        q, k = apply_rotary(q, k, *rotary)
         out = attention(layer, q, k, v)
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
 
@@ -79,8 +78,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = MLP(spec)
 
-    def forward(self, x, positions, rope, attention, layer):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, attention, layer)
+    def forward(self, x, rotary, attention, layer):
+        x = x + self.self_attn(self.input_layernorm(x), rotary, attention, layer)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -117,8 +116,9 @@ class DecoderModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: Attention) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
+        rotary = self.rope(positions, x.dtype)
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, positions, self.rope, attention, i)
+            x = layer(x, rotary, attention, i)
         return self.model.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

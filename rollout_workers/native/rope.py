@@ -65,7 +65,7 @@ def _yarn(base: float, dim: int, params: dict) -> tuple[torch.Tensor, float]:
 
 
 class RotaryEmbedding(torch.nn.Module):
-    """Applies RoPE (rotate-half convention) to `q: [N, H, D]`, `k: [N, H_kv, D]` at `positions: [N]`."""
+    """cos/sin tables; `forward(positions, dtype)` gathers them once per model forward for all layers."""
 
     def __init__(self, params: dict, head_dim: int, max_positions: int, device=None):
         super().__init__()
@@ -76,10 +76,13 @@ class RotaryEmbedding(torch.nn.Module):
         self.register_buffer("cos", (emb.cos() * scaling).to(device), persistent=False)
         self.register_buffer("sin", (emb.sin() * scaling).to(device), persistent=False)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].to(q.dtype)[:, None, :]
-        sin = self.sin[positions].to(q.dtype)[:, None, :]
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """RoPE in the rotate-half convention on `q: [N, H, D]`, `k: [N, H_kv, D]` with `cos, sin: [N, 1, D]`."""
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -33,6 +33,7 @@ def register(sub) -> None:
     r.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     r.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     r.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "reference", "triton"])
+    r.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--json", action="store_true", help="print the results as one JSON object")
     r.set_defaults(handler=run_rollout)
@@ -112,6 +113,10 @@ def run_rollout(args) -> int:
             raise ValueError(f"--{flag.replace('_', '-')}={getattr(args, flag)}: must be >= 1")
     if args.batch % args.samples:
         raise ValueError(f"--batch={args.batch} is not a multiple of --samples={args.samples}")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads={args.threads}: must be >= 1")
+        torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     total = args.prompt_len + args.gen_len
@@ -138,10 +143,10 @@ def run_rollout(args) -> int:
                                                            n=args.samples, ignore_eos=True, logprobs=20))
                 for i, p in enumerate(prompts)]
 
-    engine.generate(requests(2))  # warm-up: allocator, kernels, caches
     rows, results = [], {}
     for mode, sched in (("dense", None), ("sparse", schedule)):
         engine.set_schedule(sched)
+        engine.generate(requests(2))  # warm-up of this mode's kernels (Triton compiles on first use)
         before = engine.stats()
         samples = engine.generate(requests(args.gen_len))
         after = engine.stats()
@@ -158,13 +163,15 @@ def run_rollout(args) -> int:
                      f"{res['decode_tok_s']:.1f}", f"{res['total_tok_s']:.1f}", f"{res['mean_blocks']:.1f}"])
     ratio = results["sparse"]["decode_tok_s"] / results["dense"]["decode_tok_s"]
     info = {"model": args.model, "device": str(device), "dtype": str(dtype).replace("torch.", ""),
+            "threads": torch.get_num_threads() if device.type == "cpu" else None,
             "backend": engine.backend.name, "prompt_len": args.prompt_len, "gen_len": args.gen_len,
             "batch": args.batch, "samples": args.samples, "schedule": schedule.name, **{k: v for k, v in results.items()},
             "decode_speedup": ratio}
     if args.json:
         print(json.dumps(info))
         return 0
-    print(f"{args.model} on {info['device']} ({info['dtype']}, {info['backend']} attention), batch {args.batch} "
+    threads = f", {info['threads']} threads" if info["threads"] else ""
+    print(f"{args.model} on {info['device']}{threads} ({info['dtype']}, {info['backend']} attention), batch {args.batch} "
           f"({len(prompts)} prompts x {args.samples}), prompt {args.prompt_len} + gen {args.gen_len} tokens")
     print(format_table(["mode", "prefill s", "decode s", "decode tok/s", "total tok/s", "blocks/token"], rows))
     print(f"sparse / dense decode throughput: {ratio:.2f}x")
