@@ -16,11 +16,14 @@ import torch
 from .config import OptimizerConfig, TrainerConfig
 
 
-def resolve_device(config: TrainerConfig) -> torch.device:
+def resolve_device(config: TrainerConfig, rank: int) -> torch.device:
+    """CPU, or this rank's GPU among the visible ones (Ray gives each actor one: index 0) — made current."""
     if config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             raise ValueError("device='cuda' but CUDA is not available; use device='cpu' or 'auto'")
-        return torch.device("cuda", torch.cuda.current_device())
+        index = rank % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
     return torch.device("cpu")
 
 

@@ -50,7 +50,8 @@ LOSS_SUM_KEYS = (
     "tokens", "clipped", "dual_clipped", "tis_capped", "band_masked", "abs_log_ratio", "ppo_kl", "pg_loss",
     "entropy", "tokens_total",
 )
-"""Per-step sums every rank reports (in this order of keys, so the all-reduce lines up)."""
+"""Per-step sums every rank reports: the same keys everywhere, so the all-reduce lines up even on a
+rank whose shard was empty."""
 
 
 def _split(t: torch.Tensor, lengths: list[int]) -> list[torch.Tensor]:
@@ -86,10 +87,10 @@ class TrainerRank:
 
     def setup(self, master_addr: str = "127.0.0.1", master_port: int = 29500) -> dict:
         cfg = self.config
-        self.device = resolve_device(cfg)
+        self.device = resolve_device(cfg, self.rank)
         self.dtype = resolve_dtype(cfg, self.device)
         if self.device.type == "cuda":
-            local_rank, local_size = torch.cuda.current_device(), torch.cuda.device_count()
+            local_rank, local_size = self.device.index, torch.cuda.device_count()
         else:
             local_rank, local_size = self.rank, self.world_size
         set_rank_environment(self.rank, self.world_size, master_addr, master_port, local_rank, local_size)
@@ -129,6 +130,8 @@ class TrainerRank:
             model=module, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
         )
         if distill:
+            for p in self.lora_params:  # DeepSpeed cast the module to bf16 on GPU; the adapter keeps fp32 weights
+                p.data = p.data.float()  # (peft casts activations to the adapter's dtype and back)
             self.lora_optimizer, self.lora_scheduler = make_optimizer(self.lora_params, cfg.optimizer, cfg.distill_sparse.lr_scale)
             # The adapter trains outside DeepSpeed (its own optimizer, replicated): its forward must not
             # register the engine's ZeRO backward hooks, so it calls the module directly.

@@ -7,7 +7,8 @@
   (manifest + object refs) is passed to the workers, which fetch them.
 
 Senders implement begin(manifest) / send(bucket index, flat tensor) / finish(); sources (the receiving
-side) implement manifest() / bucket(index, bucket).
+side) implement manifest() / bucket(index, bucket) / finish(). finish() returns once the data has
+landed, so the publication time covers the whole transfer.
 """
 
 from dataclasses import dataclass
@@ -43,6 +44,18 @@ class CollectiveGroup:
         self.group.broadcast(tensor, 0).wait()
         return tensor
 
+    def synchronize(self) -> None:
+        """Wait until the broadcasts have landed (NCCL's wait() only orders the CUDA stream)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def close(self) -> None:
+        """Leave the group; both sides call it when done, so neither sees the other vanish mid-flight."""
+        self.synchronize()
+        shutdown = getattr(self.group, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+
     def broadcast_bytes(self, payload: bytes | None) -> bytes:
         size = torch.tensor([len(payload) if self.rank == 0 else 0], dtype=torch.long, device=self.device)
         self.broadcast(size)
@@ -67,7 +80,7 @@ class CollectiveSender:
         self.group.broadcast(flat.to(self.group.device))
 
     def finish(self) -> None:
-        return None
+        self.group.synchronize()
 
 
 class CollectiveSource:
@@ -81,6 +94,9 @@ class CollectiveSource:
 
     def bucket(self, index: int, bucket: Bucket) -> torch.Tensor:
         return self.group.broadcast(torch.empty(bucket.numel, dtype=DTYPES[bucket.dtype], device=self.group.device))
+
+    def finish(self) -> None:
+        self.group.synchronize()
 
 
 @dataclass
@@ -118,3 +134,6 @@ class HandleSource:
         import ray
 
         return ray.get(self.handle.refs[index])
+
+    def finish(self) -> None:
+        return None

@@ -71,6 +71,7 @@ def receive_state_dict(source, device: torch.device | str = "cpu") -> tuple[dict
     state: dict[str, torch.Tensor] = {}
     for index, bucket in enumerate(manifest.buckets):
         state.update(unpack(bucket, source.bucket(index, bucket).to(device)))
+    source.finish()
     return state, manifest.version
 
 
