@@ -137,12 +137,6 @@ class TrajectoryBatch:
             members[s].append(i)
         return [(sorted(m), TrajectoryBatch([self.trajectories[i] for i in sorted(m)])) for m in members]
 
-    def split(self, num_parts: int) -> list["TrajectoryBatch"]:
-        """Consecutive, near-equal parts (PPO mini-batches); groups are not kept together."""
-        n = len(self)
-        bounds = [round(k * n / num_parts) for k in range(num_parts + 1)]
-        return [TrajectoryBatch(self.trajectories[a:b]) for a, b in zip(bounds, bounds[1:])]
-
     @classmethod
     def from_rollout_samples(
         cls,

@@ -3,8 +3,6 @@
 The caller owns Ray (`ray.init` / `ray.shutdown`); this module only creates and calls actors.
 """
 
-from dataclasses import replace
-
 import ray
 
 from .batch import TrajectoryBatch
@@ -15,14 +13,17 @@ from .results import RecomputeResult, StepResult
 
 class TrainerGroup:
     """`num_ranks` ranks of one trainer. `actor_options` go to `.options()` of every actor
-    (default: one GPU each when the config runs on CUDA, else one CPU)."""
+    (default: one GPU each when the config runs on CUDA — or on "auto" in a cluster with GPUs —
+    else one CPU)."""
 
     def __init__(self, config: TrainerConfig | dict, num_ranks: int, actor_options: dict | None = None):
         self.config = config if isinstance(config, TrainerConfig) else TrainerConfig.model_validate(config)
         if num_ranks < 1:
             raise ValueError(f"num_ranks={num_ranks}: must be >= 1")
         if actor_options is None:
-            actor_options = {"num_gpus": 1} if self.config.device == "cuda" else {"num_cpus": 1}
+            device = self.config.device
+            gpus = device == "cuda" or (device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
+            actor_options = {"num_gpus": 1} if gpus else {"num_cpus": 1}
         cls = ray.remote(TrainerRank)
         payload = self.config.model_dump()
         self.actors = [cls.options(**actor_options).remote(payload, r, num_ranks) for r in range(num_ranks)]
@@ -44,13 +45,11 @@ class TrainerGroup:
         return batch.shard(self.num_ranks)
 
     def prepare(self, batch: TrajectoryBatch) -> TrajectoryBatch:
-        """Fill in missing GRPO advantages over the whole batch (groups may span ranks)."""
+        """GRPO advantages over the whole batch (groups may span ranks), unless every trajectory has one."""
         if all(t.advantage is not None for t in batch):
             return batch
         loss = self.config.loss
-        with_adv = batch.with_grpo_advantages(loss.advantage_std_norm, loss.advantage_eps)
-        return TrajectoryBatch([replace(t, advantage=a.advantage) if t.advantage is None else t
-                                for t, a in zip(batch, with_adv)])
+        return batch.with_grpo_advantages(loss.advantage_std_norm, loss.advantage_eps)
 
     def train_step(self, batch: TrajectoryBatch, return_gradients: bool = False) -> StepResult:
         batch = self.prepare(batch)

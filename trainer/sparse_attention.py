@@ -47,8 +47,9 @@ def sparrow_attention(module, query, key, value, attention_mask, scaling=None, d
     if sparrow_sparse is None or sparrow_sparse.config.is_dense_layer(module.layer_idx):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     budgets = sparrow_sparse.budgets.to(query.device)
-    if budgets.shape != (query.shape[0], query.shape[2]):
-        raise ValueError(f"sparse budgets have shape {tuple(budgets.shape)}; expected [batch, seq] = {tuple(query.shape[::2][:2])}")
+    expected = (query.shape[0], query.shape[2])
+    if tuple(budgets.shape) != expected:
+        raise ValueError(f"sparse budgets have shape {tuple(budgets.shape)}; expected [batch, seq] = {expected}")
     rows = [
         block_sparse_causal_attention(
             query[b].transpose(0, 1), key[b].transpose(0, 1), value[b].transpose(0, 1), budgets[b], sparrow_sparse.config, scaling
