@@ -1,0 +1,1 @@
+"""Rollout backends behind one contract (`api`): the native engine (`native`) and vLLM (`vllm_backend`)."""

@@ -22,7 +22,7 @@ def sparse_samples(model_dir, schedule, landmark="mean", n=2):
     engine = NativeEngine.from_pretrained(model_dir, num_kv_blocks=256, landmark=landmark)
     engine.set_schedule(schedule)
     requests = [RolloutRequest(f"r{i}", tuple(range(3 + i, 110 + 7 * i)),
-                               SamplingParams(max_tokens=70, temperature=1.0, seed=i, n=n, ignore_eos=True))
+                               SamplingParams(max_tokens=60, temperature=1.0, seed=i, n=n, ignore_eos=True))
                 for i in range(2)]
     return engine, engine.generate(requests)
 

@@ -7,7 +7,7 @@ docs/native_engine.md for the cache layout, the allocator and how blocks attende
 
 import asyncio
 import contextlib
-import itertools
+import os
 import random
 import time
 from collections.abc import AsyncIterator, Sequence as Seq
@@ -28,7 +28,7 @@ from .model import DecoderModel
 from .model_spec import ModelLoadError, load_spec
 from .sampler import SampleOutput, SamplingBatch, sample
 from .scheduler import PrefillChunk, Scheduler, blocks_for
-from .sequence import Sequence, Status, sample_seed
+from .sequence import Sequence, sample_seed
 from .torch_backend import TorchBackend
 from .teacher_forced import TeacherForcedOutput, teacher_forced_logprobs
 from .weights import copy_weights, read_checkpoint, validated_weights
@@ -66,9 +66,12 @@ def make_backend(name: str, device: torch.device) -> AttentionBackend:
 def free_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
-    import psutil
-
-    return psutil.virtual_memory().available
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def load_model(model_dir: str | Path, device="cpu", dtype=torch.float32, max_model_len: int | None = None) -> DecoderModel:
@@ -112,7 +115,6 @@ class NativeEngine(RolloutEngine):
         self.scheduler = Scheduler(self.blocks, self.attention.block_size, config.max_num_seqs, config.prefill_chunk_size)
         self.eos_token_ids = frozenset(self.spec.eos_token_ids)
         self._rng = random.Random(config.seed)
-        self._seq_ids = itertools.count()
         self._policy_version = 0
         self._schedule: SparsitySchedule | None = None
         self._active = False
@@ -284,7 +286,7 @@ class NativeEngine(RolloutEngine):
             return [RolloutSample.failed(request, j, str(exc), self._policy_version, self.schedule_version) for j in range(n)]
         base = request.sampling.seed if request.sampling.seed is not None else self._rng.getrandbits(63)
         leader = Sequence(
-            seq_id=next(self._seq_ids), request=request, sample_index=0, seed=sample_seed(base, 0),
+            request=request, sample_index=0, seed=sample_seed(base, 0),
             token_ids=list(request.prompt_token_ids), prompt_len=len(request.prompt_token_ids),
             fork_into=request.sampling.n, seed_base=base,
         )
@@ -330,7 +332,7 @@ class NativeEngine(RolloutEngine):
         bs = self.attention.block_size
         return [seq.block_table[p // bs] * bs + p % bs for p in range(start, end)]
 
-    def _prefill(self, chunks: list[PrefillChunk]) -> list[RolloutSample]:
+    def _prefill(self, chunks: list[PrefillChunk]) -> list[tuple[RolloutRequest, RolloutSample]]:
         dev = self.device
         ids, positions, slots, metas = [], [], [], []
         row = 0
@@ -393,9 +395,9 @@ class NativeEngine(RolloutEngine):
         group = [leader]
         for j in range(1, leader.fork_into):
             seq = Sequence(
-                seq_id=next(self._seq_ids), request=leader.request, sample_index=j,
+                request=leader.request, sample_index=j,
                 seed=sample_seed(leader.seed_base, j), token_ids=list(leader.token_ids), prompt_len=leader.prompt_len,
-                status=Status.RUNNING, num_cached=leader.num_cached, prefilled=True,
+                num_cached=leader.num_cached, prefilled=True,
                 block_table=self.blocks.share(shared) + ([copies[j - 1]] if partial else []),
             )
             group.append(seq)
@@ -403,7 +405,7 @@ class NativeEngine(RolloutEngine):
         leader.fork_into, leader.reserved_blocks = 1, []
         return group
 
-    def _decode(self, seqs: list[Sequence]) -> list[RolloutSample]:
+    def _decode(self, seqs: list[Sequence]) -> list[tuple[RolloutRequest, RolloutSample]]:
         dev, bs = self.device, self.attention.block_size
         lengths = [s.num_tokens for s in seqs]
         budgets = self._budgets(lengths)
@@ -437,10 +439,12 @@ class NativeEngine(RolloutEngine):
         return len(self.cache.sparse_layers) > 0
 
     def _sample_and_record(self, seqs: list[Sequence], logits: torch.Tensor, blocks: torch.Tensor):
+        """Draw the next token of every sequence; the step's only device-to-host copy is the tokens
+        with their finiteness flags (logprobs and top-k lists stay on the device until a sample ends)."""
         batch = SamplingBatch.build([s.sampling for s in seqs], [s.seed for s in seqs],
                                     [s.num_tokens for s in seqs], self.device)
         out: SampleOutput = sample(logits, batch)
-        tokens, finite = out.tokens.tolist(), out.finite.tolist()
+        tokens, finite = torch.stack([out.tokens, out.finite.long()]).tolist()
         finished = []
         version = self.schedule_version
         for row, (seq, token, ok) in enumerate(zip(seqs, tokens, finite)):

@@ -13,7 +13,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from .block_manager import BlockManager
-from .sequence import Sequence, Status
+from .sequence import Sequence
 
 
 @dataclass
@@ -70,7 +70,6 @@ class Scheduler:
             self.waiting.popleft()
             seq.block_table = self.blocks.allocate(blocks)
             seq.reserved_blocks = self.blocks.allocate(copies)
-            seq.status = Status.RUNNING
             self.running.append(seq)
             end = min(seq.num_tokens, budget)
             chunks.append(PrefillChunk(seq, 0, end))
@@ -104,7 +103,6 @@ class Scheduler:
         seq.block_table, seq.reserved_blocks = [], []
         seq.num_cached = 0
         seq.prefilled = False
-        seq.status = Status.WAITING
         self.running.remove(seq)
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
@@ -113,7 +111,6 @@ class Scheduler:
         """Release a sequence's blocks; it leaves the running set or the queue."""
         self.blocks.release(seq.block_table + seq.reserved_blocks)
         seq.block_table, seq.reserved_blocks = [], []
-        seq.status = Status.FINISHED
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:

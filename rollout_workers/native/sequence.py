@@ -1,6 +1,5 @@
 """One sample in flight: its tokens, its KV blocks, and what it has produced so far."""
 
-import enum
 from dataclasses import dataclass, field
 
 import torch
@@ -9,12 +8,6 @@ from sparrow.rollout_workers.api import RolloutRequest, RolloutSample
 from sparrow.schedule import DENSE_BUDGET
 
 from .sampler import SampleOutput, mix_seed
-
-
-class Status(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
 
 
 def sample_seed(base: int, index: int) -> int:
@@ -32,7 +25,6 @@ class Sequence:
     of n samples that share its full prompt blocks.
     """
 
-    seq_id: int
     request: RolloutRequest
     sample_index: int
     seed: int
@@ -40,7 +32,6 @@ class Sequence:
     prompt_len: int
     fork_into: int = 1
     seed_base: int = 0
-    status: Status = Status.WAITING
     num_cached: int = 0
     prefilled: bool = False
     block_table: list[int] = field(default_factory=list)
