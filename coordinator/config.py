@@ -28,7 +28,18 @@ BASE: dict = {"transport": {"port": 0}}
 """Under every config: a job's servers take free ports and tell the workers (TransportConfig's own default is 50051)."""
 
 EMBEDDED: dict = {
-    "data": {"source": "arithmetic", "arithmetic": {"min_value": 1, "max_value": 20, "terms": 2, "operations": ["+", "-"]}},
+    "data": {
+        "source": "arithmetic",
+        "arithmetic": {
+            "min_value": 1, "max_value": 20, "terms": 2, "operations": ["+", "-"],
+            "template": (
+                "This is an exercise from a worksheet for practising mental arithmetic with whole numbers. Each "
+                "exercise is one short expression with two numbers between 1 and 20, joined by a plus or a minus "
+                "sign. Work it out carefully; negative results are allowed.\n\n"
+                "Calculate {expression}. End your reply with the result as a number."
+            ),
+        },
+    },
     "rollout": {
         "engine": "native",
         "pool": {"size": 1, "cpus": 1},
@@ -36,22 +47,23 @@ EMBEDDED: dict = {
         "sampling": {"temperature": 0.7, "max_tokens": 96, "n": 4, "logprobs": 20},
         "schedule": {
             "name": "smollm2-arith",
-            "edges": [128, 160, 192],
-            "topk_blocks": [2, 2, 3, 4],
-            "notes": ["embedded default: a few 16-token blocks at ~100-250 tokens, so sparse decode is active"],
+            "edges": [136, 168, 200],
+            "topk_blocks": [3, 4, 5, 6],
+            "notes": ["embedded default: bins L<=128, 129-160, 161-192, >=193 tokens; prompts are ~100 tokens "
+                      "(7 blocks), so decode is sparse from the first generated token"],
         },
     },
     "trainer": {
         "pool": {"size": 1, "cpus": 1},
-        "optimizer": {"lr": 2.0e-6, "weight_decay": 0.0},
+        "optimizer": {"lr": 1.0e-5, "weight_decay": 0.0},
         "gradient_checkpointing": False,
         "micro_batch_tokens": 4096,
     },
     "controller": {
-        "ladder": [1, 2, 3, 4, 5, 6, 8, 10, 12, 16], "min_samples": 200, "window_steps": 2,
-        "lower_patience": 2, "cooldown_steps": 2,
+        "ladder": [1, 2, 3, 4, 5, 6, 7, 8, 10, 12], "min_samples": 100, "window_steps": 2,
+        "lower_patience": 2, "cooldown_steps": 2, "dense_retry_steps": 4,
     },
-    "run": {"steps": 6, "prompts_per_step": 4, "mode": "sync"},
+    "run": {"steps": 8, "prompts_per_step": 6, "mode": "async", "max_staleness": 1},
 }
 """The embedded default job (no --config): SmolLM2-135M on the arithmetic task, sized for a 2-core CPU.
 A config file starts from the components' defaults instead; deploy/configs/embedded.yaml is this job as a file."""
@@ -146,16 +158,17 @@ class ArithmeticConfig(_Section):
     max_value: int = Field(20, description="largest operand")
     terms: int = Field(2, ge=2, le=8, description="operands per expression")
     operations: list[Literal["+", "-", "*"]] = Field(default_factory=lambda: ["+", "-"], min_length=1)
-    instruction: str = Field(
-        "Solve the arithmetic problem. Show the calculation in one short line, then write the final "
-        "answer as a plain integer inside \\boxed{}, for example \\boxed{12}.",
-        description="text before the problem in the user message",
+    template: str = Field(
+        "Calculate {expression}. End your reply with the result as a number.",
+        description="the user message; {expression} is replaced by the problem",
     )
 
     @model_validator(mode="after")
     def _range(self):
         if self.max_value < self.min_value:
             raise ValueError(f"max_value={self.max_value} is below min_value={self.min_value}; swap them")
+        if "{expression}" not in self.template:
+            raise ValueError(f"template={self.template!r} has no {{expression}} placeholder for the problem")
         return self
 
 

@@ -66,8 +66,7 @@ class ArithmeticTask:
 
     def item(self, index: int) -> tuple[list[dict], str]:
         expression, answer = self.problem(index)
-        text = f"{self.config.instruction}\n\nProblem: {expression}"
-        return [{"role": "user", "content": text}], str(answer)
+        return [{"role": "user", "content": self.config.template.replace("{expression}", expression)}], str(answer)
 
 
 class TableDataset:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import yaml
 
+from sparrow.schedule import SparsitySchedule
 from sparrow.tables import format_table
 
 from .run_dir import RunDir
@@ -94,8 +95,13 @@ def plot(run_dir: RunDir, rows: list[dict], target: float) -> list[Path]:
 
 
 def _bin_names(edges: list[int]) -> list[str]:
-    bounds = [0, *edges]
-    return [f"≤{e}" if i == 0 else f"{bounds[i] + 1}–{e}" for i, e in enumerate(edges)] + [f">{edges[-1]}" if edges else "all"]
+    """Token ranges of the bins (`SparsitySchedule.bin_range`: lengths are rounded up to whole blocks)."""
+    bins = SparsitySchedule(name="bins", topk_blocks=(None,) * (len(edges) + 1), edges=tuple(edges))
+    names = []
+    for b in range(bins.num_bins):
+        lo, hi = bins.bin_range(b)
+        names.append(f"L≤{hi}" if lo <= 1 else f"L≥{lo}" if hi is None else f"L {lo}–{hi}")
+    return names
 
 
 def _fmt(v, spec=".3f"):

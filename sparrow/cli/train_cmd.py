@@ -5,6 +5,7 @@ missing), the arithmetic task, sparse rollouts from the native engine, one DeepS
 sparsity controller (docs/coordinator.md).
 """
 
+import os
 import time
 from pathlib import Path
 
@@ -21,6 +22,7 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # no C-core notices (GOAWAY at shutdown) between the bars
     from sparrow.cli.main import CliError
     from sparrow.coordinator.config import load_config
     from sparrow.coordinator.run_dir import RunDir

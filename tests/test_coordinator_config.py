@@ -1,0 +1,109 @@
+"""The job config: one YAML, typed and validated up front; errors name the dotted key, the value and the fix."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from sparrow.cli.main import main
+from sparrow.coordinator.config import EMBEDDED, ConfigError, SparrowConfig, load_config, merge, set_override
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _error(overrides, path=None) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(path, overrides)
+    return str(info.value)
+
+
+def test_embedded_default_is_the_shipped_yaml_and_round_trips():
+    config = load_config()
+    assert config.model is None and config.rollout.engine == "native" and config.controller.enabled
+    shipped = load_config(ROOT / "deploy/configs/embedded.yaml")
+    assert shipped == config
+    assert load_config(None, []).dump() == SparrowConfig.model_validate(yaml.safe_load(config.dump())).dump()
+
+
+def test_shipped_examples_validate():
+    for path in sorted((ROOT / "deploy/configs").glob("*.yaml")):
+        load_config(path)
+
+
+def test_a_file_starts_from_component_defaults_plus_free_ports(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text("transport: {queue_capacity: 8}\ncontroller: {target: 0.9}\n")
+    config = load_config(path)
+    assert config.transport.port == 0 and config.transport.queue_capacity == 8
+    assert config.controller.target == 0.9 and config.controller.ladder[0] == 29  # Sparrow's ladder
+    assert config.rollout.schedule == "dense"
+
+
+def test_unknown_keys_name_the_path_and_suggest_the_near_miss():
+    msg = _error(["trainer.optimzer.lr=1e-5"])
+    assert "trainer.optimzer: unknown key; did you mean 'trainer.optimizer'?" in msg
+    assert "allowed here:" in msg and "zero_stage" in msg
+    assert "rollout.sampling.temprature: unknown key; did you mean 'rollout.sampling.temperature'?" in _error(
+        ["rollout.sampling.temprature=0.5"])
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("run.steps=0", "run.steps: Input should be greater than or equal to 1 (got 0)"),
+    ("rollout.pool.strategy=FOO", "rollout.pool.strategy: Input should be 'PACK', 'SPREAD', 'STRICT_PACK' or 'STRICT_SPREAD' (got 'FOO')"),
+    ("metrics.port=abc", "metrics.port: Input should be a valid integer"),
+    ("trainer.optimizer.lr=-1", "trainer.optimizer.lr: Input should be greater than 0 (got -1)"),
+    ("rollout.schedule=no-such-table", "rollout.schedule: schedule 'no-such-table': not a published schedule name"),
+    ("rollout.sampling.n=100", "rollout.sampling.n=100 exceeds rollout.native.max_num_seqs=32"),
+    ("data.source=jsonl", "data: source='jsonl' needs path"),
+    ("controller.warm_start=qwen3-1.7b-0.86", "controller.warm_start='qwen3-1.7b-0.86': the initial schedule of a job is rollout.schedule"),
+    ("trainer.temperature=0.3", "trainer.temperature=0.3 differs from rollout.sampling.temperature=0.7"),
+    ("rollout.native.sink=2", "rollout.schedule has sink=1 but rollout.native.sink=2"),
+    ("controller.ladder=[8, 4]", "controller: ladder=[8, 4] must be strictly increasing"),
+])
+def test_bad_values_name_the_key_the_value_and_the_fix(override, expected):
+    assert expected in _error([override])
+
+
+def test_cross_section_rules():
+    assert "run: mode='async' with max_staleness=0 is sync mode" in _error(["run.max_staleness=0"])
+    assert "max_staleness=2 needs mode='async'" in _error(["run.mode=sync", "run.max_staleness=2"])
+    assert "controller.enabled=true needs rollout.sampling.logprobs > 0" in _error(["rollout.sampling.logprobs=0"])
+    assert "leave top_p=1 and top_k=0 with rollout.engine='vllm'" in _error(["rollout.engine=vllm", "rollout.sampling.top_p=0.9"])
+    assert "weights_channel='collective' needs mode='sync'" in _error(["run.weights_channel=collective"])
+    several = _error(["run.steps=0", "trainer.zero_stage=5"])
+    assert "run.steps" in several and "trainer.zero_stage" in several
+
+
+def test_set_override_parsing():
+    data = {}
+    set_override(data, "a.b.c=1e-5")
+    set_override(data, "a.list=[1, 2]")
+    set_override(data, "a.flag=false")
+    set_override(data, "a.none=")
+    assert data == {"a": {"b": {"c": "1e-5"}, "list": [1, 2], "flag": False, "none": None}}
+    with pytest.raises(ConfigError, match="expected KEY=VALUE"):
+        set_override(data, "a.b")
+    with pytest.raises(ConfigError, match="a.flag is False, not a section"):
+        set_override(data, "a.flag.x=1")
+    assert merge({"x": {"y": 1, "z": 2}}, {"x": {"y": 3}}) == {"x": {"y": 3, "z": 2}}
+    assert load_config(None, ["trainer.optimizer.lr=1e-5"]).trainer.optimizer.lr == 1e-5
+
+
+def test_file_errors(tmp_path):
+    assert "no such file" in _error([], tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("run: [1, 2\n")
+    assert "not valid YAML" in _error([], bad)
+    bad.write_text("- a\n- b\n")
+    assert "the top level must be a mapping" in _error([], bad)
+
+
+def test_cli_print_config_and_errors(capsys, tmp_path):
+    assert main(["train", "--print-config", "--set", "run.steps=3"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["run"]["steps"] == 3 and printed["rollout"]["schedule"]["name"] == EMBEDDED["rollout"]["schedule"]["name"]
+    assert main(["train", "--set", "rollout.pool.size=0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("sparrow train: error: invalid config") and "rollout.pool.size: Input should be greater than or equal to 1" in err
+    assert main(["train", "--resume", str(tmp_path)]) == 2
+    assert "not a run directory (no config.yaml)" in capsys.readouterr().err
