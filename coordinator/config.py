@@ -63,7 +63,7 @@ EMBEDDED: dict = {
         "ladder": [1, 2, 3, 4, 5, 6, 7, 8, 10, 12], "min_samples": 100, "window_steps": 2,
         "lower_patience": 2, "cooldown_steps": 2, "dense_retry_steps": 4,
     },
-    "run": {"steps": 8, "prompts_per_step": 6, "mode": "async", "max_staleness": 1},
+    "run": {"steps": 8, "prompts_per_step": 6, "mode": "async"},
 }
 """The embedded default job (no --config): SmolLM2-135M on the arithmetic task, sized for a 2-core CPU.
 A config file starts from the components' defaults instead; deploy/configs/embedded.yaml is this job as a file."""

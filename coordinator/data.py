@@ -26,7 +26,7 @@ class PromptRecord:
     metadata: dict = field(default_factory=dict)
 
 
-def _seed(*parts) -> int:
+def stable_seed(*parts) -> int:
     """A stable 63-bit seed from ints (Python's hash of strings is salted per process)."""
     x = 0x9E3779B97F4A7C15
     for p in parts:
@@ -58,7 +58,7 @@ class ArithmeticTask:
 
     def problem(self, index: int) -> tuple[str, int]:
         c = self.config
-        rng = random.Random(_seed(self.seed, index))
+        rng = random.Random(stable_seed(self.seed, index))
         values = [rng.randint(c.min_value, c.max_value) for _ in range(c.terms)]
         ops = [rng.choice(c.operations) for _ in range(c.terms - 1)]
         expression = " ".join([str(values[0])] + [f"{op} {v}" for op, v in zip(ops, values[1:])])
@@ -171,7 +171,7 @@ class PromptSource:
             return offset
         if epoch not in self._perms:
             order = list(range(n))
-            random.Random(_seed(self.seed, epoch, 1)).shuffle(order)
+            random.Random(stable_seed(self.seed, epoch, 1)).shuffle(order)
             self._perms = {epoch: order}
         return self._perms[epoch][offset]
 

@@ -133,9 +133,6 @@ class TrainingJob:
         self.kv_read_gauge = Gauge("sparrow_rollout_kv_read_fraction",
                                    "KV blocks read by sparse decode over what dense decode reads, last step", registry=r)
         self.step_gauge = Gauge("sparrow_train_step", "Training steps completed", registry=r)
-        self.stale_gauge = Gauge("sparrow_stale_samples_dropped", "Samples dropped for staleness (admission control "
-                                 "makes this 0)", registry=r)
-        self.stale_gauge.set(0)
 
     def _weights_channel(self) -> str:
         cfg = self.config.run
@@ -363,7 +360,8 @@ class TrainingJob:
             self.metrics.reward.labels(pool="trainer").observe(reward)
         for n in lengths:
             self.metrics.response_length.labels(pool="trainer").observe(n)
-        self.metrics.record_staleness(self.version - 1, [self.version - 1 - s for s in summary["staleness"]])
+        trainer_version = self.version - 1
+        self.metrics.record_staleness(trainer_version, [trainer_version - s for s in summary["staleness"]])
         if train is not None and math.isfinite(train.get("train/tis_capped_fraction", math.nan)):
             self.metrics.tis_capped_fraction.labels(pool="trainer").set(train["train/tis_capped_fraction"])
         self.kv_read_gauge.set(summary["kv_read_fraction"])

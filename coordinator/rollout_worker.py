@@ -28,7 +28,7 @@ from sparrow.rollout_workers.api import RolloutEngine, RolloutRequest, SamplingP
 from sparrow.schedule import SparsitySchedule
 
 from .config import SparrowConfig
-from .data import PromptRecord, _seed, render_prompt
+from .data import PromptRecord, render_prompt, stable_seed
 from .rewards import RewardFunction
 
 _DONE = object()
@@ -40,7 +40,7 @@ def engine_model_dir(config: SparrowConfig, model: str) -> str:
 
 def build_engine(config: SparrowConfig, model: str, index: int) -> RolloutEngine:
     """The configured engine on `model` (unless its section names another), seeded per worker."""
-    update = {"model": engine_model_dir(config, model), "seed": _seed(config.run.seed, index, 2) % (2**31)}
+    update = {"model": engine_model_dir(config, model), "seed": stable_seed(config.run.seed, index, 2) % (2**31)}
     if config.rollout.engine == "native":
         from sparrow.rollout_workers.native import NativeEngine
 
@@ -151,7 +151,7 @@ class RolloutWorker:
             ids = render_prompt(self.tokenizer, r.messages, self.config.data.chat_template)
             sampling = SamplingParams(
                 max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                seed=_seed(self.config.run.seed, step, r.index, 3), n=s.n, logprobs=s.logprobs,
+                seed=stable_seed(self.config.run.seed, step, r.index, 3), n=s.n, logprobs=s.logprobs,
             )
             meta = {"step": str(step), "answer": r.answer, "index": str(r.index)}
             out.append(RolloutRequest(r.prompt_id, tuple(ids), sampling, metadata=meta))

@@ -84,6 +84,7 @@ class TrainerHost(TrainerRank):
         self.pending: dict[str, object] = {}
         self._cond = threading.Condition()
         self._stop = threading.Event()
+        self._ingest_error: str | None = None
 
     def node(self) -> dict:
         return {"rank": self.rank, "node_id": ray.get_runtime_context().get_node_id()}
@@ -104,7 +105,7 @@ class TrainerHost(TrainerRank):
             for t in self.server.get_batch(256, timeout=0.2):
                 with self._cond:
                     if t.sample_id in self.pending:  # the server's dedupe makes this impossible
-                        raise RuntimeError(f"sample {t.sample_id} received twice")
+                        self._ingest_error = f"sample {t.sample_id} was queued twice by the trajectory server"
                     self.pending[t.sample_id] = t
                     self._cond.notify_all()
 
@@ -121,6 +122,8 @@ class TrainerHost(TrainerRank):
         """Take exactly the `expected` samples; shards (object refs, one per rank) and a summary."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
+            if self._ingest_error:
+                raise RuntimeError(self._ingest_error)
             while missing := [i for i in expected if i not in self.pending]:
                 left = deadline - time.monotonic()
                 if left <= 0:

@@ -6,6 +6,7 @@ sparsity controller (docs/coordinator.md).
 """
 
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -62,6 +63,14 @@ def train(config, run_dir, resume: bool, progress: bool) -> int:
             job.run()
     except PlacementError as exc:
         raise CliError(str(exc)) from None
+    except KeyboardInterrupt:
+        tag = run_dir.latest_tag()
+        hint = (f"checkpoint {tag} is the latest; continue with: sparrow train --resume {run_dir.path}" if tag
+                else "no checkpoint was written yet (run.checkpoint_every sets how often)")
+        print(f"\ninterrupted; everything started was shut down. {hint}", file=sys.stderr)
+        if run_dir.metrics_file.is_file():
+            print(f"report of the steps done: {write_report(run_dir)}", file=sys.stderr)
+        return 130
     report = write_report(run_dir)
     minutes, seconds = divmod(time.perf_counter() - start, 60)
     print(f"done in {int(minutes)} min {seconds:.0f} s; report: {report}")
