@@ -106,7 +106,7 @@ class PoolConfig(_Section):
 
 class SamplingConfig(_Section):
     temperature: float = Field(1.0, gt=0, description="rollout temperature (the trainer's log-probs use the same)")
-    top_p: float = Field(1.0, gt=0, le=1)
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling (logprobs stay those of the full distribution)")
     top_k: int = Field(0, ge=0, description="0 = off")
     max_tokens: int = Field(1024, ge=1, description="generated tokens per sample at most")
     n: int = Field(8, ge=1, description="samples per prompt (the GRPO group)")
@@ -157,7 +157,9 @@ class ArithmeticConfig(_Section):
     min_value: int = Field(1, description="smallest operand")
     max_value: int = Field(20, description="largest operand")
     terms: int = Field(2, ge=2, le=8, description="operands per expression")
-    operations: list[Literal["+", "-", "*"]] = Field(default_factory=lambda: ["+", "-"], min_length=1)
+    operations: list[Literal["+", "-", "*"]] = Field(
+        default_factory=lambda: ["+", "-"], min_length=1, description="operators drawn between operands (* binds first)"
+    )
     template: str = Field(
         "Calculate {expression}. End your reply with the result as a number.",
         description="the user message; {expression} is replaced by the problem",

@@ -226,7 +226,7 @@ class TrainingJob:
             refs = {w: self.rollouts.actors[w].generate.remote(j, part) for w, part in enumerate(parts) if part}
             n = self.config.rollout.sampling.n
             ids = [f"{r.prompt_id}#{i}" for r in records for i in range(n)]
-            self.inflight[j] = {"refs": refs, "ids": ids, "dispatched": time.perf_counter()}
+            self.inflight[j] = {"refs": refs, "ids": ids}
 
     def _wait(self, refs: list) -> list:
         """ray.get with the tokens bar kept moving while the workers generate."""
@@ -264,11 +264,12 @@ class TrainingJob:
         self.version += 1
         publish = self._publish(wait=cfg.run.mode == "sync")
         t_publish = time.perf_counter()
+        before = self.schedule
         alpha, upper, decision = self._control(k)
         t_control = time.perf_counter()
         self.trajectory_gauges = self.trajectory_control.health().gauges
         self.step += 1
-        record = self._record(k, reports, collected["summary"], train_metrics, alpha, upper, decision, publish, {
+        record = self._record(k, reports, collected["summary"], train_metrics, alpha, upper, decision, publish, before, {
             "rollout_wait": t_rollout - t0, "collect": t_collect - t_rollout, "train": t_train - t_collect,
             "publish": t_publish - t_train, "control": t_control - t_publish, "step": time.perf_counter() - t0,
             "elapsed": time.perf_counter() - self.started,
@@ -351,7 +352,8 @@ class TrainingJob:
 
     # ------------------------------------------------------------------ records and checkpoints
 
-    def _record(self, step, reports, summary, train, alpha: AlphaHistogram, upper, decision, publish, timing) -> dict:
+    def _record(self, step, reports, summary, train, alpha: AlphaHistogram, upper, decision, publish,
+                before: SparsitySchedule, timing) -> dict:
         cfg = self.config
         rewards, lengths = summary["rewards"], summary["response_lengths"]
         tokens = sum(r["tokens"] for r in reports)
@@ -393,7 +395,8 @@ class TrainingJob:
             "alpha": {"percentile": pct, "p5": p5, "p5_upper": p5_upper, "tokens": counts,
                       "mean": [None if n == 0 else float(v) for v, n in zip(alpha.mean().tolist(), counts)]},
             "schedule": {"version": s.version, "topk_blocks": list(s.topk_blocks),
-                         "blocks": [s.blocks_for_bin(b) for b in range(s.num_bins)], "edges": list(s.edges)},
+                         "blocks": [s.blocks_for_bin(b) for b in range(s.num_bins)], "edges": list(s.edges),
+                         "blocks_before": [before.blocks_for_bin(b) for b in range(before.num_bins)]},
             "controller": {"enabled": self.controller is not None,
                            "changes": 0 if decision is None else sum(d["old"] != d["new"] for d in decision["decisions"])},
             "predicted_speedup": predicted,

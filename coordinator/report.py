@@ -61,11 +61,12 @@ def plot(run_dir: RunDir, rows: list[dict], target: float) -> list[Path]:
 
     fig, ax = plt.subplots(figsize=(6, 3.6))
     mean, std = _series(rows, "rollout", "reward_mean"), _series(rows, "rollout", "reward_std")
+    count = [r["rollout"]["samples"] - r["rollout"]["failed"] for r in rows]
     ax.plot(steps, mean, "o-", label="mean reward")
-    lo = [m - (s or 0) if m is not None else None for m, s in zip(mean, std)]
-    hi = [m + (s or 0) if m is not None else None for m, s in zip(mean, std)]
-    if all(v is not None for v in lo + hi):
-        ax.fill_between(steps, lo, hi, alpha=0.2, label="± std over samples")
+    if all(m is not None and s is not None for m, s in zip(mean, std)):
+        se = [s / max(n, 1) ** 0.5 for s, n in zip(std, count)]
+        ax.fill_between(steps, [m - e for m, e in zip(mean, se)], [m + e for m, e in zip(mean, se)], alpha=0.2,
+                        label="± standard error")
     save(fig, ax, "reward.png", "reward")
 
     fig, ax = plt.subplots(figsize=(6, 3.6))
@@ -84,13 +85,16 @@ def plot(run_dir: RunDir, rows: list[dict], target: float) -> list[Path]:
     save(fig, ax, "alpha_tail.png", f"p{rows[-1]['alpha']['percentile']:g} of α (lower bound)")
 
     fig, ax = plt.subplots(figsize=(6, 3.6))
-    dense_y = max((b for r in rows for b in r["schedule"]["blocks"] if b is not None), default=1) + 2
+    history = [rows[0]["schedule"].get("blocks_before", rows[0]["schedule"]["blocks"])] + [r["schedule"]["blocks"] for r in rows]
+    dense_y = max((b for blocks in history for b in blocks if b is not None), default=1) + 2
+    x = [steps[0] - 1] + steps
     for b in range(len(names)):
-        values = [r["schedule"]["blocks"][b] for r in rows]
-        ax.step(steps, [dense_y if v is None else v for v in values], where="post", label=f"bin {b} ({names[b]})")
+        offset = (b - (len(names) - 1) / 2) * 0.08  # equal budgets stay visible side by side
+        y = [(dense_y if blocks[b] is None else blocks[b]) + offset for blocks in history]
+        ax.step(x, y, where="post", marker="o", ms=3, label=f"bin {b} ({names[b]})")
     ax.axhline(dense_y, color="grey", ls=":", lw=1)
-    ax.text(steps[0], dense_y, " dense", va="bottom", fontsize=8, color="grey")
-    save(fig, ax, "budgets.png", "KV blocks attended (after the step)")
+    ax.text(x[0], dense_y, " dense", va="bottom", fontsize=8, color="grey")
+    save(fig, ax, "budgets.png", "KV blocks attended (0 = initial)")
     return files
 
 

@@ -1,9 +1,10 @@
 """`sparrow train` end to end with the tiny model through real Ray, real gRPC and real DeepSpeed.
 
-Sync job with 2 trainer ranks: every dispatched sample is trained on exactly once, also across a
-forced retry (the trajectory server drains mid-step, the workers back off and resend) and forced
-duplicates (resends of already-trained ids are acked DUPLICATE); the workers serve exactly the
-trainer's weights after each update; /metrics is served over HTTP by the coordinator and a worker.
+Sync job with 2 trainer ranks and weights broadcast over a gloo weight group: every dispatched sample
+is trained on exactly once, also across a forced retry (the trajectory server drains mid-step, the
+workers back off and resend) and forced duplicates (resends of already-trained ids are acked
+DUPLICATE); the workers serve exactly the trainer's weights after each update; /metrics is served
+over HTTP by the coordinator and a worker.
 Async job (1 rank, max_staleness 1): rollouts of step k+1 run while step k trains, no sample is
 more than one policy version old, and `sparrow train --resume` continues from the checkpoint.
 """
@@ -92,10 +93,11 @@ def _scrape(url: str) -> str:
 
 
 def test_sync_job_trains_every_sample_exactly_once_and_publishes_weights(ray_cluster, tiny_qwen3, tmp_path):
-    config = load_config(_config_file(tmp_path, tiny_qwen3, ranks=2, steps=2, mode="sync"))
+    config = load_config(_config_file(tmp_path, tiny_qwen3, ranks=2, steps=2, mode="sync"), ["run.weights_channel=collective"])
     run_dir = RunDir.create(config.run.out_dir, "sync")
     initial = receive_state_dict_from_checkpoint(tiny_qwen3)
     with TrainingJob(config, run_dir, progress=False, log=lambda *_: None) as job:
+        assert job.channel == "collective"
         first = job.run(steps=1)[0]
         trained_first = sorted(sum(job.trained_ids(), []))
         assert trained_first == sorted(_expected_ids(job, range(1)))
