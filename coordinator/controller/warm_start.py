@@ -8,6 +8,7 @@ either form (JSON or YAML):
 
 and `sparrow.cost.optimise_schedule` turns it into the cheapest schedule meeting τ (rule "stable",
 so a lucky noisy small budget is not picked; unmeasured bins take their nearest measured neighbour).
+A file that names its length-bin `edges` (`sparrow calibrate` writes them) must match the job's bins.
 """
 
 import json
@@ -22,7 +23,7 @@ from sparrow.schedule import SPARROW_EDGES, ScheduleError, SparsitySchedule, loa
 from .config import ControllerConfig
 
 
-def _calibration_table(path: Path, percentile: float) -> dict[int, dict[int, float]]:
+def _calibration_table(path: Path, percentile: float, template: SparsitySchedule) -> dict[int, dict[int, float]]:
     if not path.exists():
         raise FileNotFoundError(f"calibration={str(path)!r}: no such file; run `sparrow calibrate` or fix the path")
     try:  # json for .json: PyYAML parses a large histogram file hundreds of times slower
@@ -36,6 +37,13 @@ def _calibration_table(path: Path, percentile: float) -> dict[int, dict[int, flo
         raise ValueError(
             f"calibration {path}: percentile={measured!r} but the controller uses percentile={percentile:g}; "
             "recalibrate at the controller's percentile or change controller.percentile"
+        )
+    edges = data.get("edges")
+    if edges is not None and (not isinstance(edges, list) or tuple(edges) != template.edges):
+        raise ValueError(
+            f"calibration {path}: measured with length-bin edges {edges} but the job's bins have edges "
+            f"{list(template.edges)}; use the calibration's schedule.json as rollout.schedule (or set "
+            "rollout.dense_bin_edges to its edges)"
         )
     try:
         if "histograms" in data:
@@ -51,7 +59,7 @@ def initial_schedule(config: ControllerConfig, template: SparsitySchedule | None
     calibration starts (default: Sparrow's 20 bins of 2000 tokens, block 16, sink 1, recent 2)."""
     template = template or SparsitySchedule(name="controlled", topk_blocks=(None,) * (len(SPARROW_EDGES) + 1))
     if config.calibration is not None:
-        table = _calibration_table(Path(config.calibration), config.percentile)
+        table = _calibration_table(Path(config.calibration), config.percentile, template)
         result = optimise_schedule(table, config.target, template=template, rule="stable", name=f"controlled-{config.target:g}")
         return result.schedule
     if config.warm_start == "dense":
