@@ -11,6 +11,7 @@ SUBCOMMANDS = [
     "sparrow.cli.generate_cmd",
     "sparrow.cli.bench_cmd",
     "sparrow.cli.train_cmd",
+    "sparrow.cli.calibrate_cmd",
     "sparrow.trainer.cli",
 ]
 
