@@ -260,6 +260,47 @@ def test_interp_padding_rows_give_zeros(tk):
     assert torch.equal(out[1], torch.zeros(4, 32)) and torch.isfinite(out).all()
 
 
+def interleaved(k_cache, v_cache):
+    """Copies of the caches as K/V views into one `[blocks, 2, H_kv, 16, D]` buffer, the layout of a vLLM page:
+    block stride 2·H_kv·16·D instead of H_kv·16·D."""
+    both = torch.stack([k_cache, v_cache], dim=1).contiguous()
+    return both[:, 0], both[:, 1]
+
+
+def _strided_case(tk, dtype, device, mode, seed):
+    """Write (prefill + appends) and decode on interleaved caches vs contiguous ones: identical results."""
+    lengths = [5, 16, 33, 70, 130]
+    flat = Paged(lengths, 2, 32, dtype, device, mode, seed=seed)
+    k_view, v_view = interleaved(flat.k_cache, flat.v_cache)
+    assert k_view.stride(0) == 2 * k_view[0].numel() and not k_view.is_contiguous()
+    lm_view = flat.landmarks.clone()
+    for k, v, s in zip(flat.keys, flat.values, flat.slots):
+        cut = min(k.shape[0], 20)
+        for caches in ((flat.k_cache, flat.v_cache, flat.landmarks), (k_view, v_view, lm_view)):
+            tk.write_kv(*caches, s[:cut], k[:cut], v[:cut], mode)
+            for t in range(cut, min(k.shape[0], cut + 3)):
+                tk.write_kv(*caches, s[t : t + 1], k[t : t + 1], v[t : t + 1], mode)
+            tk.write_kv(*caches, s[cut + 3 :], k[cut + 3 :], v[cut + 3 :], mode)
+    assert torch.equal(k_view, flat.k_cache) and torch.equal(v_view, flat.v_cache) and torch.equal(lm_view, flat.landmarks)
+    q = torch.randn(len(lengths), 4, 32, generator=torch.Generator().manual_seed(seed)).to(dtype).to(device)
+    budgets = torch.tensor([3, 3, 4, 5, 6], device=device)
+    cfg = SparseAttentionConfig(landmark=mode)
+    backend = tk.TritonBackend(splits=2)
+    for b in (budgets, None):
+        out, counts = backend.decode(q, k_view, v_view, lm_view, flat.tables, flat.seq_lens, b, cfg, 0.2)
+        flat_out, flat_counts = backend.decode(q, flat.k_cache, flat.v_cache, flat.landmarks, flat.tables,
+                                               flat.seq_lens, b, cfg, 0.2)
+        assert torch.equal(out, flat_out) and torch.equal(counts, flat_counts)
+        tol = 1e-5 if dtype == torch.float32 else 5e-3
+        assert relative_error(out, _reference_decode(flat, q, b, cfg, 0.2)) <= tol
+
+
+@interp
+@pytest.mark.parametrize("mode", ["mean", "minmax"])
+def test_interp_strided_caches_equal_contiguous_ones(tk, mode):
+    _strided_case(tk, torch.float32, "cpu", mode, seed=8)
+
+
 # ------------------------------------------------------------------------------------------ GPU tests
 
 GPU_LENGTHS = [4096, 4097, 4111, 1, 17, 2000, 3071, 800]  # L mod 16 in {0, 1, 15} and more
@@ -439,6 +480,12 @@ def test_gpu_graph_replay_with_changing_lengths_and_budgets_equals_eager(tk):
         assert torch.isfinite(graph_out).all()
         next_step()
     assert torch.equal(p.landmarks, eager_state[2]) and torch.equal(p.k_cache, eager_state[0])
+
+
+@gpu
+@pytest.mark.parametrize("mode", ["mean", "minmax"])
+def test_gpu_strided_caches_equal_contiguous_ones_bf16(tk, mode):
+    _strided_case(tk, torch.bfloat16, "cuda", mode, seed=28)
 
 
 @gpu

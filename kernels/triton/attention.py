@@ -41,11 +41,11 @@ def attention_tiling(head_dim: int) -> AttentionTiling:
 def _decode_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, sel_ptr, seq_len_ptr, budget_ptr,
     out_ptr, o_part_ptr, lse_part_ptr,
-    stride_qb, stride_qh, stride_bt, stride_sel, stride_ob, stride_oh,
+    stride_qb, stride_qh, stride_bt, stride_sel, stride_ob, stride_oh, stride_cb, stride_ch, stride_ct,
     sm_scale_log2, sink, recent, num_splits,
     H: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BS: tl.constexpr, PPI: tl.constexpr, DENSE: tl.constexpr, DIRECT_OUT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, ALIGNED: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
@@ -76,7 +76,7 @@ def _decode_attention_kernel(
     tok = tl.arange(0, PPI * BS)
     tok_block = tok // BS
     tok_off = tok % BS
-    head_base = h * (BS * D)
+    head_base = h * stride_ch
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
@@ -90,8 +90,9 @@ def _decode_attention_kernel(
             from_sel = tl.load(sel_ptr + row * stride_sel + entry, mask=entry < tl.where(dense_row, 0, hi), other=0)
             ids = tl.where(dense_row, from_table.to(tl.int64), from_sel.to(tl.int64))
         valid = in_range & ((entry != count - 1) | (tok_off < last_len))
-        offs = ids * (H * BS * D) + head_base + tok_off * D
-        offs = tl.multiple_of(offs, 8)
+        offs = ids * stride_cb + head_base + tok_off * stride_ct
+        if ALIGNED:
+            offs = tl.multiple_of(offs, 8)
         kv_mask = valid[:, None] & (d[None, :] < D)
         k = tl.load(k_cache_ptr + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2
@@ -188,12 +189,25 @@ def attention_partials(q, k_cache, v_cache, block_tables, seq_lens, out, o_part,
         seq_lens if dense else budgets,
         out, o_part, lse_part,
         q.stride(0), q.stride(1), block_tables.stride(0), 0 if dense else selected.stride(0), out.stride(0), out.stride(1),
+        *cache_strides(k_cache, v_cache),
         scale * math.log2(math.e), sink, recent, splits,
         H=num_kv_heads, G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim), BS=block_size, PPI=tiling.blocks_per_iter,
         DENSE=dense, DIRECT_OUT=splits == 1, DOT_PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
-        num_warps=tiling.num_warps, num_stages=tiling.num_stages,
+        ALIGNED=all(st % 8 == 0 for st in k_cache.stride()[:3]), num_warps=tiling.num_warps, num_stages=tiling.num_stages,
     )
+
+
+def cache_strides(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int]:
+    """(block, head, token) strides shared by `k_cache` and `v_cache`, `[num_blocks, H_kv, block_size, D]` views
+    with a contiguous last dimension. Blocks need not be adjacent: vLLM pages hold a block's K and V together,
+    so its K view has block stride 2·H_kv·16·D."""
+    if k_cache.stride() != v_cache.stride() or k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache {tuple(k_cache.shape)}/{k_cache.stride()} and v_cache {tuple(v_cache.shape)}/"
+                         f"{v_cache.stride()} need equal shapes and strides")
+    if k_cache.stride(3) != 1:
+        raise ValueError(f"k_cache strides {k_cache.stride()}: the head_dim dimension must be contiguous (stride 1)")
+    return k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)
 
 
 def merge_splits(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor, *, num_kv_heads: int, splits: int) -> None:

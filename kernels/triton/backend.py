@@ -24,7 +24,7 @@ import triton
 
 from ..backend import AttentionBackend
 from ..config import SparseAttentionConfig
-from .attention import AttentionTiling, decode_attention
+from .attention import AttentionTiling, cache_strides, decode_attention
 from .kv_write import write_kv as triton_write_kv
 from .scoring import score_blocks
 from .selection import select_blocks
@@ -167,8 +167,7 @@ def _check_decode_inputs(q, k_cache, v_cache, landmarks, block_tables, seq_lens,
         raise ValueError(f"q has {num_q_heads} heads, not a multiple of the cache's {num_kv_heads} KV heads")
     if k_cache.shape[3] != head_dim or v_cache.shape != k_cache.shape:
         raise ValueError(f"q head_dim {head_dim} vs caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)}")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("k_cache and v_cache must be contiguous [num_blocks, H_kv, block_size, D]")
+    cache_strides(k_cache, v_cache)
     if q.stride(-1) != 1:
         raise ValueError("q needs a contiguous last (head_dim) dimension")
     if block_tables.dim() != 2 or block_tables.shape[0] != bsz or block_tables.stride(1) != 1:

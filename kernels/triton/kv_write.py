@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .attention import cache_strides
+
 MODE_NONE, MODE_MEAN, MODE_MINMAX = 0, 1, 2
 
 
@@ -21,7 +23,7 @@ MODE_NONE, MODE_MEAN, MODE_MINMAX = 0, 1, 2
 def _write_kv_kernel(
     k_ptr, v_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, lm_ptr,
     num_tokens,
-    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_ch, stride_ct,
     H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BS: tl.constexpr, MODE: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
@@ -36,9 +38,9 @@ def _write_kv_kernel(
 
     key = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=dm, other=0.0).to(cache_dtype)
     val = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=dm, other=0.0).to(v_cache_ptr.dtype.element_ty)
-    block_base = (blk * H + h) * (BS * D)
-    tl.store(k_cache_ptr + block_base + off * D + d, key, mask=dm)
-    tl.store(v_cache_ptr + block_base + off * D + d, val, mask=dm)
+    block_base = blk * stride_cb + h * stride_ch
+    tl.store(k_cache_ptr + block_base + off * stride_ct + d, key, mask=dm)
+    tl.store(v_cache_ptr + block_base + off * stride_ct + d, val, mask=dm)
 
     if MODE != 0:
         nxt = tl.load(slot_ptr + t + 1, mask=t + 1 < num_tokens, other=-1).to(tl.int64)
@@ -56,7 +58,7 @@ def _write_kv_kernel(
             m_in = from_input[:, None] & (d[None, :] < D)
             m_cache = from_cache[:, None] & (d[None, :] < D)
             k_in = tl.load(k_ptr + src[:, None] * stride_kt + h * stride_kh + d[None, :], mask=m_in, other=0.0)
-            k_old = tl.load(k_cache_ptr + block_base + j[:, None] * D + d[None, :], mask=m_cache, other=0.0)
+            k_old = tl.load(k_cache_ptr + block_base + j[:, None] * stride_ct + d[None, :], mask=m_cache, other=0.0)
             keys = tl.where(from_input[:, None], k_in.to(cache_dtype), k_old).to(tl.float32)
             lm_dtype = lm_ptr.dtype.element_ty
             if MODE == 1:
@@ -84,8 +86,7 @@ def write_kv(
     _, cache_heads, block_size, cache_dim = k_cache.shape
     if (num_heads, head_dim) != (cache_heads, cache_dim) or v.shape != k.shape:
         raise ValueError(f"k {tuple(k.shape)} / v {tuple(v.shape)} do not match the cache {tuple(k_cache.shape)}")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("k_cache and v_cache must be contiguous [num_blocks, H_kv, block_size, D]")
+    strides = cache_strides(k_cache, v_cache)
     if k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("k and v need a contiguous last (head_dim) dimension")
     if block_size & (block_size - 1):
@@ -108,7 +109,7 @@ def write_kv(
     _write_kv_kernel[(num_tokens, num_heads)](
         k, v, slots, k_cache, v_cache, lm,
         num_tokens,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), *strides,
         H=num_heads, D=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BS=block_size, MODE=mode_id,
         num_warps=1 if mode_id == MODE_NONE else 2,
     )
