@@ -1,14 +1,19 @@
 """The native engine on CUDA: same samples as on CPU (fp32), sparse decode = teacher-forced reference on
-the GPU, bf16 runs stay finite, and every available attention backend agrees."""
+the GPU, bf16 runs stay finite, every available attention backend agrees, and CUDA-graph replay equals
+eager decoding (budgets changing across bins, a schedule hot-update, preemption). The graphs'
+bookkeeping (row slots, device block tables, padding rows, device budgets) is also checked on CPU,
+where the same static-buffer step runs without capture."""
 
 import pytest
 import torch
 
 from sparrow.rollout_workers.api import RolloutRequest, SamplingParams
 from sparrow.rollout_workers.native import NativeEngine
+from sparrow.rollout_workers.native.cuda_graphs import DecodeGraphs, batch_buckets, width_bucket
+from sparrow.rollout_workers.native.scheduler import blocks_for
 from sparrow.schedule import SparsitySchedule
 
-pytestmark = pytest.mark.gpu
+gpu = pytest.mark.gpu
 
 SMALL = SparsitySchedule(name="small", topk_blocks=(2, 4), edges=(160,))
 REQUESTS = [RolloutRequest(f"r{i}", tuple(range(3 + i, 110 + 7 * i)),
@@ -22,6 +27,7 @@ def run(model_dir, **config):
     return engine, engine.generate(REQUESTS)
 
 
+@gpu
 def test_cuda_fp32_matches_cpu_and_the_teacher_forced_reference(tiny_qwen3):
     _, cpu = run(tiny_qwen3)
     engine, gpu = run(tiny_qwen3, device="cuda", dtype="float32", attention_backend="torch")
@@ -35,6 +41,7 @@ def test_cuda_fp32_matches_cpu_and_the_teacher_forced_reference(tiny_qwen3):
         assert (forced.logprobs.cpu() - s.logprobs).abs().max().item() < 1e-3
 
 
+@gpu
 def test_triton_backend_matches_torch_backend_in_fp32(tiny_qwen3):
     pytest.importorskip("sparrow.kernels.triton")
     engine, triton_samples = run(tiny_qwen3, device="cuda", dtype="float32", attention_backend="triton")
@@ -46,6 +53,7 @@ def test_triton_backend_matches_torch_backend_in_fp32(tiny_qwen3):
         assert (a.logprobs - b.logprobs).abs().max().item() < 1e-3
 
 
+@gpu
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_cuda_bf16_runs_finite_with_each_backend(tiny_qwen3, backend):
     if backend == "triton":
@@ -56,3 +64,80 @@ def test_cuda_bf16_runs_finite_with_each_backend(tiny_qwen3, backend):
     for s, blocks in zip(samples, expected):
         assert s.finish_reason == "length" and torch.isfinite(s.logprobs).all()
         assert torch.equal(s.blocks_attended, blocks)
+
+
+# ------------------------------------------------------------------------------------ decode graphs
+
+BINNED = SparsitySchedule(name="binned", topk_blocks=(2, 4, 3, 6), edges=(140, 170, 200))
+HOT = BINNED.with_topk((1, 3, 5, 2))  # hot-update: new budgets in every bin, version 1
+MIXED = [RolloutRequest(f"m{i}", tuple(range(3 + i, 110 + 9 * i)),
+                        SamplingParams(max_tokens=60 + 13 * i, temperature=t, seed=i, n=n, ignore_eos=True, logprobs=5))
+         for i, (t, n) in enumerate([(0.0, 1), (1.0, 3), (0.7, 2)])]
+
+
+def drive(engine, hot_update_at: int = 25):
+    """Step the engine by hand so the schedule changes mid-generation at the same step for every engine."""
+    engine.set_schedule(BINNED)
+    for request in MIXED:
+        engine.add_request(request)
+    samples, steps = [], 0
+    while engine.has_unfinished():
+        samples += engine.step()
+        steps += 1
+        if steps == hot_update_at:
+            engine.set_schedule(HOT)
+    return sorted(samples, key=lambda s: (s.request_id, s.sample_index))
+
+
+def assert_same_samples(eager, static, logprob_tol):
+    assert len(eager) == len(static) == 6
+    for a, b in zip(eager, static):
+        assert (a.request_id, a.sample_index, a.finish_reason) == (b.request_id, b.sample_index, "length")
+        assert torch.equal(a.token_ids, b.token_ids)
+        assert torch.equal(a.blocks_attended, b.blocks_attended)
+        assert a.metadata.get("schedule_versions") == b.metadata.get("schedule_versions") == "0,1"
+        assert (a.logprobs - b.logprobs).abs().max().item() <= logprob_tol
+        assert torch.equal(a.top_ids, b.top_ids) or (a.top_logprobs - b.top_logprobs).abs().max().item() <= logprob_tol
+
+
+def test_buckets():
+    assert batch_buckets(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert batch_buckets(6) == [1, 2, 4, 6] and batch_buckets(1) == [1]
+    assert [width_bucket(n, 2064) for n in (1, 16, 17, 300, 2049, 2064)] == [16, 16, 32, 512, 2064, 2064]
+
+
+@pytest.mark.parametrize("num_kv_blocks", [256, 30])  # 30 blocks: sequences are preempted and recomputed
+def test_static_decode_step_equals_eager_on_cpu(tiny_qwen3, num_kv_blocks):
+    """The graphs' step body, run eagerly on CPU, against the eager engine: same tokens, blocks, logprobs."""
+    eager = NativeEngine.from_pretrained(tiny_qwen3, num_kv_blocks=num_kv_blocks, max_num_seqs=6)
+    static = NativeEngine.from_pretrained(tiny_qwen3, num_kv_blocks=num_kv_blocks, max_num_seqs=6)
+    static._graphs = DecodeGraphs(static.model, static.cache, static.backend, static.attention, 6,
+                                  blocks_for(static.max_model_len, 16))
+    assert_same_samples(drive(eager), drive(static), 1e-5)
+    assert static._graphs.num_captured >= 2  # batch buckets 6 and 2 (sequences finish at different lengths)
+    if num_kv_blocks == 30:
+        assert static.stats()["preemptions"] > 0
+
+
+@gpu
+@pytest.mark.parametrize("num_kv_blocks", [256, 30])
+def test_graph_replay_equals_eager_across_bins_and_a_hot_update(tiny_qwen3, num_kv_blocks):
+    pytest.importorskip("sparrow.kernels.triton")
+    config = dict(device="cuda", dtype="float32", attention_backend="triton", num_kv_blocks=num_kv_blocks, max_num_seqs=6)
+    graphs = NativeEngine.from_pretrained(tiny_qwen3, cuda_graphs=True, **config)
+    eager = NativeEngine.from_pretrained(tiny_qwen3, cuda_graphs=False, **config)
+    assert_same_samples(drive(eager), drive(graphs), 1e-4)
+    stats = graphs.stats()
+    assert stats["cuda_graphs"] and stats["cuda_graphs_captured"] >= 2 and not eager.stats()["cuda_graphs"]
+
+
+@gpu
+def test_cuda_graphs_need_the_triton_backend(tiny_qwen3):
+    with pytest.raises(ValueError, match="cuda_graphs=True needs"):
+        NativeEngine.from_pretrained(tiny_qwen3, device="cuda", attention_backend="torch", cuda_graphs=True)
+    assert not NativeEngine.from_pretrained(tiny_qwen3, device="cuda", attention_backend="torch").stats()["cuda_graphs"]
+
+
+def test_cuda_graphs_refused_on_cpu(tiny_qwen3):
+    with pytest.raises(ValueError, match="cuda_graphs=True needs device='cuda'"):
+        NativeEngine.from_pretrained(tiny_qwen3, cuda_graphs=True)

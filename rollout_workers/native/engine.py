@@ -23,6 +23,7 @@ from sparrow.schedule import DENSE_BUDGET, ScheduleError, SparsitySchedule, load
 from .attention import PagedDecode, PagedPrefill, PrefillChunkMeta, blocks_attended
 from .block_manager import BlockManager
 from .config import NativeEngineConfig
+from .cuda_graphs import DecodeGraphs
 from .kv_cache import KVCache, bytes_per_block
 from .model import DecoderModel
 from .model_spec import ModelLoadError, load_spec
@@ -113,6 +114,10 @@ class NativeEngine(RolloutEngine):
         self.cache = KVCache(self.spec, self.attention, self.num_kv_blocks, model.dtype, self.device)
         self.blocks = BlockManager(self.num_kv_blocks, on_allocate=self.cache.zero_blocks)
         self.scheduler = Scheduler(self.blocks, self.attention.block_size, config.max_num_seqs, config.prefill_chunk_size)
+        self._graphs = self._decode_graphs()
+        self._rows: dict[Sequence, int] = {}
+        """Row slot of each sequence in the decode graphs' block-table buffer."""
+        self._free_rows = list(range(config.max_num_seqs))[::-1]
         self.eos_token_ids = frozenset(self.spec.eos_token_ids)
         self._rng = random.Random(config.seed)
         self._policy_version = 0
@@ -124,6 +129,29 @@ class NativeEngine(RolloutEngine):
         self._seconds = {"prefill": 0.0, "decode": 0.0}
         if config.schedule:
             self.set_schedule(load_schedule(config.schedule))
+
+    def _decode_graphs(self) -> DecodeGraphs | None:
+        graph_safe = self.device.type == "cuda" and self.backend.name == "triton"
+        wanted = graph_safe if self.config.cuda_graphs is None else self.config.cuda_graphs
+        if wanted and not graph_safe:
+            raise ValueError(
+                f"cuda_graphs=True needs device='cuda' and the triton attention backend (here device="
+                f"{self.config.device!r}, backend {self.backend.name!r}); set cuda_graphs to None or False"
+            )
+        if not wanted:
+            return None
+        max_blocks = blocks_for(self.max_model_len, self.attention.block_size)
+        return DecodeGraphs(self.model, self.cache, self.backend, self.attention, self.config.max_num_seqs, max_blocks)
+
+    def capture_decode_graphs(self, batch_sizes, max_len: int | None = None) -> int:
+        """Capture the decode graphs for these batch sizes at every block-table width up to `max_len` tokens
+        (default max_model_len), dense and sparse, so no capture happens mid-generation; returns how many
+        graphs the engine holds. Without this, each graph is captured the first time a step needs it."""
+        if self._graphs is None:
+            raise RuntimeError("CUDA graphs are off (CPU, cuda_graphs=False or a non-triton backend): nothing to capture")
+        modes = (False, True) if self._has_sparse_layers() else (False,)
+        self._graphs.capture(batch_sizes, min(max_len or self.max_model_len, self.max_model_len), modes)
+        return self._graphs.num_captured
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, **overrides) -> "NativeEngine":
@@ -167,6 +195,8 @@ class NativeEngine(RolloutEngine):
                         f"make them equal (NativeEngineConfig.{name})"
                     )
         self._schedule = schedule
+        if self._graphs is not None:
+            self._graphs.set_schedule(schedule)
 
     def load_weights(self, weights: WeightsSource, version: int) -> None:
         """Validate all tensors first, then copy in place; on any error the old weights and version stay."""
@@ -227,6 +257,8 @@ class NativeEngine(RolloutEngine):
             "schedule_version": self.schedule_version,
             "schedule": None if self._schedule is None else self._schedule.name,
             "attention_backend": self.backend.name,
+            "cuda_graphs": self._graphs is not None,
+            "cuda_graphs_captured": 0 if self._graphs is None else self._graphs.num_captured,
         }
 
     def teacher_forced_logprobs(self, token_ids, prompt_len: int, schedule: SparsitySchedule | None = None,
@@ -250,7 +282,32 @@ class NativeEngine(RolloutEngine):
 
     def _abort_all(self) -> None:
         for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
-            self.scheduler.finish(seq)
+            self._finish(seq)
+
+    def abort(self) -> None:
+        """Drop every unfinished sequence (their samples are not returned); for callers driving `step`."""
+        if self._active:
+            raise RuntimeError("abort() while a generate/stream call runs; close the stream instead")
+        self._abort_all()
+
+    def _finish(self, seq: Sequence) -> None:
+        self.scheduler.finish(seq)
+        row = self._rows.pop(seq, None)
+        if row is not None:
+            self._free_rows.append(row)
+
+    def _row(self, seq: Sequence) -> int:
+        """The sequence's row slot in the decode graphs; rows of preempted sequences are reclaimed when
+        none is free (a preempted sequence gets its row, and its table, again when re-prefilled)."""
+        row = self._rows.get(seq)
+        if row is None:
+            if not self._free_rows:
+                running = set(self.scheduler.running)
+                for other in [s for s in self._rows if s not in running]:
+                    self._free_rows.append(self._rows.pop(other))
+            row = self._free_rows.pop()
+            self._rows[seq] = row
+        return row
 
     def _validate(self, request: RolloutRequest) -> None:
         request.sampling.validate()
@@ -372,6 +429,9 @@ class NativeEngine(RolloutEngine):
             seqs += group
             rows += [i] * len(group)
             lengths += [ch.seq.num_tokens] * len(group)
+        if self._graphs is not None:
+            for seq in seqs:
+                self._graphs.write_table(self._row(seq), seq.block_table)
         budgets = []
         for seq in seqs:
             if seq.num_tokens > seq.prompt_len:  # recomputed sequence: its newest query is a decode query
@@ -406,34 +466,42 @@ class NativeEngine(RolloutEngine):
         return group
 
     def _decode(self, seqs: list[Sequence]) -> list[tuple[RolloutRequest, RolloutSample]]:
-        dev, bs = self.device, self.attention.block_size
+        bs = self.attention.block_size
         lengths = [s.num_tokens for s in seqs]
         budgets = self._budgets(lengths)
         for seq, b in zip(seqs, budgets):
             seq.budgets.append(b)
-        num_blocks = [blocks_for(n, bs) for n in lengths]
-        sparse = self._has_sparse_layers() and any(b < n for b, n in zip(budgets, num_blocks))
-        width = max(num_blocks)
-        tables = [s.block_table[:width] + [0] * (width - len(s.block_table[:width])) for s in seqs]
-        seq_lens = torch.tensor(lengths, device=dev)
-        budget_t = torch.tensor(budgets, device=dev) if sparse else None
-        attention = PagedDecode(
-            self.cache, self.backend, self.attention,
-            slots=torch.tensor([s.block_table[(n - 1) // bs] * bs + (n - 1) % bs for s, n in zip(seqs, lengths)], device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev), seq_lens=seq_lens, budgets=budget_t,
-            scale=self.spec.head_dim**-0.5,
-        )
-        ids = torch.tensor([s.token_ids[-1] for s in seqs], device=dev)
-        hidden = self.model(ids, seq_lens - 1, attention)
-        logits = self.model.logits(hidden)
+        sparse = self._has_sparse_layers() and any(b < blocks_for(n, bs) for b, n in zip(budgets, lengths))
+        if self._graphs is not None:
+            logits, blocks = self._graphs.run(
+                [self._rows[s] for s in seqs], [s.token_ids[-1] for s in seqs], lengths,
+                [s.block_table[(n - 1) // bs] for s, n in zip(seqs, lengths)], sparse,
+            )
+        else:
+            logits, blocks = self._decode_eager(seqs, lengths, budgets, sparse)
         for seq in seqs:
             seq.num_cached = seq.num_tokens
         self._counters["decode_tokens"] += len(seqs)
         self._counters["decode_steps"] += 1
+        return self._sample_and_record(seqs, logits, blocks)
+
+    def _decode_eager(self, seqs: list[Sequence], lengths: list[int], budgets: list[int], sparse: bool):
+        dev, bs = self.device, self.attention.block_size
+        width = max(blocks_for(n, bs) for n in lengths)
+        tables = [s.block_table[:width] + [0] * (width - len(s.block_table[:width])) for s in seqs]
+        seq_lens = torch.tensor(lengths, device=dev)
+        attention = PagedDecode(
+            self.cache, self.backend, self.attention,
+            slots=torch.tensor([s.block_table[(n - 1) // bs] * bs + (n - 1) % bs for s, n in zip(seqs, lengths)], device=dev),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev), seq_lens=seq_lens,
+            budgets=torch.tensor(budgets, device=dev) if sparse else None, scale=self.spec.head_dim**-0.5,
+        )
+        ids = torch.tensor([s.token_ids[-1] for s in seqs], device=dev)
+        logits = self.model.logits(self.model(ids, seq_lens - 1, attention))
         blocks = attention.blocks_attended
         if blocks is None:
             blocks = blocks_attended(seq_lens, None, self.attention)
-        return self._sample_and_record(seqs, logits, blocks)
+        return logits, blocks
 
     def _has_sparse_layers(self) -> bool:
         return len(self.cache.sparse_layers) > 0
@@ -456,7 +524,7 @@ class NativeEngine(RolloutEngine):
             reason = self._stop_reason(seq, token)
             if reason:
                 seq.finish_reason = reason
-                self.scheduler.finish(seq)
+                self._finish(seq)
                 self._counters["samples_finished"] += 1
                 finished.append((seq.request, seq.to_sample(self._policy_version)))
         return finished
@@ -471,7 +539,7 @@ class NativeEngine(RolloutEngine):
 
     def _fail(self, seq: Sequence, error: str) -> list[tuple[RolloutRequest, RolloutSample]]:
         """Fail one sample, or every sample of a group leader that has not forked yet."""
-        self.scheduler.finish(seq)
+        self._finish(seq)
         indices = range(seq.fork_into) if seq.fork_into > 1 else [seq.sample_index]
         self._counters["samples_failed"] += len(indices)
         return [(seq.request, RolloutSample.failed(seq.request, j, error, self._policy_version, self.schedule_version))

@@ -20,6 +20,9 @@ class TorchBackend(AttentionBackend):
     def write_kv(self, k_cache, v_cache, landmarks, slots, k, v, config: SparseAttentionConfig) -> None:
         bs = k_cache.shape[2]
         slots = slots.long()
+        live = slots >= 0  # padding rows of a static decode batch carry slot -1, as for the Triton write
+        if not bool(live.all()):
+            slots, k, v = slots[live], k[live], v[live]
         blocks, offsets = slots // bs, slots % bs
         k_cache[blocks, :, offsets] = k.to(k_cache.dtype)
         v_cache[blocks, :, offsets] = v.to(v_cache.dtype)

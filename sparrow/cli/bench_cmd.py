@@ -11,15 +11,9 @@ from pathlib import Path
 
 from sparrow.tables import format_table
 
-EXTRA_SHAPES = {
-    # name: (family, layers, q heads, kv heads, head_dim, hidden, intermediate, vocab, tied, rope theta, max positions)
-    "smollm2-135m": ("llama", 30, 9, 3, 64, 576, 1536, 49152, True, 100000.0, 8192),
-    "tiny": ("qwen3", 4, 4, 2, 32, 64, 128, 2048, True, 1000000.0, 4096),
-}
-
 
 def register(sub) -> None:
-    p = sub.add_parser("bench", help="benchmarks: rollout throughput, decode kernel bandwidth")
+    p = sub.add_parser("bench", help="benchmarks: rollout throughput, decode step, decode kernel bandwidth")
     actions = p.add_subparsers(dest="bench_command", metavar="ACTION", required=True)
     r = actions.add_parser("rollout", help="native engine: dense vs sparse decode tokens/s in one process")
     r.add_argument("--model", required=True, metavar="DIR_OR_SHAPE", help="HF directory, or a shape name (random weights)")
@@ -33,6 +27,7 @@ def register(sub) -> None:
     r.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     r.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     r.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "reference", "triton"])
+    r.add_argument("--no-cuda-graphs", action="store_true", help="decode with eager launches on CUDA (default: graphs)")
     r.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
     r.add_argument("--repeats", type=int, default=1,
                    help="measure dense and sparse alternately this many times and keep each mode's fastest run")
@@ -40,6 +35,77 @@ def register(sub) -> None:
     r.add_argument("--json", action="store_true", help="print the results as one JSON object")
     r.set_defaults(handler=run_rollout)
     register_kernels(actions)
+    register_decode_step(actions)
+    register_rollout_paper(actions)
+
+
+def register_decode_step(actions) -> None:
+    d = actions.add_parser("decode-step", help="full-model decode step at Sparrow's Table 4 points (CUDA graphs)")
+    d.add_argument("--model", default="qwen3-1.7b", help="shape name (random bf16 weights; default qwen3-1.7b)")
+    d.add_argument("--batch", type=int, default=8)
+    d.add_argument("--contexts", type=int, nargs="+", default=[16384, 24576, 32768], help="past KV tokens per sequence")
+    d.add_argument("--budget-tokens", type=int, default=1024, help="sparse budget incl. sink + recent (default 1024)")
+    d.add_argument("--replays", type=int, default=50, help="graph replays per point (median reported)")
+    d.add_argument("--out", type=Path, help="JSON path (default benchmarks/results/decode-step-<gpu>-<time>.json)")
+    d.set_defaults(handler=run_decode_step)
+
+
+def register_rollout_paper(actions) -> None:
+    p = actions.add_parser(
+        "rollout-paper",
+        help="the paper's rollout protocol on one GPU: a real shorter run + a projection to 32K from measured steps",
+    )
+    p.add_argument("--models", nargs="+", default=["qwen3-1.7b", "qwen3-4b", "qwen3-8b"], help="shape names")
+    p.add_argument("--schedules", nargs="+", metavar="MODEL=NAME[,NAME]",
+                   help="schedules per model (default: <model>-0.86; qwen3-8b: 0.86 and 0.87)")
+    p.add_argument("--real-prompt", type=int, default=1800, help="prompt tokens of the real run (default 1800)")
+    p.add_argument("--real-gen", type=int, default=3072, help="tokens generated per sample in the real run")
+    p.add_argument("--project-prompt", type=int, default=256, help="prompt tokens of the projected protocol")
+    p.add_argument("--project-gen", type=int, default=32768, help="tokens generated per sample, projected (32K)")
+    p.add_argument("--samples", type=int, default=8, help="samples per prompt")
+    p.add_argument("--memory-fraction", type=float, default=0.92,
+                   help="share of free GPU memory for the protocol's KV cache (sets the batch)")
+    p.add_argument("--time-cap", type=float, default=90.0, help="seconds after which a real run is stopped")
+    p.add_argument("--replays", type=int, default=5, help="graph replays per measured context (median)")
+    p.add_argument("--out", type=Path, help="JSON path (default benchmarks/results/rollout-paper-<gpu>-<time>.json)")
+    p.set_defaults(handler=run_rollout_paper)
+
+
+def run_decode_step(args) -> int:
+    import sys
+
+    from sparrow.rollout_workers.native.bench import run_decode_step as run
+
+    if args.batch < 1 or args.replays < 1 or any(c < 16 for c in args.contexts):
+        raise ValueError("--batch and --replays must be >= 1 and --contexts >= 16 tokens")
+    run(args.model, args.batch, tuple(args.contexts), args.budget_tokens, args.replays,
+        args.out, "sparrow " + " ".join(sys.argv[1:]))
+    return 0
+
+
+def run_rollout_paper(args) -> int:
+    import sys
+
+    from sparrow.rollout_workers.native.bench import run_rollout_paper as run
+    from sparrow.schedule import load_schedule
+
+    schedules = {}
+    for item in args.schedules or []:
+        model, sep, names = item.partition("=")
+        if not sep or not names:
+            raise ValueError(f"--schedules {item!r}: use MODEL=NAME[,NAME], e.g. qwen3-8b=qwen3-8b-0.87")
+        schedules[model] = names.split(",")
+        for name in schedules[model]:
+            load_schedule(name)
+    for flag in ("real_prompt", "real_gen", "project_prompt", "project_gen", "samples", "replays"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')}={getattr(args, flag)}: must be >= 1")
+    if not 0 < args.memory_fraction <= 0.97:
+        raise ValueError(f"--memory-fraction={args.memory_fraction}: use a value in (0, 0.97]")
+    run(tuple(args.models), schedules, args.real_prompt, args.real_gen, args.project_prompt, args.project_gen,
+        args.samples, args.memory_fraction, args.time_cap, args.replays, args.out,
+        "sparrow " + " ".join(sys.argv[1:]))
+    return 0
 
 
 def register_kernels(actions) -> None:
@@ -65,43 +131,6 @@ def run_kernels(args) -> int:
     return 0
 
 
-def model_spec_for_shape(name: str):
-    """A `ModelSpec` for a shape name: sparrow.cost's built-in shapes or EXTRA_SHAPES."""
-    from sparrow.cost import BUILTIN_MODELS
-    from sparrow.rollout_workers.native.model_spec import ModelSpec
-
-    key = name.lower()
-    if key in EXTRA_SHAPES:
-        family, layers, q, kv, d, hidden, inter, vocab, tied, theta, max_pos = EXTRA_SHAPES[key]
-    elif key in BUILTIN_MODELS:
-        s = BUILTIN_MODELS[key]
-        family = "qwen3" if s.qk_norm else "llama"
-        layers, q, kv, d, hidden, inter, vocab, tied = (s.layers, s.q_heads, s.kv_heads, s.head_dim, s.hidden,
-                                                        s.intermediate, s.vocab, s.tied_embeddings)
-        theta, max_pos = 1000000.0, 40960
-    else:
-        raise ValueError(
-            f"--model {name!r}: not a directory and not a shape; shapes: {', '.join([*EXTRA_SHAPES, *BUILTIN_MODELS])}"
-        )
-    return ModelSpec(
-        family=family, vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_layers=layers, num_heads=q,
-        num_kv_heads=kv, head_dim=d, rms_norm_eps=1e-6, max_position_embeddings=max_pos, tie_word_embeddings=tied,
-        qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=family == "qwen3",
-        rope={"rope_type": "default", "rope_theta": theta},
-    )
-
-
-def build_model(name: str, device, dtype, max_len: int, seed: int):
-    from sparrow.rollout_workers.native import DecoderModel, load_model
-
-    if Path(name).is_dir():
-        return load_model(name, device, dtype)
-    spec = model_spec_for_shape(name)
-    if max_len > spec.max_position_embeddings:
-        raise ValueError(f"--prompt-len + --gen-len = {max_len} exceeds {name}'s {spec.max_position_embeddings} positions")
-    return DecoderModel(spec, spec.max_position_embeddings, device=device, dtype=dtype).init_random(seed)
-
-
 def measure(engine, requests) -> dict:
     """One generate call: phase times from the engine's counters, and the mean blocks per token."""
     import torch
@@ -125,6 +154,7 @@ def run_rollout(args) -> int:
     from sparrow.rollout_workers.api import RolloutRequest, SamplingParams
     from sparrow.rollout_workers.native import NativeEngine, NativeEngineConfig
     from sparrow.rollout_workers.native.engine import resolve_device, resolve_dtype
+    from sparrow.rollout_workers.native.shapes import build_model
     from sparrow.schedule import SparsitySchedule, load_schedule
 
     for flag in ("prompt_len", "gen_len", "batch", "samples", "repeats"):
@@ -139,7 +169,10 @@ def run_rollout(args) -> int:
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     total = args.prompt_len + args.gen_len
-    model = build_model(args.model, device, dtype, total, args.seed)
+    try:
+        model = build_model(args.model, device, dtype, total, args.seed)
+    except ValueError as exc:
+        raise ValueError(f"{exc} (--prompt-len + --gen-len = {total})") from None
     if args.budget is not None:
         if args.budget < 3:
             raise ValueError(f"--budget={args.budget}: must be >= 3 (sink 1 + recent 2)")
@@ -149,6 +182,7 @@ def run_rollout(args) -> int:
     blocks_per_seq = -(-(total + 1) // 16)
     config = NativeEngineConfig(
         device=str(device), dtype=args.dtype, attention_backend=args.attention_backend, max_num_seqs=args.batch,
+        cuda_graphs=False if args.no_cuda_graphs else None,
         num_kv_blocks=args.batch * blocks_per_seq + 16, max_model_len=min(total + 16, model.rope.cos.shape[0]),
         prefill_chunk_size=max(2048, args.prompt_len),
     )
@@ -180,7 +214,7 @@ def run_rollout(args) -> int:
     ratio = results["sparse"]["decode_tok_s"] / results["dense"]["decode_tok_s"]
     info = {"model": args.model, "device": str(device), "dtype": str(dtype).replace("torch.", ""),
             "threads": torch.get_num_threads() if device.type == "cpu" else None,
-            "backend": engine.backend.name, "prompt_len": args.prompt_len, "gen_len": args.gen_len,
+            "backend": engine.backend.name, "cuda_graphs": engine.stats()["cuda_graphs"], "prompt_len": args.prompt_len, "gen_len": args.gen_len,
             "batch": args.batch, "samples": args.samples, "schedule": schedule.name, **results,
             "decode_speedup": ratio}
     if args.json:
