@@ -45,6 +45,7 @@ EMBEDDED: dict = {
         "pool": {"size": 1, "cpus": 1},
         "native": {"max_num_seqs": 32, "max_model_len": 512},
         "sampling": {"temperature": 0.7, "max_tokens": 96, "n": 4, "logprobs": 20},
+        "speedup_probe_every": 2,
         "schedule": {
             "name": "smollm2-arith",
             "edges": [136, 168, 200],
@@ -124,6 +125,10 @@ class RolloutConfig(_Section):
     schedule: str | dict[str, Any] = Field(
         "dense",
         description="initial schedule: 'dense', a published name, a schedule file, or an inline mapping",
+    )
+    speedup_probe_every: int = Field(
+        0, ge=0, description="every N steps worker 0 also decodes its prompts densely (not trained on) to measure "
+        "the speedup; 0 = off",
     )
     dense_bin_edges: list[int] | None = Field(
         None, description="bin edges (tokens) when schedule is 'dense'; None = Sparrow's 2000-token bins"

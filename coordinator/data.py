@@ -8,7 +8,7 @@ resuming at a step needs no saved cursor or RNG state. Finite datasets are reshu
 
 import json
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from .config import ArithmeticConfig, DataConfig
@@ -23,7 +23,6 @@ class PromptRecord:
     answer: str
     index: int = 0
     """Global index in the source (for tracing a sample back to its data)."""
-    metadata: dict = field(default_factory=dict)
 
 
 def stable_seed(*parts) -> int:

@@ -223,7 +223,9 @@ class TrainingJob:
             records = self.data.batch(j, self.config.run.prompts_per_step)
             n_workers = self.rollouts.size
             parts = [records[w::n_workers] for w in range(n_workers)]
-            refs = {w: self.rollouts.actors[w].generate.remote(j, part) for w, part in enumerate(parts) if part}
+            every = self.config.rollout.speedup_probe_every
+            probe = bool(every) and j % every == 0
+            refs = {w: self.rollouts.actors[w].generate.remote(j, part, probe and w == 0) for w, part in enumerate(parts) if part}
             n = self.config.rollout.sampling.n
             ids = [f"{r.prompt_id}#{i}" for r in records for i in range(n)]
             self.inflight[j] = {"refs": refs, "ids": ids}
@@ -369,6 +371,9 @@ class TrainingJob:
         self.kv_read_gauge.set(summary["kv_read_fraction"])
         self.step_gauge.set(step + 1)
         predicted = self._predicted_speedup(summary)
+        measured = next((r["speedup_measured"] for r in reports if "speedup_measured" in r), None)
+        if measured is not None:
+            self.metrics.speedup_measured.labels(pool="rollout").set(measured)
         pct = self.controller_config.percentile
         counts = alpha.count().tolist()
         p5 = [None if n == 0 else float(v) for v, n in zip(alpha.percentile(pct).tolist(), counts)]
@@ -385,6 +390,7 @@ class TrainingJob:
                 "prompt_length_mean": _mean(summary["prompt_lengths"]),
                 "truncated_fraction": summary["truncated"] / max(len(lengths), 1),
                 "tokens_per_s": tokens / seconds if seconds else None,
+                "speedup_measured": measured,
                 "kv_read_fraction": summary["kv_read_fraction"],
                 "staleness_mean": _mean(summary["staleness"]), "staleness_max": max(summary["staleness"], default=None),
                 "schedule_versions": summary["schedule_versions"],

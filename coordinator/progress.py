@@ -27,10 +27,10 @@ def step_line(record: dict, target: float, total_steps: int) -> str:
 
 class Progress:
     def __init__(self, enabled: bool, total_steps: int, start_step: int):
-        self.enabled = enabled
+        disable = None if enabled else True  # None: bars only when stderr is a terminal
         self.steps = tqdm(total=total_steps, initial=start_step, desc="steps", unit="step", position=0,
-                          disable=not enabled, file=sys.stderr, dynamic_ncols=True)
-        self.tokens = tqdm(desc="rollout tokens", unit="tok", position=1, disable=not enabled, file=sys.stderr,
+                          disable=disable, file=sys.stderr, dynamic_ncols=True)
+        self.tokens = tqdm(desc="rollout tokens", unit="tok", position=1, disable=disable, file=sys.stderr,
                            dynamic_ncols=True)
 
     def add_tokens(self, n: int) -> None:
@@ -42,10 +42,7 @@ class Progress:
         self.steps.update(1)
 
     def write(self, line: str) -> None:
-        if self.enabled:
-            tqdm.write(line, file=sys.stderr)
-        else:
-            print(line, file=sys.stderr)
+        tqdm.write(line, file=sys.stderr)
 
     def close(self) -> None:
         self.tokens.close()

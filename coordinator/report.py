@@ -108,6 +108,11 @@ def _bin_names(edges: list[int]) -> list[str]:
     return names
 
 
+def _mean_of(rows: list[dict], key: str) -> float | None:
+    values = [r["rollout"].get(key) for r in rows if r["rollout"].get(key) is not None]
+    return sum(values) / len(values) if values else None
+
+
 def _fmt(v, spec=".3f"):
     return "-" if v is None else format(v, spec)
 
@@ -129,6 +134,7 @@ def summary_table(rows: list[dict], decisions: list[dict], target: float) -> str
         ("response length (first → last)",
          f"{_fmt(first['rollout']['response_length_mean'], '.1f')} → {_fmt(last['rollout']['response_length_mean'], '.1f')}"),
         ("KV read vs dense (mean)", _fmt(sum(r["rollout"]["kv_read_fraction"] for r in rows) / len(rows))),
+        ("measured speedup (dense probes, mean)", _fmt(_mean_of(rows, "speedup_measured"), ".2f")),
         ("predicted speedup (last, cost model)", _fmt(last["predicted_speedup"], ".2f")),
         ("final blocks per bin", " ".join("dense" if b is None else str(b) for b in last["schedule"]["blocks"])),
         ("schedule version", str(last["schedule"]["version"])),

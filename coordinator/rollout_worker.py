@@ -76,6 +76,8 @@ class RolloutWorker:
         self._draining = False
         self._tokens = 0
         self._samples = 0
+        self._probe_tokens = 0
+        self._probing: int | None = None
         self.metrics = SparrowMetrics(self.config.metrics, worker=self.worker_id, pool="rollout")
         mcfg = self.config.metrics
         self.metrics_server = (
@@ -157,20 +159,26 @@ class RolloutWorker:
             out.append(RolloutRequest(r.prompt_id, tuple(ids), sampling, metadata=meta))
         return out
 
-    def _produce(self, requests: list[RolloutRequest], out: queue.Queue) -> None:
+    def _produce(self, requests: list[RolloutRequest], out: queue.Queue, timing: dict) -> None:
         async def run():
             async for sample in self.engine.stream(requests):
                 out.put(sample)
 
+        start = time.perf_counter()
         try:
             asyncio.run(run())
         except BaseException as exc:  # handed to the caller's thread and re-raised there
             out.put(exc)
         finally:
+            timing["engine_seconds"] = time.perf_counter() - start
             out.put(_DONE)
 
-    def generate(self, step: int, records: list[PromptRecord]) -> dict:
-        """Generate, score and send the groups of `records`; returns what was sent and acknowledged."""
+    def generate(self, step: int, records: list[PromptRecord], probe: bool = False) -> dict:
+        """Generate, score and send the groups of `records`; returns what was sent and acknowledged.
+
+        `probe`: afterwards decode the same requests densely (nothing is sent) and report the measured
+        speedup, sparse tokens/s over dense tokens/s of the engine.
+        """
         if self._draining:
             return {"worker": self.worker_id, "step": step, "drained": True}
         if self.client is None:
@@ -181,16 +189,37 @@ class RolloutWorker:
                 staged, self._staged = self._staged, None
             if staged is not None:
                 self.engine.set_schedule(staged)
-            return self._generate(step, records)
+            report = self._generate(step, records)
+            if probe and self.engine.schedule is not None:
+                dense = self._dense_tokens_per_s(self._requests(step, records))
+                report["speedup_measured"] = report["engine_tokens_per_s"] / dense
+                self.metrics.speedup_measured.labels(pool="rollout").set(report["speedup_measured"])
+            return report
         finally:
             self._idle.set()
+
+    def _dense_tokens_per_s(self, requests: list[RolloutRequest]) -> float:
+        schedule = self.engine.schedule
+        self._probing = self.progress()["tokens"]
+        before = int(self.engine.stats().get("tokens_generated", 0))
+        self.engine.set_schedule(None)
+        try:
+            start = time.perf_counter()
+            tokens = sum(int(s.token_ids.numel()) for s in self.engine.generate(requests))
+            seconds = time.perf_counter() - start
+        finally:
+            self.engine.set_schedule(schedule)
+            self._probe_tokens += int(self.engine.stats().get("tokens_generated", 0)) - before
+            self._probing = None
+        return tokens / seconds
 
     def _generate(self, step: int, records: list[PromptRecord]) -> dict:
         start = time.perf_counter()
         requests = self._requests(step, records)
         answers = {r.request_id: r.metadata["answer"] for r in requests}
         out: queue.Queue = queue.Queue()
-        thread = threading.Thread(target=self._produce, args=(requests, out), name="engine", daemon=True)
+        timing: dict = {}
+        thread = threading.Thread(target=self._produce, args=(requests, out, timing), name="engine", daemon=True)
         thread.start()
         errors: list[BaseException] = []
         tally = {"samples": 0, "failed": 0, "tokens": 0, "rewards": []}
@@ -221,7 +250,6 @@ class RolloutWorker:
         if errors:
             raise errors[0]
         seconds = time.perf_counter() - start
-        stats = self.engine.stats()
         self.metrics.tokens_per_second.labels(worker=self.worker_id, pool="rollout").set(tally["tokens"] / seconds)
         self.metrics.policy_version.labels(worker=self.worker_id, pool="rollout").set(self.engine.policy_version)
         return {
@@ -231,14 +259,17 @@ class RolloutWorker:
             "rejected": [(r.id, r.field, r.message) for r in report.rejected], "streams": report.streams,
             "policy_version": self.engine.policy_version,
             "schedule_version": self.engine.schedule.version if self.engine.schedule is not None else -1,
-            "engine_tokens_per_s": float(stats.get("tokens_per_s", 0.0)),
+            "engine_tokens_per_s": tally["tokens"] / timing["engine_seconds"],
         }
 
     @ray.method(concurrency_group="monitor")
     def progress(self) -> dict:
-        """Tokens and samples so far (served concurrently with generate: Ray concurrency group 'monitor')."""
+        """Rollout tokens and samples so far, dense probes excluded (served while generate runs: Ray
+        concurrency group 'monitor')."""
+        if self._probing is not None:
+            return {"tokens": self._probing, "samples": self._samples}
         try:
-            engine_tokens = int(self.engine.stats().get("tokens_generated", self._tokens))
+            engine_tokens = int(self.engine.stats().get("tokens_generated", self._tokens)) - self._probe_tokens
         except Exception:  # a stats read racing a step must never break progress reporting
             engine_tokens = self._tokens
         return {"tokens": max(engine_tokens, self._tokens), "samples": self._samples}

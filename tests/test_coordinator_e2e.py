@@ -12,7 +12,6 @@ more than one policy version old, and `sparrow train --resume` continues from th
 import json
 import os
 import threading
-import time
 import urllib.request
 
 import pytest
@@ -38,6 +37,7 @@ rollout:
   pool: {{size: 1, cpus: 0.5}}
   native: {{max_num_seqs: 16, max_model_len: 256, num_kv_blocks: 512}}
   sampling: {{max_tokens: 20, n: 4, temperature: 1.0}}
+  speedup_probe_every: 2
   schedule: {{name: tiny, edges: [80, 96], topk_blocks: [2, 2, 3]}}
 trainer:
   pool: {{size: {ranks}, cpus: 0.5}}
@@ -87,6 +87,12 @@ def _duplicate(sample_id: str) -> Trajectory:
     return Trajectory.of(sample, reward=1.0, sample_id=sample_id)
 
 
+def _initial_weights(model_dir) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(model_dir / "model.safetensors"))
+
+
 def _scrape(url: str) -> str:
     with urllib.request.urlopen(url, timeout=10) as response:
         return response.read().decode()
@@ -95,7 +101,7 @@ def _scrape(url: str) -> str:
 def test_sync_job_trains_every_sample_exactly_once_and_publishes_weights(ray_cluster, tiny_qwen3, tmp_path):
     config = load_config(_config_file(tmp_path, tiny_qwen3, ranks=2, steps=2, mode="sync"), ["run.weights_channel=collective"])
     run_dir = RunDir.create(config.run.out_dir, "sync")
-    initial = receive_state_dict_from_checkpoint(tiny_qwen3)
+    initial = _initial_weights(tiny_qwen3)
     with TrainingJob(config, run_dir, progress=False, log=lambda *_: None) as job:
         assert job.channel == "collective"
         first = job.run(steps=1)[0]
@@ -115,6 +121,7 @@ def test_sync_job_trains_every_sample_exactly_once_and_publishes_weights(ray_clu
         second = job.run(steps=1)[0]
         reopen.join()
         assert second["rollout"]["streams"] > 1
+        assert first["rollout"]["speedup_measured"] > 0 and second["rollout"]["speedup_measured"] is None
 
         per_rank = job.trained_ids()
         trained = sum(per_rank, [])
@@ -140,6 +147,7 @@ def test_sync_job_trains_every_sample_exactly_once_and_publishes_weights(ray_clu
         assert 'sparrow_weight_publication_seconds_count{pool="trainer"} 2.0' in coordinator
         worker = _scrape(job.workers[0]["metrics_url"])
         assert 'sparrow_policy_version{pool="rollout",worker="rollout-0"} 2.0' in worker
+        assert 'sparrow_speedup_measured{pool="rollout"}' in worker and 'sparrow_speedup_measured{pool="rollout"}' in coordinator
         assert 'sparrow_rollout_samples_total{finish_reason="length",pool="rollout",worker="rollout-0"}' in worker
 
     rows = RunDir.read_jsonl(run_dir.metrics_file)
@@ -148,12 +156,6 @@ def test_sync_job_trains_every_sample_exactly_once_and_publishes_weights(ray_clu
     assert [d["step"] for d in decisions] == [0, 1] and all(len(d["decisions"]) == 3 for d in decisions)
     assert run_dir.latest_tag() == "step2"
     assert not ray.util.list_named_actors(), "the job left actors behind"
-
-
-def receive_state_dict_from_checkpoint(model_dir) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    return load_file(str(model_dir / "model.safetensors"))
 
 
 def test_async_job_bounds_staleness_and_resumes(ray_cluster, tiny_qwen3, tmp_path, capsys):
