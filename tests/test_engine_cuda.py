@@ -141,3 +141,27 @@ def test_cuda_graphs_need_the_triton_backend(tiny_qwen3):
 def test_cuda_graphs_refused_on_cpu(tiny_qwen3):
     with pytest.raises(ValueError, match="cuda_graphs=True needs device='cuda'"):
         NativeEngine.from_pretrained(tiny_qwen3, cuda_graphs=True)
+
+
+@gpu
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
+def test_fused_model_equals_unfused_on_cuda(dtype, tol):
+    """Shared q/k/v and gate/up weights + fused q/k norm-RoPE and SiLU kernels vs the plain module (head_dim 128)."""
+    import dataclasses
+
+    from sparrow.kernels import SparseAttentionConfig
+    from sparrow.rollout_workers.native import DecoderModel
+    from sparrow.rollout_workers.native.attention import TeacherForced
+    from sparrow.rollout_workers.native.shapes import spec_for_shape
+
+    spec = dataclasses.replace(spec_for_shape("qwen3-1.7b"), num_layers=3, vocab_size=4096)
+    plain = DecoderModel(spec, 512, device="cuda", dtype=dtype, fuse=False).init_random(5)
+    fused = DecoderModel(spec, 512, device="cuda", dtype=dtype)
+    assert fused.fused
+    with torch.no_grad():
+        for name, p in fused.named_parameters():
+            p.copy_(dict(plain.named_parameters())[name])
+    ids, pos = torch.randint(0, spec.vocab_size, (300,), device="cuda"), torch.arange(300, device="cuda")
+    attention = TeacherForced(SparseAttentionConfig(), None)
+    got, expect = fused.logits(fused(ids, pos, attention)), plain.logits(plain(ids, pos, attention))
+    assert ((got - expect).norm() / expect.norm()).item() <= tol

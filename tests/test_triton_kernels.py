@@ -8,6 +8,7 @@ Two halves:
   graph replay and determinism (tolerances from docs/performance.md / the kernel design notes).
 """
 
+import dataclasses
 import math
 import os
 import subprocess
@@ -299,6 +300,69 @@ def _strided_case(tk, dtype, device, mode, seed):
 @pytest.mark.parametrize("mode", ["mean", "minmax"])
 def test_interp_strided_caches_equal_contiguous_ones(tk, mode):
     _strided_case(tk, torch.float32, "cpu", mode, seed=8)
+
+
+def _unfused_qk_norm_rope(q, k, qw, kw, cos, sin, eps):
+    from sparrow.rollout_workers.native.rope import apply_rotary
+
+    if qw is not None:
+        q = torch.nn.functional.rms_norm(q, (q.shape[-1],), qw, eps)
+        k = torch.nn.functional.rms_norm(k, (k.shape[-1],), kw, eps)
+    return apply_rotary(q, k, cos, sin)
+
+
+def _qk_case(dtype, device, seed, n=5, hq=4, hkv=2, d=32):
+    gen = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(n, (hq + 2 * hkv) * d, generator=gen).to(dtype).to(device)  # a fused projection's output
+    q, k = qkv[:, : hq * d].view(n, hq, d), qkv[:, hq * d : (hq + hkv) * d].view(n, hkv, d)
+    qw, kw = (torch.rand(d, generator=gen).add(0.5).to(dtype).to(device) for _ in range(2))
+    angles = torch.rand(n, d // 2, generator=gen) * 6
+    cos, sin = (torch.cat([f(angles)] * 2, dim=-1).to(dtype).to(device)[:, None, :] for f in (torch.cos, torch.sin))
+    return q, k, qw, kw, cos, sin
+
+
+@interp
+@pytest.mark.parametrize("norm", [True, False])
+def test_interp_qk_norm_rope_matches_unfused_ops(norm):
+    from sparrow.kernels.triton.fused import qk_norm_rope
+
+    q, k, qw, kw, cos, sin = _qk_case(torch.float32, "cpu", seed=30)
+    weights = (qw, kw) if norm else (None, None)
+    got = qk_norm_rope(q, k, *weights, cos, sin, 1e-6)
+    expect = _unfused_qk_norm_rope(q, k, *weights, cos, sin, 1e-6)
+    for g, e in zip(got, expect):
+        assert g.is_contiguous() and g.shape == e.shape
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
+
+
+@interp
+def test_interp_silu_mul_matches_unfused_ops():
+    from sparrow.kernels.triton.fused import silu_mul
+
+    gate_up = torch.randn(3, 2 * 1500, generator=torch.Generator().manual_seed(31)) * 4  # two column programs
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(silu_mul(gate_up), torch.nn.functional.silu(gate) * up, rtol=1e-5, atol=1e-6)
+
+
+@interp
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_interp_fused_model_equals_unfused_model(family):
+    """Shared q/k/v and gate/up storage + fused kernels: same logits, and loading weights fills the shared tensors."""
+    from sparrow.rollout_workers.native import DecoderModel
+    from sparrow.rollout_workers.native.attention import TeacherForced
+    from sparrow.rollout_workers.native.shapes import spec_for_shape
+
+    spec = dataclasses.replace(spec_for_shape("tiny"), family=family, qk_norm=family == "qwen3")
+    plain = DecoderModel(spec, 64).init_random(3)
+    fused = DecoderModel(spec, 64, fuse=True)
+    assert fused.fused and not plain.fused
+    with torch.no_grad():
+        for name, p in fused.named_parameters():
+            p.copy_(dict(plain.named_parameters())[name])
+    ids, pos = torch.randint(0, spec.vocab_size, (20,)), torch.arange(20)
+    attention = TeacherForced(SparseAttentionConfig(), None)
+    torch.testing.assert_close(fused.logits(fused(ids, pos, attention)), plain.logits(plain(ids, pos, attention)),
+                               rtol=1e-4, atol=1e-4)
 
 
 # ------------------------------------------------------------------------------------------ GPU tests

@@ -143,6 +143,15 @@ class FilledDecode:
         params = [SamplingParams(temperature=1.0, logprobs=20)] * batch
         self.sampling = SamplingBatch.build(params, list(range(batch)), [max_len] * batch, model.device)
 
+    def use_model(self, model: DecoderModel) -> None:
+        """Decode with another model of the same shape over the same filled cache (new graphs)."""
+        from sparrow.kernels.triton import TritonBackend
+
+        self.graphs = DecodeGraphs(model, self.cache, TritonBackend(), self.attention, self.batch, self.max_blocks)
+        for row, table in enumerate(self.tables):
+            self.graphs.write_table(row, table)
+        gc.collect()
+
     def stage(self, context: int, sparse: bool) -> DecodeStep:
         bs = self.attention.block_size
         current = [t[(context - 1) // bs] for t in self.tables]
@@ -234,7 +243,8 @@ def run_decode_step(model_name: str = "qwen3-1.7b", batch: int = 8, contexts=(16
         log(f"past KV {past}: {row['mode']} step {t['step_ms']:.3f} ms + sampler {t['sample_ms']:.3f} ms "
             f"(floor {floor_ms:.3f} ms, {row['pct_copy']:.0f}% of copy)")
         _write(report, out_path, lambda *_: None)
-    for past, sparse in ((max(contexts), True), (max(contexts), False), (bs, False)):
+    profiled = ((max(contexts), True), (max(contexts), False), (bs, False))
+    for past, sparse in profiled:
         key = f"{past}-{'sparse' if sparse else 'dense'}"
         try:
             report["profiles"][key] = profile_kernels(filled.stage(past + 1, sparse))
@@ -242,6 +252,15 @@ def run_decode_step(model_name: str = "qwen3-1.7b", batch: int = 8, contexts=(16
             log(f"profile {key}: {p['kernels']} kernels, {p['kernel_us'] / 1e3:.3f} ms of kernel time")
         except Exception as exc:  # the profiler is a diagnostic: its failure must not lose the timings
             report["profiles"][key] = {"error": repr(exc)}
+    # ablation: the same steps with the plain (unfused) model — separate q/k/v, gate/up GEMMs, eager norm/RoPE/SiLU
+    report["unfused"] = []
+    del model
+    filled.use_model(DecoderModel(spec, max_len + bs, device=DEVICE, dtype=DTYPE, fuse=False).init_random(0))
+    filled.graphs.set_schedule(schedule)
+    for past, sparse in profiled:
+        t = filled.time(past + 1, sparse, replays)
+        report["unfused"].append({"past_kv": past, "mode": "sparse" if sparse else "dense", **t})
+        log(f"unfused model, past KV {past}: {'sparse' if sparse else 'dense'} step {t['step_ms']:.3f} ms")
     filled.release()
     _write(report, out_path, log)
     log(render_decode_step(report))
@@ -257,6 +276,11 @@ def render_decode_step(report: dict) -> str:
             f"copy {report['copy_GBps']:.0f} GB/s, median of {report['replays']} graph replays")
     table = format_table(["past KV", "mode", "step ms", "sampler ms", "step+sampler ms", "floor ms", "% of copy",
                           "paper ms"], rows)
+    fused = {(r["past_kv"], r["mode"]): r["step_ms"] for r in report["results"]}
+    ablation = [[u["past_kv"], u["mode"], f"{u['step_ms']:.3f}", f"{fused[(u['past_kv'], u['mode'])]:.3f}"]
+                for u in report.get("unfused", [])]
+    if ablation:
+        table += "\nfusion ablation (step ms):\n" + format_table(["past KV", "mode", "unfused model", "fused model"], ablation)
     return head + "\n" + table
 
 
@@ -489,3 +513,21 @@ def render_rollout_paper(report: dict) -> str:
     return (f"(a) real end-to-end runs on {report['device']} (decode tokens/s; CUDA graphs):\n{real_table}\n"
             f"(b) PROJECTION to the 32K protocol ({report['project_prompt']}-token prompts + {report['project_gen']} "
             f"generated, {report['samples']} samples per prompt) from measured step times:\n{proj_table}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m sparrow.rollout_workers.native.bench decode-step|rollout-paper ...` (the CLI without its other commands)."""
+    import argparse
+
+    from sparrow.cli.bench_cmd import register_decode_step, register_rollout_paper
+
+    parser = argparse.ArgumentParser(prog="python -m sparrow.rollout_workers.native.bench")
+    actions = parser.add_subparsers(dest="action", required=True)
+    register_decode_step(actions)
+    register_rollout_paper(actions)
+    args = parser.parse_args(argv)
+    return args.handler(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -163,6 +163,7 @@ class DecodeGraphs:
         n = len(rows)
         return step.logits[:n], step.blocks[:n].clone()
 
+    @torch.inference_mode()
     def _capture(self, batch: int, width: int, sparse: bool) -> DecodeStep:
         self.inputs[:, :batch] = torch.tensor([0, self.pad_row, 0, 0], device=self.device)[:, None]
         step = DecodeStep(batch, lambda: self._forward(batch, width, sparse), self.use_graphs, self._pool)
