@@ -359,8 +359,11 @@ def real_rollout(engine, prompts, samples: int, gen_len: int, time_cap_s: float)
         if engine.add_request(r):
             raise RuntimeError(f"request {r.request_id} was refused by the engine")
     truncated = False
+    step_s = []
     while engine.has_unfinished():
+        t0 = time.perf_counter()
         engine.step()
+        step_s.append(time.perf_counter() - t0)
         if time.perf_counter() - start > time_cap_s:
             engine.abort()
             truncated = True
@@ -369,7 +372,9 @@ def real_rollout(engine, prompts, samples: int, gen_len: int, time_cap_s: float)
     after = engine.stats()
     d = {k: after[k] - before[k] for k in ("prefill_seconds", "decode_seconds", "decode_tokens", "decode_steps",
                                            "tokens_generated")}
-    return {**d, "wall_s": wall, "truncated": truncated,
+    ordered = sorted(step_s)
+    return {**d, "wall_s": wall, "truncated": truncated, "median_step_ms": 1e3 * ordered[len(ordered) // 2],
+            "last_step_ms": 1e3 * step_s[-1],  # the step that finishes the samples (gathers their outputs)
             "decode_tok_s": d["decode_tokens"] / d["decode_seconds"],
             "total_tok_s": d["tokens_generated"] / (d["prefill_seconds"] + d["decode_seconds"])}
 
@@ -409,7 +414,8 @@ def run_model(name: str, schedules: list[str], real_prompt: int, real_gen: int, 
         res = real_rollout(engine, prompts, samples, real_gen, time_cap_s)
         out["real"][label] = res
         log(f"  real {label}: {res['decode_tok_s']:.0f} decode tok/s over {res['decode_steps']} steps "
-            f"({res['decode_seconds']:.1f} s){' TRUNCATED' if res['truncated'] else ''}")
+            f"({res['decode_seconds']:.1f} s, median step {res['median_step_ms']:.2f} ms, last step "
+            f"{res['last_step_ms']:.0f} ms){' TRUNCATED' if res['truncated'] else ''}")
     prefill_rate = groups * real_prompt / max(out["real"]["dense"]["prefill_seconds"], 1e-9)  # prompt tokens/s
     del engine
     gc.collect()

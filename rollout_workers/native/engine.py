@@ -112,7 +112,9 @@ class NativeEngine(RolloutEngine):
         self.backend = make_backend(config.attention_backend, self.device)
         self.num_kv_blocks = self._num_kv_blocks()
         self.cache = KVCache(self.spec, self.attention, self.num_kv_blocks, model.dtype, self.device)
-        self.blocks = BlockManager(self.num_kv_blocks, on_allocate=self.cache.zero_blocks)
+        self._unzeroed: list[int] = []
+        """Blocks allocated since the last forward; zeroed together, once, before it (`_zero_new_blocks`)."""
+        self.blocks = BlockManager(self.num_kv_blocks, on_allocate=self._unzeroed.extend)
         self.scheduler = Scheduler(self.blocks, self.attention.block_size, config.max_num_seqs, config.prefill_chunk_size)
         self._graphs = self._decode_graphs()
         self._rows: dict[Sequence, int] = {}
@@ -122,6 +124,8 @@ class NativeEngine(RolloutEngine):
         self._rng = random.Random(config.seed)
         self._policy_version = 0
         self._schedule: SparsitySchedule | None = None
+        self._budget_table: list[int] | None = None
+        """Budget (blocks) by a context's block count under the active schedule, for O(1) lookups per row."""
         self._active = False
         self._counters = dict.fromkeys(
             ("tokens_generated", "prefill_tokens", "decode_tokens", "prefill_steps", "decode_steps",
@@ -195,6 +199,11 @@ class NativeEngine(RolloutEngine):
                         f"make them equal (NativeEngineConfig.{name})"
                     )
         self._schedule = schedule
+        self._budget_table = None
+        if schedule is not None:
+            bs = self.attention.block_size
+            lengths = torch.arange(blocks_for(self.max_model_len, bs) + 1) * bs
+            self._budget_table = schedule.budgets_for_lengths(lengths).tolist()  # budgets depend on ceil(L/16) only
         if self._graphs is not None:
             self._graphs.set_schedule(schedule)
 
@@ -381,15 +390,23 @@ class NativeEngine(RolloutEngine):
         return finished
 
     def _budgets(self, lengths: list[int]) -> list[int]:
-        if self._schedule is None:
+        if self._budget_table is None:
             return [DENSE_BUDGET] * len(lengths)
-        return self._schedule.budgets_for_lengths(torch.tensor(lengths)).tolist()
+        bs = self.attention.block_size
+        return [self._budget_table[(n + bs - 1) // bs] for n in lengths]
+
+    def _zero_new_blocks(self) -> None:
+        """Zero the blocks allocated since the last forward in one call (not one per allocation)."""
+        if self._unzeroed:
+            self.cache.zero_blocks(self._unzeroed)
+            self._unzeroed.clear()
 
     def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:
         bs = self.attention.block_size
         return [seq.block_table[p // bs] * bs + p % bs for p in range(start, end)]
 
     def _prefill(self, chunks: list[PrefillChunk]) -> list[tuple[RolloutRequest, RolloutSample]]:
+        self._zero_new_blocks()
         dev = self.device
         ids, positions, slots, metas = [], [], [], []
         row = 0
@@ -466,6 +483,10 @@ class NativeEngine(RolloutEngine):
         return group
 
     def _decode(self, seqs: list[Sequence]) -> list[tuple[RolloutRequest, RolloutSample]]:
+        self._zero_new_blocks()
+        # Built before the forward: its host-to-device copies synchronize, which after the forward would
+        # stall the host until the GPU is done and expose the sampler's launches.
+        sampling = self._sampling_batch(seqs)
         bs = self.attention.block_size
         lengths = [s.num_tokens for s in seqs]
         budgets = self._budgets(lengths)
@@ -483,7 +504,7 @@ class NativeEngine(RolloutEngine):
             seq.num_cached = seq.num_tokens
         self._counters["decode_tokens"] += len(seqs)
         self._counters["decode_steps"] += 1
-        return self._sample_and_record(seqs, logits, blocks)
+        return self._sample_and_record(seqs, logits, blocks, sampling)
 
     def _decode_eager(self, seqs: list[Sequence], lengths: list[int], budgets: list[int], sparse: bool):
         dev, bs = self.device, self.attention.block_size
@@ -506,12 +527,17 @@ class NativeEngine(RolloutEngine):
     def _has_sparse_layers(self) -> bool:
         return len(self.cache.sparse_layers) > 0
 
-    def _sample_and_record(self, seqs: list[Sequence], logits: torch.Tensor, blocks: torch.Tensor):
+    def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
+        return SamplingBatch.build([s.sampling for s in seqs], [s.seed for s in seqs], [s.num_tokens for s in seqs],
+                                   self.device)
+
+    def _sample_and_record(self, seqs: list[Sequence], logits: torch.Tensor, blocks: torch.Tensor,
+                           sampling: SamplingBatch | None = None):
         """Draw the next token of every sequence; the step's only device-to-host copy is the tokens
         with their finiteness flags (logprobs and top-k lists stay on the device until a sample ends)."""
-        batch = SamplingBatch.build([s.sampling for s in seqs], [s.seed for s in seqs],
-                                    [s.num_tokens for s in seqs], self.device)
-        out: SampleOutput = sample(logits, batch)
+        if sampling is None:
+            sampling = self._sampling_batch(seqs)
+        out: SampleOutput = sample(logits, sampling)
         tokens, finite = torch.stack([out.tokens, out.finite.long()]).tolist()
         finished = []
         version = self.schedule_version
