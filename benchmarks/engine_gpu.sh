@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # One GPU session for the native engine: GPU tests (engine + Triton kernels), `bench decode-step`, `bench rollout-paper`.
 # Usage (repo root, CUDA machine): benchmarks/engine_gpu.sh [rollout-paper options]; logs and JSON go to $OUT.
-# Each stage has a time cap, so one that hangs or runs long leaves the others their time.
+# Each stage has a time cap, so one that hangs or runs long leaves the others their time; STAGES picks stages.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1
 OUT=${OUT:-/tmp/sparrow-engine}
-TESTS_S=${TESTS_S:-200} DECODE_S=${DECODE_S:-150} ROLLOUT_S=${ROLLOUT_S:-210}
+TESTS_S=${TESTS_S:-200} DECODE_S=${DECODE_S:-150} ROLLOUT_S=${ROLLOUT_S:-210} STAGES=${STAGES:-"tests decode rollout"}
 mkdir -p "$OUT"
 if ! python3 -c "import pydantic" 2>/dev/null && [ -d .whl ]; then  # wheels carried to a machine without an index
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
@@ -20,9 +20,9 @@ fi
 { nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
   git log -1 --format='commit %H' 2>/dev/null; } | tee "$OUT/gpu.txt"
-timeout "$TESTS_S" python3 -m pytest tests/test_engine_cuda.py tests/test_triton_kernels.py -m gpu -q -p no:cacheprovider \
+[[ " $STAGES " == *" tests "* ]] && timeout "$TESTS_S" python3 -m pytest tests/test_engine_cuda.py tests/test_triton_kernels.py -m gpu -q -p no:cacheprovider \
   -rfE 2>&1 | tee "$OUT/tests.log"
-timeout "$DECODE_S" python3 -m sparrow.rollout_workers.native.bench decode-step --out "$OUT/decode-step.json" 2>&1 \
+[[ " $STAGES " == *" decode "* ]] && timeout "$DECODE_S" python3 -m sparrow.rollout_workers.native.bench decode-step --out "$OUT/decode-step.json" 2>&1 \
   | tee "$OUT/decode-step.log"
-timeout "$ROLLOUT_S" python3 -m sparrow.rollout_workers.native.bench rollout-paper --out "$OUT/rollout-paper.json" "$@" 2>&1 \
+[[ " $STAGES " == *" rollout "* ]] && timeout "$ROLLOUT_S" python3 -m sparrow.rollout_workers.native.bench rollout-paper --out "$OUT/rollout-paper.json" "$@" 2>&1 \
   | tee "$OUT/rollout-paper.log"

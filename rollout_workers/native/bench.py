@@ -125,7 +125,7 @@ class FilledDecode:
         self.max_blocks = blocks_for(max_len, bs)
         num_blocks = batch * self.max_blocks + 1
         need = num_blocks * bytes_per_block(model.spec, attention, model.dtype)
-        free = torch.cuda.mem_get_info()[0]
+        free = free_gpu_memory()
         if need > 0.97 * free:
             raise ValueError(f"{batch} sequences of {max_len} tokens need {need / 1e9:.1f} GB of KV cache, "
                              f"{free / 1e9:.1f} GB are free; lower the batch or the length")
@@ -287,12 +287,19 @@ def render_decode_step(report: dict) -> str:
 # ------------------------------------------------------------------------------- rollout-paper
 
 
+def free_gpu_memory() -> int:
+    """Free device memory once everything unreferenced is released (PyTorch's cache included)."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    return torch.cuda.mem_get_info()[0]
+
+
 def protocol_batch(model: DecoderModel, attention: SparseAttentionConfig, max_len: int, samples: int,
                    memory_fraction: float) -> int:
     """The most sequences, in whole groups of `samples`, whose `max_len`-token KV fits in
     `memory_fraction` of the free memory (what a continuous-batching engine would keep running)."""
     per_seq = blocks_for(max_len, attention.block_size) * bytes_per_block(model.spec, attention, model.dtype)
-    fits = int(memory_fraction * torch.cuda.mem_get_info()[0] // per_seq)
+    fits = int(memory_fraction * free_gpu_memory() // per_seq)
     if fits < samples:
         raise ValueError(f"one group of {samples} sequences of {max_len} tokens does not fit ({fits} sequences do)")
     return fits // samples * samples
@@ -391,8 +398,10 @@ def run_model(name: str, schedules: list[str], real_prompt: int, real_gen: int, 
     real_len = real_prompt + real_gen
     model = DecoderModel(spec, max(project_len, real_len) + bs, device=DEVICE, dtype=DTYPE).init_random(0)
     batch = protocol_batch(model, attention, project_len, samples, memory_fraction)
+    free_after_model = free_gpu_memory()
     groups = batch // samples
-    log(f"{name}: batch {batch} ({groups} prompts x {samples}) fits {project_len} tokens each")
+    log(f"{name}: batch {batch} ({groups} prompts x {samples}) fits {project_len} tokens each "
+        f"({free_after_model / 1e9:.1f} GB free after the weights, {memory_fraction:.0%} of it for the KV cache)")
     gen = torch.Generator().manual_seed(0)
     out = {"model": name, "batch": batch, "samples": samples, "schedules": schedules, "real": {}, "projection": {}}
 
@@ -418,8 +427,7 @@ def run_model(name: str, schedules: list[str], real_prompt: int, real_gen: int, 
             f"{res['last_step_ms']:.0f} ms){' TRUNCATED' if res['truncated'] else ''}")
     prefill_rate = groups * real_prompt / max(out["real"]["dense"]["prefill_seconds"], 1e-9)  # prompt tokens/s
     del engine
-    gc.collect()
-    torch.cuda.empty_cache()
+    free_gpu_memory()
 
     # (b) measured step times on a filled cache
     filled = FilledDecode(model, attention, batch, project_len)
@@ -461,16 +469,16 @@ def run_model(name: str, schedules: list[str], real_prompt: int, real_gen: int, 
     r["real_over_projected_dense"] = real["dense"]["decode_seconds"] / r["dense_decode_s"]
     r["real_over_projected_sparse"] = real["sparse"]["decode_seconds"] / r["sparse_decode_s"]
     r["real_speedup"] = real["sparse"]["decode_tok_s"] / real["dense"]["decode_tok_s"]
+    out["free_memory_after_model_GB"] = free_after_model / 1e9
     filled.release()
-    del model
-    gc.collect()
-    torch.cuda.empty_cache()
+    del filled, model
+    free_gpu_memory()
     return out
 
 
 def run_rollout_paper(models=("qwen3-1.7b", "qwen3-4b", "qwen3-8b"), schedules: dict[str, list[str]] | None = None,
                       real_prompt: int = 1800, real_gen: int = 3072, project_prompt: int = 256,
-                      project_gen: int = 32768, samples: int = 8, memory_fraction: float = 0.92,
+                      project_gen: int = 32768, samples: int = 8, memory_fraction: float = 0.95,
                       time_cap_s: float = 90.0, replays: int = 5, out_path: Path | None = None, command: str = "",
                       log=print) -> dict:
     _require_cuda("rollout-paper")

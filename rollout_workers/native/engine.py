@@ -66,6 +66,7 @@ def make_backend(name: str, device: torch.device) -> AttentionBackend:
 
 def free_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
+        torch.cuda.empty_cache()  # cached but unused blocks (e.g. the weights a fused model replaced) are free too
         return torch.cuda.mem_get_info(device)[0]
     try:
         with open("/proc/meminfo") as f:

@@ -63,7 +63,7 @@ def register_rollout_paper(actions) -> None:
     p.add_argument("--project-prompt", type=int, default=256, help="prompt tokens of the projected protocol")
     p.add_argument("--project-gen", type=int, default=32768, help="tokens generated per sample, projected (32K)")
     p.add_argument("--samples", type=int, default=8, help="samples per prompt")
-    p.add_argument("--memory-fraction", type=float, default=0.92,
+    p.add_argument("--memory-fraction", type=float, default=0.95,
                    help="share of free GPU memory for the protocol's KV cache (sets the batch)")
     p.add_argument("--time-cap", type=float, default=90.0, help="seconds after which a real run is stopped")
     p.add_argument("--replays", type=int, default=5, help="graph replays per measured context (median)")
