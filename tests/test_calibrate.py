@@ -92,7 +92,7 @@ def synthetic_runs(template, counts=400) -> dict:
             drop = 0.0 if budget is None else 0.16 * 2**b / budget
             alpha = (1.0 - drop * torch.rand(n, generator=gen) * 2).clamp(0, 1)
             a = SampleAlpha(alpha, alpha - 0.1, alpha)
-            run.add_sample(a, torch.full((n,), b), torch.ones(n, dtype=torch.bool), 0.0, 0)
+            run.add_sample(a, torch.full((n,), b), torch.ones(n, dtype=torch.bool), torch.zeros(n), 0)
         runs[budget] = run
     return runs
 
@@ -210,6 +210,7 @@ def test_every_generated_token_is_counted_once_per_budget(calibrated):
         assert int(hist.count().sum()) == expected == data["runs"][label]["tokens"]
         assert data["runs"][label]["replay_block_mismatches"] == 0
         assert data["runs"][label]["replay_max_error"] < 1e-4  # the sparse recompute replays the engine
+        assert data["runs"][label]["replay_tokens_off"] == 0
     assert int(AlphaHistogram.from_dict(data["dense_baseline"]).count().sum()) == expected
 
 

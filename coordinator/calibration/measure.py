@@ -14,6 +14,9 @@ import torch
 from sparrow.acceptance import AlphaHistogram, acceptance_bounds_topk, acceptance_exact
 
 
+REPLAY_TOLERANCE = 1e-3
+"""|Δlog q| above which the sparse recompute did not reproduce the engine's distribution."""
+
 Statistic = Literal["exact", "lower", "upper"]
 STATISTICS: tuple[Statistic, ...] = ("exact", "lower", "upper")
 
@@ -64,6 +67,8 @@ class BudgetRun:
     """Tokens whose producing pass attended fewer blocks than its context held."""
     replay_max_error: float = 0.0
     """Largest |log q| difference between the engine and the sparse recompute of the sampled token."""
+    replay_tokens_off: int = 0
+    """Tokens whose |Δlog q| exceeds REPLAY_TOLERANCE: the recompute picked other blocks (near-tied scores)."""
     replay_block_mismatches: int = 0
     """Tokens whose recomputed blocks attended differ from the engine's (0 = exact replay)."""
     generate_seconds: float = 0.0
@@ -86,9 +91,10 @@ class BudgetRun:
         alpha: SampleAlpha,
         bins: torch.Tensor,
         sparse: torch.Tensor,
-        replay_error: float,
+        replay_error: torch.Tensor,
         block_mismatches: int,
     ) -> None:
+        """`replay_error`: per token, |log q| of the engine minus that of the sparse recompute."""
         self.exact.add(alpha.exact, bins)
         if not torch.isnan(alpha.lower).any():
             self.lower.add(alpha.lower, bins)
@@ -96,7 +102,9 @@ class BudgetRun:
         self.samples += 1
         self.tokens += int(bins.numel())
         self.sparse_tokens += int(sparse.sum())
-        self.replay_max_error = max(self.replay_max_error, float(replay_error))
+        if replay_error.numel():
+            self.replay_max_error = max(self.replay_max_error, float(replay_error.max()))
+            self.replay_tokens_off += int((replay_error > REPLAY_TOLERANCE).sum())
         self.replay_block_mismatches += int(block_mismatches)
 
     def add_failure(self, error: str) -> None:

@@ -70,7 +70,7 @@ def report_markdown(result: CalibrationResult, settings: dict, command: str, out
         "Exact α uses the full dense and sparse distributions; the top-K interval is what training "
         f"measures from the rollout's top-{settings.get('logprobs', 'K')} (its lower bound is Sparrow's statistic). "
         "`replay max Δlog q` is the largest absolute difference between the engine's log q of a sampled token and "
-        "the sparse teacher-forced recompute.", "",
+        "the sparse teacher-forced recompute; `replay > 0.001` counts the tokens where they differ by more.", "",
         markdown_table(*budget_table(result)), "",
         f"## Chosen schedule: `{s.name}` (τ = {result.target:g}, rule \"stable\")", "",
         markdown_table(*schedule_rows(result)), "",

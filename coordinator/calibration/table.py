@@ -8,7 +8,7 @@ from sparrow.acceptance import AlphaHistogram
 from sparrow.cost import CostModel, OptimisedSchedule, alpha_tail_from_histograms, optimise_schedule
 from sparrow.schedule import SparsitySchedule
 
-from .measure import STATISTICS, BudgetRun, Statistic
+from .measure import REPLAY_TOLERANCE, STATISTICS, BudgetRun, Statistic
 
 
 @dataclass(frozen=True)
@@ -83,6 +83,10 @@ class CalibrationResult:
         for run in self.runs.values():
             if run.failed:
                 out.append(f"budget {run.label}: {run.failed} samples failed ({'; '.join(run.errors[:2])})")
+            if run.tokens and run.replay_tokens_off > 0.005 * run.tokens:
+                out.append(f"budget {run.label}: {run.replay_tokens_off} of {run.tokens} tokens have |Δlog q| > "
+                           f"{REPLAY_TOLERANCE:g} between the engine and the sparse recompute (other blocks chosen on "
+                           "near-tied scores); their α is the recompute's")
             if run.replay_block_mismatches:
                 out.append(f"budget {run.label}: {run.replay_block_mismatches} tokens' recomputed blocks differ from the "
                            "engine's; the sparse recompute does not replay the rollout exactly")
@@ -169,7 +173,8 @@ def measurement_file(result: CalibrationResult, meta: dict) -> dict:
 def run_summary(run: BudgetRun) -> dict:
     return {
         "samples": run.samples, "failed": run.failed, "tokens": run.tokens, "sparse_tokens": run.sparse_tokens,
-        "replay_max_error": run.replay_max_error, "replay_block_mismatches": run.replay_block_mismatches,
+        "replay_max_error": run.replay_max_error, "replay_tokens_off": run.replay_tokens_off,
+        "replay_block_mismatches": run.replay_block_mismatches,
         "generate_seconds": round(run.generate_seconds, 3), "recompute_seconds": round(run.recompute_seconds, 3),
     }
 
@@ -225,7 +230,7 @@ def budget_table(result: CalibrationResult) -> tuple[list[str], list[list[str]]]
     pct = result.percentile
     p = f"p{pct:g}"
     headers = ["budget", "samples", "tokens", "sparse share", "mean α", f"{p} α exact", f"{p} top-K lower",
-               f"{p} top-K upper", "replay max Δlog q", "generate s", "recompute s"]
+               f"{p} top-K upper", "replay max Δlog q", f"replay > {REPLAY_TOLERANCE:g}", "generate s", "recompute s"]
     rows = []
     for budget in _columns(result):
         run = result.runs[budget]
@@ -241,6 +246,7 @@ def budget_table(result: CalibrationResult) -> tuple[list[str], list[list[str]]]
             _fmt(float(lower.percentile(pct)[0]) if has_bounds else None),
             _fmt(float(upper.percentile(pct)[0]) if has_bounds else None),
             f"{run.replay_max_error:.1e}",
+            str(run.replay_tokens_off),
             f"{run.generate_seconds:.1f}",
             f"{run.recompute_seconds:.1f}",
         ])
