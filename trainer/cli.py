@@ -1,4 +1,4 @@
-"""`sparrow trainer-bench`: time train steps, dense recompute and weight publication on synthetic data."""
+"""`sparrow bench trainer`: time train steps, dense recompute and weight publication on synthetic data."""
 
 import json
 
@@ -7,8 +7,9 @@ from sparrow.tables import format_table
 from .bench import run
 
 
-def register(sub) -> None:
-    p = sub.add_parser("trainer-bench", help="trainer throughput and weight-publication time (synthetic trajectories)")
+def register(actions) -> None:
+    """Adds `trainer` to `sparrow bench`'s actions."""
+    p = actions.add_parser("trainer", help="trainer throughput and weight-publication time (synthetic trajectories)")
     p.add_argument("--model", required=True, help="HF model directory")
     p.add_argument("--ranks", type=int, default=2, help="trainer processes (one GPU each on cuda)")
     p.add_argument("--zero-stage", type=int, default=2, choices=(1, 2, 3))

@@ -10,10 +10,11 @@ import json
 from pathlib import Path
 
 from sparrow.tables import format_table
+from sparrow.trainer.cli import register as register_trainer
 
 
 def register(sub) -> None:
-    p = sub.add_parser("bench", help="benchmarks: rollout throughput, decode step, decode kernel bandwidth")
+    p = sub.add_parser("bench", help="benchmarks: rollout throughput, decode step, decode kernel bandwidth, trainer step")
     actions = p.add_subparsers(dest="bench_command", metavar="ACTION", required=True)
     r = actions.add_parser("rollout", help="native engine: dense vs sparse decode tokens/s in one process")
     r.add_argument("--model", required=True, metavar="DIR_OR_SHAPE", help="HF directory, or a shape name (random weights)")
@@ -37,6 +38,7 @@ def register(sub) -> None:
     register_kernels(actions)
     register_decode_step(actions)
     register_rollout_paper(actions)
+    register_trainer(actions)
 
 
 def register_decode_step(actions) -> None:

@@ -12,7 +12,6 @@ SUBCOMMANDS = [
     "sparrow.cli.bench_cmd",
     "sparrow.cli.train_cmd",
     "sparrow.cli.calibrate_cmd",
-    "sparrow.trainer.cli",
 ]
 
 
