@@ -2,22 +2,20 @@
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
 
-from sparrow.kernels import SparseAttentionConfig
+from ..sparse_settings import SparseLayoutSettings
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 
 
-class NativeEngineConfig(BaseModel):
+class NativeEngineConfig(SparseLayoutSettings):
     """Everything the native rollout engine needs besides the requests.
 
     The KV pool is `num_kv_blocks` blocks of `block_size` (16) tokens in every layer. Left unset, it is
     sized from `kv_memory_fraction` of the memory free after the weights are loaded, capped at what
     `max_num_seqs` sequences of `max_model_len` tokens could ever use.
     """
-
-    model_config = ConfigDict(extra="forbid")
 
     model: str | None = Field(None, description="HF model directory (config.json + safetensors)")
     dtype: DType = Field("auto", description="weights, activations and KV cache; auto = float32 on CPU, bfloat16 on CUDA")
@@ -37,13 +35,8 @@ class NativeEngineConfig(BaseModel):
     kv_memory_fraction: float = Field(0.3, gt=0, le=0.95, description="share of free memory for the KV pool")
     max_model_len: int | None = Field(None, ge=2, description="prompt + generated tokens; None = model maximum")
     prefill_chunk_size: int = Field(2048, ge=16, description="most prompt tokens computed in one prefill step")
-    dense_layers: tuple[int, ...] = Field((0, 1), description="layers that always decode densely (Sparrow: 0, 1)")
-    landmark: Literal["mean", "minmax"] = Field("mean", description="block summary: mean key (Sparrow) or min/max (Quest)")
-    sink: int = Field(1, ge=0, description="first blocks always attended")
-    recent: int = Field(2, ge=1, description="last blocks always attended (the partial current block included)")
     default_logprobs: int = Field(20, ge=0, description="top-k logprobs per token when a caller does not say")
     seed: int = Field(0, description="draws the seeds of requests that give none")
-    schedule: str | None = Field(None, description="initial sparsity schedule (name or file); None = dense")
 
     @field_validator("device")
     @classmethod
@@ -51,15 +44,3 @@ class NativeEngineConfig(BaseModel):
         if value != "cpu" and not (value == "cuda" or (value.startswith("cuda:") and value[5:].isdigit())):
             raise ValueError(f"device={value!r}: use cpu, cuda or cuda:N")
         return value
-
-    @field_validator("dense_layers")
-    @classmethod
-    def _dense_layers(cls, value: tuple[int, ...]) -> tuple[int, ...]:
-        if any(i < 0 for i in value):
-            raise ValueError(f"dense_layers={list(value)}: layer indices must be >= 0")
-        return tuple(sorted(set(value)))
-
-    def attention(self) -> SparseAttentionConfig:
-        return SparseAttentionConfig(
-            block_size=16, sink=self.sink, recent=self.recent, dense_layers=self.dense_layers, landmark=self.landmark
-        )

@@ -109,7 +109,7 @@ class NativeEngine(RolloutEngine):
         bad = [i for i in config.dense_layers if i >= self.spec.num_layers]
         if bad:
             raise ValueError(f"dense_layers={list(config.dense_layers)}: layers {bad} do not exist (the model has {self.spec.num_layers})")
-        self.attention = config.attention()
+        self.attention = config.sparse_attention()
         self.backend = make_backend(config.attention_backend, self.device)
         self.num_kv_blocks = self._num_kv_blocks()
         self.cache = KVCache(self.spec, self.attention, self.num_kv_blocks, model.dtype, self.device)

@@ -2,14 +2,14 @@
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
 
-from sparrow.kernels import SparseAttentionConfig
+from ..sparse_settings import SparseLayoutSettings
 
 GiB = 1 << 30
 
 
-class VllmEngineConfig(BaseModel):
+class VllmEngineConfig(SparseLayoutSettings):
     """Everything `VllmEngine` needs besides the requests.
 
     `kv_cache_memory_bytes` is the whole per-worker budget: vLLM's KV pages plus the landmark side
@@ -17,8 +17,6 @@ class VllmEngineConfig(BaseModel):
     the platform (`None`) resolve to what works there: CPU → float32, pages of 32 tokens (vLLM's
     CPU attention needs multiples of 32), eager mode; CUDA → bfloat16, pages of 16, CUDA graphs.
     """
-
-    model_config = ConfigDict(extra="forbid")
 
     model: str | None = Field(None, description="HF model directory (Qwen3 or Llama architecture)")
     attention: Literal["sparrow", "stock"] = Field(
@@ -32,14 +30,9 @@ class VllmEngineConfig(BaseModel):
     kv_cache_memory_bytes: int = Field(GiB, ge=1 << 20, description="per worker: KV pages + landmark side tables")
     enable_prefix_caching: bool = True
     enforce_eager: bool | None = Field(None, description="None = eager on CPU, CUDA graphs (piecewise) on CUDA")
-    dense_layers: tuple[int, ...] = Field((0, 1), description="layers on vLLM's stock attention (Sparrow: 0, 1)")
-    landmark: Literal["mean", "minmax"] = Field("mean", description="block summary: mean key (Sparrow) or min/max (Quest)")
-    sink: int = Field(1, ge=0, description="first blocks always attended")
-    recent: int = Field(2, ge=1, description="last blocks always attended (the partial current block included)")
     attention_backend: Literal["auto", "reference", "triton"] = Field(
         "auto", description="sparse decode kernels; auto = triton on CUDA, reference (torch) on CPU"
     )
-    schedule: str | None = Field(None, description="initial sparsity schedule (name or file); None = dense")
     max_logprobs: int = Field(20, ge=0, description="the most top-k logprobs a request may ask for")
     seed: int = Field(0, description="engine seed; also draws the seeds of requests that give none")
     weight_update: Literal["auto", "reload", "recreate"] = Field(
@@ -57,18 +50,6 @@ class VllmEngineConfig(BaseModel):
         if value is not None and (value < 16 or value % 16):
             raise ValueError(f"block_size={value}: must be a multiple of 16 (Sparrow's block); use 16 on CUDA, 32 on CPU")
         return value
-
-    @field_validator("dense_layers")
-    @classmethod
-    def _dense_layers(cls, value: tuple[int, ...]) -> tuple[int, ...]:
-        if any(i < 0 for i in value):
-            raise ValueError(f"dense_layers={list(value)}: layer indices must be >= 0")
-        return tuple(sorted(set(value)))
-
-    def sparse_attention(self) -> SparseAttentionConfig:
-        return SparseAttentionConfig(
-            block_size=16, sink=self.sink, recent=self.recent, dense_layers=self.dense_layers, landmark=self.landmark
-        )
 
 
 def split_kv_budget(total_bytes: int, num_layers: int, num_sparse_layers: int, num_kv_heads: int, head_dim: int,
