@@ -131,3 +131,9 @@ class RolloutEngine(ABC):
     @property
     @abstractmethod
     def schedule(self) -> SparsitySchedule | None: ...
+
+    @property
+    def schedule_version(self) -> int:
+        """The active schedule's version; -1 while rollouts are dense."""
+        schedule = self.schedule
+        return -1 if schedule is None else schedule.version

@@ -185,11 +185,6 @@ class NativeEngine(RolloutEngine):
     def schedule(self) -> SparsitySchedule | None:
         return self._schedule
 
-    @property
-    def schedule_version(self) -> int:
-        """The active schedule's version; -1 while rollouts are dense."""
-        return -1 if self._schedule is None else self._schedule.version
-
     def set_schedule(self, schedule: SparsitySchedule | None) -> None:
         if schedule is not None:
             a = self.attention

@@ -31,7 +31,7 @@ from . import _vllm
 from .config import VllmEngineConfig, split_kv_budget
 from .names import SPARSE_ARCHITECTURES, WORKER_EXTENSION
 from .runtime import OPTIONS_KEY, WorkerOptions, check_schedule
-from .samples import SampleBuilder, schedule_version
+from .samples import SampleBuilder
 from .weights import save_checkpoint
 
 _STOP = object()
@@ -181,11 +181,6 @@ class VllmEngine(RolloutEngine):
     @property
     def schedule(self) -> SparsitySchedule | None:
         return self._schedule
-
-    @property
-    def schedule_version(self) -> int:
-        """The active schedule's version; -1 while rollouts are dense."""
-        return schedule_version(self._schedule)
 
     def generate(self, requests: Sequence[RolloutRequest]) -> list[RolloutSample]:
         return self._call(self._generate(requests))
