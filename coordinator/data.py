@@ -11,6 +11,8 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+from sparrow.jsonl import read_jsonl
+
 from .config import ArithmeticConfig, DataConfig
 
 
@@ -101,21 +103,6 @@ class TableDataset:
         if answer is None:
             raise ValueError(f"{self.origin} row {index}: {self.config.answer_key!r} is empty; every prompt needs a reference answer")
         return messages, str(answer)
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    rows = []
-    for lineno, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
-        if not isinstance(row, dict):
-            raise ValueError(f"{path}:{lineno}: expected a JSON object per line, got {type(row).__name__}")
-        rows.append(row)
-    return rows
 
 
 def read_parquet(path: Path) -> list[dict]:

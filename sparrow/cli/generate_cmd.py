@@ -4,6 +4,7 @@ with the native engine, dense or under a sparsity schedule, as text or one JSON 
 import json
 from pathlib import Path
 
+from sparrow.jsonl import read_jsonl
 from sparrow.tables import format_table
 
 
@@ -37,19 +38,13 @@ def read_prompts(args) -> list[str | list]:
     if not args.prompts_file.is_file():
         raise FileNotFoundError(f"--prompts-file {args.prompts_file}: no such file")
     prompts = []
-    for lineno, line in enumerate(args.prompts_file.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{args.prompts_file}:{lineno}: not valid JSON ({exc.msg})") from None
-        if isinstance(item, dict) and isinstance(item.get("prompt"), str):
+    for lineno, item in enumerate(read_jsonl(args.prompts_file), 1):
+        if isinstance(item.get("prompt"), str):
             prompts.append(item["prompt"])
-        elif isinstance(item, dict) and isinstance(item.get("messages"), list):
+        elif isinstance(item.get("messages"), list):
             prompts.append(item["messages"])
         else:
-            raise ValueError(f'{args.prompts_file}:{lineno}: expected {{"prompt": TEXT}} or {{"messages": [...]}}')
+            raise ValueError(f'{args.prompts_file}: object {lineno}: expected {{"prompt": TEXT}} or {{"messages": [...]}}')
     if not prompts:
         raise ValueError(f"{args.prompts_file}: no prompts")
     return prompts
