@@ -4,7 +4,7 @@ with the native engine, dense or under a sparsity schedule, as text or one JSON 
 import json
 from pathlib import Path
 
-from sparrow.jsonl import read_jsonl
+from sparrow.jsonl import iter_jsonl
 from sparrow.tables import format_table
 
 
@@ -38,13 +38,13 @@ def read_prompts(args) -> list[str | list]:
     if not args.prompts_file.is_file():
         raise FileNotFoundError(f"--prompts-file {args.prompts_file}: no such file")
     prompts = []
-    for lineno, item in enumerate(read_jsonl(args.prompts_file), 1):
+    for lineno, item in iter_jsonl(args.prompts_file):
         if isinstance(item.get("prompt"), str):
             prompts.append(item["prompt"])
         elif isinstance(item.get("messages"), list):
             prompts.append(item["messages"])
         else:
-            raise ValueError(f'{args.prompts_file}: object {lineno}: expected {{"prompt": TEXT}} or {{"messages": [...]}}')
+            raise ValueError(f'{args.prompts_file}:{lineno}: expected {{"prompt": TEXT}} or {{"messages": [...]}}')
     if not prompts:
         raise ValueError(f"{args.prompts_file}: no prompts")
     return prompts
