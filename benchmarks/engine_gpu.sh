@@ -1,20 +1,22 @@
 #!/usr/bin/env bash
-# One GPU session for the native engine: GPU tests (engine + Triton kernels), `bench decode-step`, `bench rollout-paper`.
+# One GPU session for the native engine: GPU tests (engine + Triton kernels), the block-selection and decode-GEMM
+# sweeps (select, gemm: opt-in stages), `bench decode-step`, `bench rollout-paper`.
 # Usage (repo root, CUDA machine): benchmarks/engine_gpu.sh [rollout-paper options]; logs and JSON go to $OUT.
 # Each stage has a time cap, so one that hangs or runs long leaves the others their time; STAGES picks stages.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1
 OUT=${OUT:-/tmp/sparrow-engine}
-TESTS_S=${TESTS_S:-200} DECODE_S=${DECODE_S:-150} ROLLOUT_S=${ROLLOUT_S:-210} STAGES=${STAGES:-"tests decode rollout"}
+TESTS_S=${TESTS_S:-200} SELECT_S=${SELECT_S:-60} GEMM_S=${GEMM_S:-90} DECODE_S=${DECODE_S:-150} ROLLOUT_S=${ROLLOUT_S:-300}
+STAGES=${STAGES:-"tests decode rollout"}
 mkdir -p "$OUT"
 if ! python3 -c "import pydantic" 2>/dev/null && [ -d .whl ]; then  # wheels carried to a machine without an index
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
     && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 if ! python3 -c "import sparrow.rollout_workers.native" 2>/dev/null; then
-  # Not installed: the repo's folders are the packages sparrow.kernels and sparrow.rollout_workers (see setup.py).
-  for pkg in kernels rollout_workers; do [ -e "sparrow/$pkg" ] || ln -s "../$pkg" "sparrow/$pkg"; done
+  # Not installed: the repo's folders are the packages sparrow.kernels, .rollout_workers, .trainer (setup.py).
+  for pkg in kernels rollout_workers trainer; do [ -e "sparrow/$pkg" ] || ln -s "../$pkg" "sparrow/$pkg"; done
   export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 fi
 { nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv
@@ -22,6 +24,10 @@ fi
   git log -1 --format='commit %H' 2>/dev/null; } | tee "$OUT/gpu.txt"
 [[ " $STAGES " == *" tests "* ]] && timeout "$TESTS_S" python3 -m pytest tests/test_engine_cuda.py tests/test_triton_kernels.py -m gpu -q -p no:cacheprovider \
   -rfE 2>&1 | tee "$OUT/tests.log"
+[[ " $STAGES " == *" select "* ]] && timeout "$SELECT_S" python3 benchmarks/select_sweep.py "$OUT/select-sweep.json" 2>&1 \
+  | tee "$OUT/select-sweep.log"
+[[ " $STAGES " == *" gemm "* ]] && timeout "$GEMM_S" python3 benchmarks/gemm_sweep.py "$OUT/gemm-sweep.json" 2>&1 \
+  | tee "$OUT/gemm-sweep.log"
 [[ " $STAGES " == *" decode "* ]] && timeout "$DECODE_S" python3 -m sparrow.rollout_workers.native.bench decode-step --out "$OUT/decode-step.json" 2>&1 \
   | tee "$OUT/decode-step.log"
 [[ " $STAGES " == *" rollout "* ]] && timeout "$ROLLOUT_S" python3 -m sparrow.rollout_workers.native.bench rollout-paper --out "$OUT/rollout-paper.json" "$@" 2>&1 \

@@ -196,8 +196,9 @@ def _selection_case(case, nblocks, num_kv_heads, gen):
 
 
 @interp
-@pytest.mark.parametrize("case", ["distinct", "ties", "specials"])
-def test_interp_selection_matches_reference(tk, case):
+@pytest.mark.parametrize("case,bits", [("distinct", 2), ("ties", 2), ("specials", 2), ("distinct", 4), ("ties", 4),
+                                       ("specials", 4)])
+def test_interp_selection_matches_reference(tk, case, bits):
     gen = torch.Generator().manual_seed(4)
     nblocks = [9, 14, 3, 12, 30, 30]
     budgets = torch.tensor([4, 14, 2, DENSE_BUDGET, 7, 3])
@@ -207,7 +208,7 @@ def test_interp_selection_matches_reference(tk, case):
     selected = torch.full_like(scores, -7, dtype=torch.int32)
     counts = torch.full((len(nblocks),), -7, dtype=torch.long)
     tk.select_blocks(scores, tables, lengths, budgets, selected, counts, num_kv_heads=2, block_size=BS, sink=1,
-                     recent=2)
+                     recent=2, bits=bits)
     n = (lengths.long() + BS - 1) // BS
     ids, expect_counts = ref.select_blocks(scores.view(len(nblocks), 2, -1), n, budgets, 1, 2)
     assert counts.tolist() == expect_counts.tolist()
@@ -345,6 +346,21 @@ def test_interp_silu_mul_matches_unfused_ops():
 
 
 @interp
+@pytest.mark.parametrize("add", [True, False])
+def test_interp_add_rms_norm_matches_unfused_ops(add):
+    from sparrow.kernels.triton.fused import add_rms_norm
+
+    gen = torch.Generator().manual_seed(32)
+    x, delta = torch.randn(3, 80, generator=gen).half(), torch.randn(3, 80, generator=gen).half()
+    weight = torch.rand(80, generator=gen).half() + 0.5
+    stream, normed = add_rms_norm(x, delta if add else None, weight, 1e-6)
+    expect = x + delta if add else x
+    assert torch.equal(stream, expect)
+    want = torch.nn.functional.rms_norm(expect.float(), (80,), weight.float(), 1e-6).half()
+    torch.testing.assert_close(normed, want, rtol=2e-3, atol=2e-3)
+
+
+@interp
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
 def test_interp_fused_model_equals_unfused_model(family):
     """Shared q/k/v and gate/up storage + fused kernels: same logits, and loading weights fills the shared tensors."""
@@ -442,8 +458,9 @@ def test_gpu_scores_match_reference(tk, mode):
 
 
 @gpu
+@pytest.mark.parametrize("bits", [2, 4])
 @pytest.mark.parametrize("case", ["distinct", "ties", "specials"])
-def test_gpu_selection_matches_reference(tk, case):
+def test_gpu_selection_matches_reference(tk, case, bits):
     gen = torch.Generator().manual_seed(22)
     nblocks = [2600, 2048, 300, 17, 4, 1000, 2600, 129]
     budgets = torch.tensor([256, 128, 300, 5, 2, DENSE_BUDGET, 64, 100])
@@ -454,7 +471,7 @@ def test_gpu_selection_matches_reference(tk, case):
     selected = torch.full(scores.shape, -1, dtype=torch.int32, device="cuda")
     counts = torch.full((len(nblocks),), -1, dtype=torch.long, device="cuda")
     tk.select_blocks(scores, tables, lengths, budgets, selected, counts, num_kv_heads=8, block_size=BS, sink=1,
-                     recent=2)
+                     recent=2, bits=bits)
     n = (lengths.long() + BS - 1) // BS
     ids, expect_counts = ref.select_blocks(scores.view(len(nblocks), 8, -1), n, budgets, 1, 2)
     assert counts.tolist() == expect_counts.tolist()
@@ -561,3 +578,30 @@ def test_gpu_decode_is_deterministic(tk):
     for _ in range(3):
         again = backend.decode(q, p.k_cache, p.v_cache, p.landmarks, p.tables, p.seq_lens, budgets, cfg, 0.1)
         assert torch.equal(again[0], first[0]) and torch.equal(again[1], first[1])
+
+
+@gpu
+def test_gpu_add_rms_norm_matches_unfused_ops_bf16():
+    from sparrow.kernels.triton.fused import add_rms_norm
+
+    gen = torch.Generator(device="cuda").manual_seed(33)
+    x, delta = (torch.randn(8, 2560, device="cuda", generator=gen).bfloat16() for _ in range(2))
+    weight = (torch.rand(2560, device="cuda", generator=gen) + 0.5).bfloat16()
+    stream, normed = add_rms_norm(x, delta, weight, 1e-6)
+    assert torch.equal(stream, x + delta)
+    expect = torch.nn.functional.rms_norm((x + delta).double(), (2560,), weight.double(), 1e-6)
+    assert relative_error(normed, expect) <= 5e-3
+
+
+@gpu
+@pytest.mark.parametrize("rows", [1, 8, 33])
+def test_gpu_skinny_linear_matches_fp64_bf16(rows):
+    from sparrow.kernels.triton.skinny_gemm import skinny_linear
+
+    gen = torch.Generator(device="cuda").manual_seed(34 + rows)
+    x = torch.randn(rows, 2048, device="cuda", generator=gen).bfloat16()
+    w = (torch.randn(3000, 2048, device="cuda", generator=gen) * 0.02).bfloat16()
+    b = torch.randn(3000, device="cuda", generator=gen).bfloat16()
+    y = skinny_linear(x, w, b)
+    assert torch.isfinite(y).all()
+    assert relative_error(y, torch.nn.functional.linear(x.double(), w.double(), b.double())) <= 5e-3

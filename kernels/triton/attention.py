@@ -40,12 +40,12 @@ def attention_tiling(head_dim: int) -> AttentionTiling:
 @triton.jit
 def _decode_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, sel_ptr, seq_len_ptr, budget_ptr,
-    out_ptr, o_part_ptr, lse_part_ptr,
+    out_ptr, o_part_ptr, lse_part_ptr, count_ptr,
     stride_qb, stride_qh, stride_bt, stride_sel, stride_ob, stride_oh, stride_cb, stride_ch, stride_ct,
     sm_scale_log2, sink, recent, num_splits,
     H: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BS: tl.constexpr, PPI: tl.constexpr, DENSE: tl.constexpr, DIRECT_OUT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, ALIGNED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, ALIGNED: tl.constexpr, WRITE_COUNT: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
@@ -56,6 +56,8 @@ def _decode_attention_kernel(
     if DENSE:
         dense_row = n >= 0
         count = n
+        if WRITE_COUNT:  # blocks attended, so a dense step needs no extra launches to report them
+            tl.store(count_ptr + b, n.to(count_ptr.dtype.element_ty), mask=(h == 0) & (split == 0))
     else:
         budget = tl.maximum(tl.minimum(tl.load(budget_ptr + b), 1 << 30).to(tl.int32), sink + recent)
         dense_row = n <= budget
@@ -95,6 +97,9 @@ def _decode_attention_kernel(
             offs = tl.multiple_of(offs, 8)
         kv_mask = valid[:, None] & (d[None, :] < D)
         k = tl.load(k_cache_ptr + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        # V is issued with K: a sparse split is often one iteration, where a load after the dot waits out a
+        # second memory round trip.
+        v = tl.load(v_cache_ptr + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -102,7 +107,6 @@ def _decode_attention_kernel(
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_cache_ptr + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -163,19 +167,21 @@ def decode_attention(
     sink: int = 0,
     recent: int = 1,
     tiling: AttentionTiling | None = None,
+    counts: torch.Tensor | None = None,
 ) -> None:
     """Attention of `q: [B, H_q, D]` into `out`. Dense when `budgets` is None; otherwise rows with more
-    blocks than their budget attend to `selected` (physical ids from `select_blocks`).
+    blocks than their budget attend to `selected` (physical ids from `select_blocks`). Dense attention
+    also writes each sequence's block count into `counts: [B]` when given.
     `o_part: [≥B·H_kv·splits·G·D]` and `lse_part: [≥B·H_kv·splits·G]` float32 scratch (unused if splits == 1)."""
     attention_partials(q, k_cache, v_cache, block_tables, seq_lens, out, o_part, lse_part, scale=scale, splits=splits,
-                       budgets=budgets, selected=selected, sink=sink, recent=recent, tiling=tiling)
+                       budgets=budgets, selected=selected, sink=sink, recent=recent, tiling=tiling, counts=counts)
     if splits > 1:
         merge_splits(o_part, lse_part, out, num_kv_heads=k_cache.shape[1], splits=splits)
 
 
 def attention_partials(q, k_cache, v_cache, block_tables, seq_lens, out, o_part, lse_part, *, scale: float,
                        splits: int, budgets=None, selected=None, sink: int = 0, recent: int = 1,
-                       tiling: AttentionTiling | None = None) -> None:
+                       tiling: AttentionTiling | None = None, counts: torch.Tensor | None = None) -> None:
     """The split-K kernel alone: per-split partials (or `out` directly when splits == 1)."""
     bsz, num_q_heads, head_dim = q.shape
     _, num_kv_heads, block_size, _ = k_cache.shape
@@ -184,17 +190,19 @@ def attention_partials(q, k_cache, v_cache, block_tables, seq_lens, out, o_part,
     dense = budgets is None
     if not dense and selected is None:
         raise ValueError("sparse attention (budgets given) needs `selected` from select_blocks")
+    write_count = dense and counts is not None
     _decode_attention_kernel[(bsz * num_kv_heads, splits)](
         q, k_cache, v_cache, block_tables, block_tables if dense else selected, seq_lens,
         seq_lens if dense else budgets,
-        out, o_part, lse_part,
+        out, o_part, lse_part, counts if write_count else seq_lens,
         q.stride(0), q.stride(1), block_tables.stride(0), 0 if dense else selected.stride(0), out.stride(0), out.stride(1),
         *cache_strides(k_cache, v_cache),
         scale * math.log2(math.e), sink, recent, splits,
         H=num_kv_heads, G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim), BS=block_size, PPI=tiling.blocks_per_iter,
         DENSE=dense, DIRECT_OUT=splits == 1, DOT_PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
-        ALIGNED=all(st % 8 == 0 for st in k_cache.stride()[:3]), num_warps=tiling.num_warps, num_stages=tiling.num_stages,
+        ALIGNED=all(st % 8 == 0 for st in k_cache.stride()[:3]), WRITE_COUNT=write_count,
+        num_warps=tiling.num_warps, num_stages=tiling.num_stages,
     )
 
 

@@ -141,10 +141,11 @@ class TritonBackend(AttentionBackend):
         ws = self._workspace(bsz, max_blocks, num_q_heads, num_kv_heads, head_dim, q.device)
         splits = self.splits_for(bsz, num_kv_heads, q.device)
         common = dict(scale=float(scale), splits=splits, tiling=self.tiling)
-        if budgets is None:
-            decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out, ws.o_part, ws.lse_part, **common)
-            return out, (seq_lens.long() + block_size - 1) // block_size
         counts = torch.empty(bsz, dtype=torch.long, device=q.device)
+        if budgets is None:
+            decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out, ws.o_part, ws.lse_part, counts=counts,
+                             **common)
+            return out, counts
         score_blocks(q, landmarks, block_tables, seq_lens, budgets, ws.scores, block_size=block_size,
                      sink=config.sink, recent=config.recent, minmax=config.landmark == "minmax")
         select_blocks(ws.scores, block_tables, seq_lens, budgets, ws.selected, counts, num_kv_heads=num_kv_heads,

@@ -2,7 +2,8 @@
 
 At rollout batch sizes a decode layer's non-GEMM work is a few KB per kernel, so its cost is the number
 of launches: Qwen3's q/k RMSNorm plus rotate-half RoPE is 12 kernels per layer in eager PyTorch, the
-SiLU gate 2. Here they are one kernel each, with the same arithmetic as the unfused ops up to rounding
+SiLU gate 2, and the residual add + RMSNorm between sublayers 2 more (twice per layer). Here they are one
+kernel each, with the same arithmetic as the unfused ops up to rounding
 (normalisation in float32, the normalised value rounded to the activation dtype as F.rms_norm returns
 it, cos/sin rounded to it as the unfused path casts them, one rounding of the rotated result).
 """
@@ -99,3 +100,41 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     _silu_mul_kernel[(num_tokens, triton.cdiv(inter, block))](gate_up, out, gate_up.stride(0), inter, BLOCK=block,
                                                               num_warps=4)
     return out
+
+
+@triton.jit
+def _add_rms_norm_kernel(x_ptr, delta_ptr, w_ptr, x_out_ptr, out_ptr, stride_x, stride_d, hidden, eps,
+                         ADD: tl.constexpr, BLOCK: tl.constexpr):
+    n = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, BLOCK)
+    m = i < hidden
+    dtype = out_ptr.dtype.element_ty
+    x = tl.load(x_ptr + n * stride_x + i, mask=m, other=0.0)
+    w = tl.load(w_ptr + i, mask=m, other=0.0).to(tl.float32)
+    if ADD:
+        x = (x.to(tl.float32) + tl.load(delta_ptr + n * stride_d + i, mask=m, other=0.0).to(tl.float32)).to(dtype)
+        tl.store(x_out_ptr + n * hidden + i, x, mask=m)
+    xf = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / hidden + eps)
+    tl.store(out_ptr + n * hidden + i, (xf * rstd * w).to(dtype), mask=m)
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual stream's `x + delta` (rounded to the activation dtype, as the unfused add is) and its
+    RMSNorm (float32 statistics, one rounding of `x · rstd · w`), for `x, delta: [N, hidden]` with
+    contiguous rows. `delta=None` only normalises (the first layer); then the returned stream is `x`."""
+    num_tokens, hidden = x.shape
+    if x.stride(1) != 1 or (delta is not None and (delta.shape != x.shape or delta.stride(1) != 1)):
+        raise ValueError(f"x {tuple(x.shape)} / delta {None if delta is None else tuple(delta.shape)}: "
+                         "need equal [N, hidden] shapes with contiguous rows")
+    out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
+    x_out = x if delta is None else torch.empty_like(out)
+    if num_tokens == 0:
+        return x_out, out
+    block = triton.next_power_of_2(hidden)
+    _add_rms_norm_kernel[(num_tokens,)](
+        x, x if delta is None else delta, weight, x_out, out, x.stride(0), 0 if delta is None else delta.stride(0),
+        hidden, float(eps), ADD=delta is not None, BLOCK=block, num_warps=max(1, min(16, block // 256)),
+    )
+    return x_out, out
