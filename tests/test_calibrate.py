@@ -78,6 +78,31 @@ def test_sample_alpha_is_exact_and_inside_the_topk_interval():
     assert torch.allclose(same.exact, torch.ones(12), atol=1e-6)
 
 
+@pytest.mark.parametrize("prompt_len", [1, 37, 80])
+def test_prompt_recompute_equals_the_whole_sequence_recompute(tiny_qwen3, prompt_len):
+    """Encoding the prompt once and running only the generated positions gives the numbers of
+    `teacher_forced_logprobs` over the whole sequence, dense and with replayed sparse budgets."""
+    from sparrow.coordinator.calibration.recompute import PromptRecompute
+    from sparrow.kernels import SparseAttentionConfig
+    from sparrow.rollout_workers.native import load_model, teacher_forced_logprobs
+
+    torch.manual_seed(0)
+    model = load_model(tiny_qwen3)
+    attention = SparseAttentionConfig(dense_layers=(0,))
+    generated = 70
+    tokens = torch.randint(0, model.spec.vocab_size, (prompt_len + generated,))
+    blocks = torch.tensor([min(-(-(prompt_len + t) // 16), 4) for t in range(generated)])
+    recompute = PromptRecompute(model, tokens[:prompt_len], attention, temperature=0.7)
+    for replay in (None, blocks):
+        ours = recompute.logprobs(tokens[prompt_len:], replay)
+        ref = teacher_forced_logprobs(model, tokens, prompt_len, attention=attention, temperature=0.7, full=True,
+                                      blocks_attended=replay)
+        assert torch.allclose(ours.full_logprobs, ref.full_logprobs, atol=2e-5)
+        assert torch.equal(ours.logprobs, ours.full_logprobs.gather(-1, tokens[prompt_len:, None])[:, 0])
+        assert torch.equal(ours.blocks_attended.cpu(), ref.blocks_attended.cpu())
+    assert (blocks < -(-(prompt_len + torch.arange(generated)) // 16)).any()  # the replayed budgets bite
+
+
 # ------------------------------------------------------------------ table and optimisation
 
 

@@ -1,5 +1,6 @@
-"""The calibration run: sparse rollouts at each budget with one native engine, dense and sparse
-teacher-forced recomputes of every sample, exact α per token, and the output directory.
+"""The calibration run: sparse rollouts at each budget with one native engine, then dense and sparse
+teacher-forced recomputes of every sample (prompt by prompt, each prompt encoded once), exact α per
+token, and the output directory.
 
     OUT/measurements.json   the controller's calibration format (controller.calibration: FILE)
     OUT/schedule.json       the cheapest schedule meeting τ (rollout.schedule: FILE)
@@ -21,7 +22,7 @@ from sparrow.coordinator.config import DataConfig
 from sparrow.coordinator.data import PromptSource, render_prompt, stable_seed
 from sparrow.cost import CostModel, ModelShape, RolloutSpec, resolve_hardware
 from sparrow.rollout_workers.api import RolloutRequest, RolloutSample, SamplingParams
-from sparrow.rollout_workers.native import NativeEngine, NativeEngineConfig, load_spec, teacher_forced_logprobs
+from sparrow.rollout_workers.native import NativeEngine, NativeEngineConfig, load_spec
 from sparrow.schedule import SPARROW_EDGES, SparsitySchedule
 
 from .config import CalibrationConfig
@@ -31,8 +32,9 @@ from .plan import (
     token_length_bins,
 )
 from .plot import plot_alpha_vs_length
+from .recompute import PromptRecompute
 from .report import console_summary, report_markdown
-from .table import CalibrationResult, assemble, measurement_file, pooled
+from .table import CalibrationResult, assemble, measurement_file
 
 
 def duration(seconds: float) -> str:
@@ -129,19 +131,14 @@ def generate(engine: NativeEngine, requests: list[RolloutRequest], progress: boo
     return sorted(samples, key=lambda s: (order[s.request_id], s.sample_index))
 
 
-def measure_sample(engine: NativeEngine, sample: RolloutSample, template: SparsitySchedule, temperature: float,
-                   run: BudgetRun) -> None:
+def measure_sample(recompute: PromptRecompute, sample: RolloutSample, template: SparsitySchedule, run: BudgetRun) -> None:
     """Exact α of every generated token from teacher-forced recomputes over the full vocabulary:
     dense, and sparse with the engine's own blocks replayed. A sample none of whose passes was
     sparse was drawn from the dense policy itself, so its dense recompute serves as both."""
     prompt_len = len(sample.prompt_token_ids)
-    tokens = list(sample.prompt_token_ids) + sample.token_ids.tolist()
     sparse_mask = sparse_token_mask(sample.blocks_attended, prompt_len, template.block_size)
-    common = dict(attention=engine.attention, temperature=temperature, full=True)
-    dense = teacher_forced_logprobs(engine.model, tokens, prompt_len, **common)
-    sparse = dense
-    if sparse_mask.any():
-        sparse = teacher_forced_logprobs(engine.model, tokens, prompt_len, blocks_attended=sample.blocks_attended, **common)
+    dense = recompute.logprobs(sample.token_ids)
+    sparse = recompute.logprobs(sample.token_ids, sample.blocks_attended) if sparse_mask.any() else dense
     alpha = sample_alpha(dense.full_logprobs, sparse.full_logprobs, sample.top_ids, sample.top_logprobs)
     run.add_sample(
         alpha,
@@ -150,6 +147,29 @@ def measure_sample(engine: NativeEngine, sample: RolloutSample, template: Sparsi
         replay_error=(sparse.logprobs.cpu() - sample.logprobs.float()).abs(),
         block_mismatches=int((sparse.blocks_attended.cpu().long() != sample.blocks_attended.long()).sum()),
     )
+
+
+def recompute_all(engine: NativeEngine, generated: dict[int | None, list[RolloutSample]], runs: dict[int | None, BudgetRun],
+                  template: SparsitySchedule, temperature: float, progress: bool) -> float:
+    """Measure every sample, prompt by prompt: each prompt is encoded once for all its samples at
+    every budget (`PromptRecompute`). Returns the seconds spent encoding prompts."""
+    by_prompt: dict[str, list[tuple[int | None, RolloutSample]]] = {}
+    for budget, samples in generated.items():
+        for sample in samples:
+            by_prompt.setdefault(sample.request_id, []).append((budget, sample))
+    encode_seconds = 0.0
+    with tqdm(total=sum(map(len, by_prompt.values())), desc="recompute", unit="sample", leave=False,
+              disable=not progress) as bar:
+        for items in by_prompt.values():
+            t0 = time.perf_counter()
+            recompute = PromptRecompute(engine.model, items[0][1].prompt_token_ids, engine.attention, temperature)
+            encode_seconds += time.perf_counter() - t0
+            for budget, sample in items:
+                t0 = time.perf_counter()
+                measure_sample(recompute, sample, template, runs[budget])
+                runs[budget].recompute_seconds += time.perf_counter() - t0
+                bar.update()
+    return encode_seconds
 
 
 def cost_model(config: CalibrationConfig, model_dir: Path, engine: NativeEngine, prompt_lens: list[int],
@@ -195,38 +215,37 @@ def run_calibration(config: CalibrationConfig, command: str = "sparrow calibrate
     log(f"calibrating {model_dir.name}: {len(prompts)} prompts x {config.samples} samples x <= {config.max_tokens} tokens "
         f"(prompts {min(prompt_lens)}-{max(prompt_lens)} tokens), budgets {plan.budgets}"
         f"{' + dense baseline' if config.dense_baseline else ''}, {plan.template.num_bins} length bins; "
-        f"per budget: generate, then 2 teacher-forced passes per sample over the full vocabulary "
+        f"generate at every budget, then recompute each sample densely and sparsely over the full vocabulary "
         f"(~{2 * config.max_tokens * spec.vocab_size * 4 / 2**30:.2f} GiB of log-probs per sample)")
     for note in plan.notes:
         log(f"note: {note}")
 
     runs: dict[int | None, BudgetRun] = {}
-    bar = tqdm(order, desc="budgets", unit="budget", disable=not progress)
-    measuring = time.perf_counter()
-    for done, budget in enumerate(bar, 1):
+    generated: dict[int | None, list[RolloutSample]] = {}
+    bar = tqdm(order, desc="generate", unit="budget", disable=not progress)
+    for budget in bar:
         label = "dense" if budget is None else f"{budget} blocks"
         bar.set_postfix_str(label)
         engine.set_schedule(None if budget is None else fixed_budget_schedule(plan.template, budget))
-        run = BudgetRun(budget, plan.template.num_bins)
+        run = runs[budget] = BudgetRun(budget, plan.template.num_bins)
         t0 = time.perf_counter()
         samples = generate(engine, requests, progress)
         run.generate_seconds = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        for sample in tqdm(samples, desc="recompute", unit="sample", leave=False, disable=not progress):
+        for sample in samples:
             if sample.error is not None:
                 run.add_failure(sample.error)
-            else:
-                measure_sample(engine, sample, plan.template, config.temperature, run)
-        run.recompute_seconds = time.perf_counter() - t0
-        runs[budget] = run
-        if run.samples == 0:
+        generated[budget] = [s for s in samples if s.error is None]
+        if not generated[budget]:
             raise ValueError(f"budget {label}: all {n_samples} samples failed: {'; '.join(run.errors[:3])}")
-        exact, lower = (float(pooled(h).percentile(config.percentile)[0]) for h in (run.exact, run.lower))
-        left = (time.perf_counter() - measuring) / done * (len(order) - done)
-        log(f"{label}: {run.tokens} tokens ({run.sparse_tokens} decoded sparsely), p{config.percentile:g} of α {exact:.3f} "
-            f"(top-K lower bound {lower:.3f}), "
-            f"generate {run.generate_seconds:.0f} s, recompute {run.recompute_seconds:.0f} s"
-            + (f"; ~{duration(left)} left" if done < len(order) else ""))
+        tokens = sum(len(s.token_ids) for s in generated[budget])
+        sparse = sum(int(sparse_token_mask(s.blocks_attended, len(s.prompt_token_ids), plan.template.block_size).sum())
+                     for s in generated[budget])
+        log(f"{label}: generated {tokens} tokens ({sparse} decoded sparsely) in {duration(run.generate_seconds)}")
+    t0 = time.perf_counter()
+    encode_seconds = recompute_all(engine, generated, runs, plan.template, config.temperature, progress)
+    recompute_seconds = time.perf_counter() - t0
+    log(f"recomputed {sum(map(len, generated.values()))} samples densely and sparsely in {duration(recompute_seconds)} "
+        f"(encoding the {len(prompts)} prompts: {duration(encode_seconds)})")
 
     reserved = config.sink + config.recent
     notes = (f"sparrow calibrate: {model_dir.name}, prompts {config.prompts} ({len(prompts)} x {config.samples} samples, "
@@ -242,7 +261,8 @@ def run_calibration(config: CalibrationConfig, command: str = "sparrow calibrate
         "budgets": plan.budgets, "reserved_blocks": reserved, "edges": list(plan.template.edges),
         "percentile": config.percentile, "statistic": config.statistic, "target": config.target, "logprobs": config.logprobs, "hardware": config.hardware,
         "device": config.device, "dtype": str(engine.model.dtype).removeprefix("torch."), "seed": config.seed,
-        "elapsed_s": round(elapsed, 1),
+        "generate_s": round(sum(r.generate_seconds for r in runs.values()), 1),
+        "recompute_s": round(recompute_seconds, 1), "elapsed_s": round(elapsed, 1),
     }
     write_outputs(result, config.out, settings, command, plan.longest_context)
     log(console_summary(result, config.out))

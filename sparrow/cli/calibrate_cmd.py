@@ -1,6 +1,7 @@
 """`sparrow calibrate --model DIR|smollm2 --prompts SOURCE ...`: tail α per (length bin, budget) from
 sparse rollouts and exact recomputes, and the cheapest schedule meeting τ (docs/calibration.md)."""
 
+import argparse
 import shlex
 import sys
 from pathlib import Path
@@ -10,7 +11,7 @@ def _ints(text: str) -> list[int]:
     try:
         return [int(x) for x in text.replace(" ", "").split(",") if x]
     except ValueError:
-        raise ValueError(f"{text!r}: expected comma-separated integers, e.g. 4,8,16") from None
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers, e.g. 4,8,16") from None
 
 
 def register(sub) -> None:
