@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# One GPU session for the native engine: GPU tests (engine + Triton kernels), the block-selection and decode-GEMM
-# sweeps (select, gemm: opt-in stages), `bench decode-step`, `bench rollout-paper`.
+# One GPU session for the native engine: GPU tests (engine + Triton kernels), the block-selection sweep (stage
+# `select`, opt-in), `bench decode-step`, `bench rollout-paper`.
 # Usage (repo root, CUDA machine): benchmarks/engine_gpu.sh [rollout-paper options]; logs and JSON go to $OUT.
 # Each stage has a time cap, so one that hangs or runs long leaves the others their time; STAGES picks stages.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1
 OUT=${OUT:-/tmp/sparrow-engine}
-TESTS_S=${TESTS_S:-200} SELECT_S=${SELECT_S:-60} GEMM_S=${GEMM_S:-90} DECODE_S=${DECODE_S:-150} ROLLOUT_S=${ROLLOUT_S:-300}
+TESTS_S=${TESTS_S:-200} SELECT_S=${SELECT_S:-60} DECODE_S=${DECODE_S:-150} ROLLOUT_S=${ROLLOUT_S:-300}
 STAGES=${STAGES:-"tests decode rollout"}
 mkdir -p "$OUT"
 if ! python3 -c "import pydantic" 2>/dev/null && [ -d .whl ]; then  # wheels carried to a machine without an index
@@ -26,8 +26,6 @@ fi
   -rfE 2>&1 | tee "$OUT/tests.log"
 [[ " $STAGES " == *" select "* ]] && timeout "$SELECT_S" python3 benchmarks/select_sweep.py "$OUT/select-sweep.json" 2>&1 \
   | tee "$OUT/select-sweep.log"
-[[ " $STAGES " == *" gemm "* ]] && timeout "$GEMM_S" python3 benchmarks/gemm_sweep.py "$OUT/gemm-sweep.json" 2>&1 \
-  | tee "$OUT/gemm-sweep.log"
 [[ " $STAGES " == *" decode "* ]] && timeout "$DECODE_S" python3 -m sparrow.rollout_workers.native.bench decode-step --out "$OUT/decode-step.json" 2>&1 \
   | tee "$OUT/decode-step.log"
 [[ " $STAGES " == *" rollout "* ]] && timeout "$ROLLOUT_S" python3 -m sparrow.rollout_workers.native.bench rollout-paper --out "$OUT/rollout-paper.json" "$@" 2>&1 \

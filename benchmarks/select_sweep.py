@@ -1,5 +1,5 @@
-"""Block selection alone at the Table 4 decode shape (batch 8 × 8 KV heads, 1024-token budget), per
-launch variant: bisection bits per pass × warps. CUDA-graph replays, cold L2; prints a table last.
+"""Block selection alone at the Table 4 decode shape (batch 8 × 8 KV heads, 1024-token budget), per warp
+count, checked against the reference selection. CUDA-graph replays, cold L2; prints a table last.
 
 Usage (CUDA machine, repo root): python benchmarks/select_sweep.py [out.json]
 """
@@ -9,6 +9,7 @@ import sys
 
 import torch
 
+from sparrow.kernels import reference as ref
 from sparrow.kernels.triton.bench import _bench, _graph
 from sparrow.kernels.triton.selection import select_blocks
 from sparrow.tables import format_table
@@ -28,26 +29,24 @@ def main(out: str | None = None) -> None:
         budgets = torch.full((BATCH,), BUDGET, dtype=torch.int32, device="cuda")
         selected = torch.empty(BATCH * HEADS, width, dtype=torch.int32, device="cuda")
         counts = torch.empty(BATCH, dtype=torch.long, device="cuda")
-        expect = None
-        for bits in (2, 4):
-            for warps in (4, 8, 16):
-                def run(bits=bits, warps=warps):
-                    select_blocks(scores, tables, lens, budgets, selected, counts, num_kv_heads=HEADS, block_size=BS,
-                                  sink=1, recent=2, bits=bits, num_warps=warps)
-                selected.fill_(-1)
-                run()
-                got = selected[:, :BUDGET].sort(dim=1).values.cpu()
-                expect = got if expect is None else expect
-                us = _bench(_graph(run), 40)
-                rows.append({"context": context, "width": width, "bits": bits, "warps": warps, "us": us,
-                             "same_as_first": bool(torch.equal(got, expect))})
-                print(rows[-1], flush=True)
+        ids, _ = ref.select_blocks(scores.view(BATCH, HEADS, -1), torch.full((BATCH,), n, device="cuda"), budgets, 1, 2)
+        expect = torch.gather(tables.long()[:, None, :].expand(-1, HEADS, -1), 2, ids.clamp(min=0)).view(BATCH * HEADS, -1)
+        expect = expect.sort(dim=1).values.cpu()
+        for warps in (4, 8, 16):
+            def run(warps=warps):
+                select_blocks(scores, tables, lens, budgets, selected, counts, num_kv_heads=HEADS, block_size=BS,
+                              sink=1, recent=2, num_warps=warps)
+            selected.fill_(-1)
+            run()
+            exact = torch.equal(selected[:, :BUDGET].long().sort(dim=1).values.cpu(), expect)
+            us = _bench(_graph(run), 40)
+            rows.append({"context": context, "width": width, "warps": warps, "us": us, "equals_reference": exact})
+            print(rows[-1], flush=True)
     if out:
         with open(out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
-    print(format_table(["context", "width", "bits", "warps", "select us", "same"],
-                       [[r["context"], r["width"], r["bits"], r["warps"], f"{r['us']:.1f}", r["same_as_first"]]
-                        for r in rows]))
+    print(format_table(["context", "width", "warps", "select us", "= reference"],
+                       [[r["context"], r["width"], r["warps"], f"{r['us']:.1f}", r["equals_reference"]] for r in rows]))
 
 
 if __name__ == "__main__":
