@@ -221,6 +221,8 @@ def test_calibration_writes_a_schedule_the_job_and_controller_accept(calibrated)
     assert all(v is None or v + 3 in (4, 5, 64) for v in schedule.topk_blocks)
     controlled = initial_schedule(ControllerConfig(target=0.86, calibration=str(calibrated / "measurements.json")), schedule)
     assert controlled.topk_blocks == schedule.topk_blocks
+    for row in data["tail_table"]:  # the plot puts each bin at the mean length of its tokens
+        assert row["min_length"] <= row["mean_length"] <= (row["max_length"] or 10**9)
     png = (calibrated / "alpha_vs_length.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     report = (calibrated / "report.md").read_text()

@@ -73,9 +73,12 @@ class BudgetRun:
     """Tokens whose recomputed blocks attended differ from the engine's (0 = exact replay)."""
     generate_seconds: float = 0.0
     recompute_seconds: float = 0.0
+    length_sums: torch.Tensor = field(init=False)
+    """`[num_bins]` sum of the total lengths L of the tokens counted per bin (where the bin's tokens sit)."""
 
     def __post_init__(self):
         self.exact, self.lower, self.upper = (AlphaHistogram.empty(self.num_bins) for _ in range(3))
+        self.length_sums = torch.zeros(self.num_bins, dtype=torch.float64)
 
     def histogram(self, statistic: Statistic) -> AlphaHistogram:
         if statistic not in STATISTICS:
@@ -93,9 +96,13 @@ class BudgetRun:
         sparse: torch.Tensor,
         replay_error: torch.Tensor,
         block_mismatches: int,
+        lengths: torch.Tensor | None = None,
     ) -> None:
-        """`replay_error`: per token, |log q| of the engine minus that of the sparse recompute."""
+        """`replay_error`: per token, |log q| of the engine minus that of the sparse recompute;
+        `lengths`: per token, the total length L of the pass that produced it."""
         self.exact.add(alpha.exact, bins)
+        if lengths is not None:
+            self.length_sums.index_add_(0, bins.long(), lengths.to(torch.float64))
         if not torch.isnan(alpha.lower).any():
             self.lower.add(alpha.lower, bins)
             self.upper.add(alpha.upper, bins)

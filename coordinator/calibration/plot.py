@@ -6,14 +6,16 @@ from pathlib import Path
 from .table import CalibrationResult
 
 
-def bin_centres(result: CalibrationResult, longest_context: int) -> list[float]:
-    """Token length at the middle of each bin; the open last bin ends at the longest context."""
-    centres = []
+def bin_positions(result: CalibrationResult, longest_context: int) -> list[float]:
+    """Where each bin's point goes: the mean length L of the tokens measured in it, else the bin's
+    centre (the open last bin ends at the longest context)."""
+    positions = []
     for b in range(result.template.num_bins):
         lo, hi = result.template.bin_range(b)
         hi = max(hi if hi is not None else longest_context, lo)
-        centres.append((lo + hi) / 2)
-    return centres
+        mean = result.mean_length(b)
+        positions.append((lo + hi) / 2 if mean is None else mean)
+    return positions
 
 
 def plot_alpha_vs_length(result: CalibrationResult, path: str | Path, longest_context: int, title: str = "") -> None:
@@ -23,7 +25,7 @@ def plot_alpha_vs_length(result: CalibrationResult, path: str | Path, longest_co
     import matplotlib.pyplot as plt
     import numpy as np
 
-    x = bin_centres(result, longest_context)
+    x = bin_positions(result, longest_context)
     bins = result.measured_bins()
     fig, ax = plt.subplots(figsize=(8, 5))
     colors = plt.cm.viridis(np.linspace(0.0, 0.9, max(len(result.budgets), 1)))
@@ -51,7 +53,7 @@ def plot_alpha_vs_length(result: CalibrationResult, path: str | Path, longest_co
     if any_few:
         ax.plot([], [], "o", mfc="white", mec="grey", label=f"< {result.min_tokens} tokens")
     ax.axhline(result.target, color="red", ls=":", lw=1.2, label=f"τ = {result.target:g}")
-    ax.set_xlabel("total length L = prompt + generated (tokens, bin centre)")
+    ax.set_xlabel("total length L = prompt + generated (tokens; mean of the bin's measured tokens)")
     ax.set_ylabel(f"p{result.percentile:g} of α per bin")
     ax.set_title(title or f"Tail acceptance vs length per KV budget (p{result.percentile:g})")
     ax.grid(alpha=0.3)

@@ -146,6 +146,7 @@ def measure_sample(recompute: PromptRecompute, sample: RolloutSample, template: 
         sparse=sparse_mask,
         replay_error=(sparse.logprobs.cpu() - sample.logprobs.float()).abs(),
         block_mismatches=int((sparse.blocks_attended.cpu().long() != sample.blocks_attended.long()).sum()),
+        lengths=prompt_len + torch.arange(len(sample.token_ids)),
     )
 
 

@@ -57,6 +57,12 @@ class CalibrationResult:
                  for s in STATISTICS}
         return Cell(count=n, tail=tails[self.statistic], mean=float(run.exact.mean()[length_bin]), **tails)
 
+    def mean_length(self, length_bin: int) -> float | None:
+        """Mean total length L of the tokens measured in a bin, over every budget (None if none were)."""
+        count = sum(int(r.exact.count()[length_bin]) for r in self.runs.values())
+        total = sum(float(r.length_sums[length_bin]) for r in self.runs.values())
+        return total / count if count and total else None
+
     def measured_bins(self) -> list[int]:
         return [b for b in range(self.template.num_bins) if any(int(r.exact.count()[b]) for r in self.runs.values())]
 
@@ -104,7 +110,7 @@ class CalibrationResult:
                     p = f"p{self.percentile:g}"
                     cells[run.label] = {"count": c.count, "mean": c.mean, f"{p}_exact": c.exact,
                                         f"{p}_topk_lower": c.lower, f"{p}_topk_upper": c.upper}
-            rows.append({"bin": b, "min_length": lo, "max_length": hi, "budgets": cells})
+            rows.append({"bin": b, "min_length": lo, "max_length": hi, "mean_length": self.mean_length(b), "budgets": cells})
         return rows
 
 
