@@ -162,6 +162,14 @@ def test_a_bin_no_budget_rescues_stays_dense_with_a_warning():
     assert any("bin 2: no profiled budget reaches" in w for w in result.warnings())
 
 
+def test_a_topk_lower_bound_below_tau_even_when_dense_is_flagged():
+    template = calibration_template((128, 256, 384))
+    runs = synthetic_runs(template)  # dense: exact α = 1, top-K lower bound = 0.9
+    assert not any("top-K lower bound" in w for w in assemble(template, runs, target=0.86, percentile=5).warnings())
+    warnings = assemble(template, runs, target=0.95, percentile=5).warnings()
+    assert any("dense rollout's p5 of the top-K lower bound is 0.900 < τ=0.95" in w for w in warnings)
+
+
 # ------------------------------------------------------------------ configuration and CLI errors
 
 

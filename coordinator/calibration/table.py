@@ -86,6 +86,14 @@ class CalibrationResult:
             many = len(fallback) > 1
             out.append(f"bin{'s' if many else ''} {_ranges(fallback)} {'were' if many else 'was'} not reached by any rollout; "
                        f"{'they copy their' if many else 'it copies its'} nearest measured bin")
+        dense = self.runs.get(None)
+        if dense is not None and int(dense.lower.count().sum()):
+            floor = float(pooled(dense.lower).percentile(self.percentile)[0])
+            if floor < self.target:
+                out.append(f"the dense rollout's p{self.percentile:g} of the top-K lower bound is {floor:.3f} < τ={self.target:g}: "
+                           "the top-K lists miss too much of this model's probability mass, so a controller acting on "
+                           "statistic 'lower' would find every bin below τ even when dense (raise --logprobs and the job's "
+                           "logprobs, or run the controller on 'midpoint'/'upper')")
         for run in self.runs.values():
             if run.failed:
                 out.append(f"budget {run.label}: {run.failed} samples failed ({'; '.join(run.errors[:2])})")
