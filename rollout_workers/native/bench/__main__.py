@@ -1,0 +1,18 @@
+"""`python -m sparrow.rollout_workers.native.bench decode-step|rollout-paper ...` (the CLI without its other commands)."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    from sparrow.cli.bench_cmd import register_decode_step, register_rollout_paper
+
+    parser = argparse.ArgumentParser(prog="python -m sparrow.rollout_workers.native.bench")
+    actions = parser.add_subparsers(dest="action", required=True)
+    register_decode_step(actions)
+    register_rollout_paper(actions)
+    args = parser.parse_args(argv)
+    return args.handler(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

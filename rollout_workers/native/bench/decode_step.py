@@ -1,0 +1,90 @@
+"""`sparrow bench decode-step`: the full-model decode step at the points of Sparrow's Table 4."""
+
+from pathlib import Path
+
+from sparrow.kernels import SparseAttentionConfig
+from sparrow.schedule import SparsitySchedule
+from sparrow.tables import format_table
+
+from ..model import DecoderModel
+from ..shapes import spec_for_shape
+from .common import DEVICE, DTYPE, PAPER_STEP_MS, device_report, require_cuda, write_report, default_out_path
+from .filled import FilledDecode, profile_kernels
+from .floor import step_bytes, weight_bytes
+
+
+def run_decode_step(model_name: str = "qwen3-1.7b", batch: int = 8, contexts=(16384, 24576, 32768),
+                    budget_tokens: int = 1024, replays: int = 50, out_path: Path | None = None, command: str = "",
+                    log=print) -> dict:
+    from sparrow.kernels.triton.bench import copy_bandwidth
+
+    require_cuda("decode-step")
+    out_path = out_path or default_out_path("decode-step")
+    attention = SparseAttentionConfig()
+    bs = attention.block_size
+    if budget_tokens % bs or budget_tokens < bs * attention.reserved_blocks:
+        raise ValueError(f"--budget-tokens {budget_tokens}: use a multiple of {bs} of at least {bs * attention.reserved_blocks}")
+    budget = budget_tokens // bs
+    report = device_report(command)
+    copy_gbps = copy_bandwidth()
+    max_len = max(contexts) + 1
+    spec = spec_for_shape(model_name)
+    model = DecoderModel(spec, max_len + bs, device=DEVICE, dtype=DTYPE).init_random(0)
+    log(f"{report['device']}: copy {copy_gbps:.0f} GB/s; {model_name} ({spec.num_layers} layers), batch {batch}, "
+        f"budget {budget} blocks ({budget_tokens} tokens incl. sink + recent), weights {weight_bytes(model) / 1e9:.2f} GB")
+    filled = FilledDecode(model, attention, batch, max_len)
+    schedule = SparsitySchedule(name=f"budget-{budget}", topk_blocks=(budget - attention.reserved_blocks,), edges=())
+    filled.graphs.set_schedule(schedule)
+    report.update(model=model_name, batch=batch, budget_blocks=budget, copy_GBps=copy_gbps, replays=replays,
+                  weights_bytes=weight_bytes(model), results=[], profiles={})
+    points = [(bs, False)] + [(c, s) for c in contexts for s in (False, True)]
+    for past, sparse in points:
+        context = past + 1
+        t = filled.time(context, sparse, replays)
+        nbytes = step_bytes(model, attention, batch, context, budget if sparse else None)
+        floor_ms = nbytes["total"] / copy_gbps / 1e6
+        row = {"past_kv": past, "mode": "sparse" if sparse else "dense", **t, "bytes": nbytes, "floor_ms": floor_ms,
+               "pct_copy": 100 * floor_ms / t["step_ms"], "paper_ms": PAPER_STEP_MS.get(past) if sparse else None}
+        report["results"].append(row)
+        log(f"past KV {past}: {row['mode']} step {t['step_ms']:.3f} ms + sampler {t['sample_ms']:.3f} ms "
+            f"(floor {floor_ms:.3f} ms, {row['pct_copy']:.0f}% of copy)")
+        write_report(report, out_path, lambda *_: None)
+    profiled = ((max(contexts), True), (max(contexts), False), (bs, False))
+    for past, sparse in profiled:
+        key = f"{past}-{'sparse' if sparse else 'dense'}"
+        try:
+            report["profiles"][key] = profile_kernels(filled.stage(past + 1, sparse))
+            p = report["profiles"][key]
+            log(f"profile {key}: {p['kernels']} kernels, {p['kernel_us'] / 1e3:.3f} ms of kernel time")
+        except Exception as exc:  # the profiler is a diagnostic: its failure must not lose the timings
+            report["profiles"][key] = {"error": repr(exc)}
+    # ablation: the same steps with the plain (unfused) model — separate q/k/v, gate/up GEMMs, eager norm/RoPE/SiLU
+    report["unfused"] = []
+    del model
+    filled.use_model(DecoderModel(spec, max_len + bs, device=DEVICE, dtype=DTYPE, fuse=False).init_random(0))
+    filled.graphs.set_schedule(schedule)
+    for past, sparse in profiled:
+        t = filled.time(past + 1, sparse, replays)
+        report["unfused"].append({"past_kv": past, "mode": "sparse" if sparse else "dense", **t})
+        log(f"unfused model, past KV {past}: {'sparse' if sparse else 'dense'} step {t['step_ms']:.3f} ms")
+    filled.release()
+    write_report(report, out_path, log)
+    log(render_decode_step(report))
+    return report
+
+
+def render_decode_step(report: dict) -> str:
+    rows = []
+    for r in report["results"]:
+        rows.append([r["past_kv"], r["mode"], f"{r['step_ms']:.3f}", f"{r['sample_ms']:.3f}", f"{r['total_ms']:.3f}",
+                     f"{r['floor_ms']:.3f}", f"{r['pct_copy']:.0f}", "-" if r["paper_ms"] is None else f"{r['paper_ms']:.2f}"])
+    head = (f"{report['model']}, batch {report['batch']}, budget {report['budget_blocks']} blocks, {report['device']}, "
+            f"copy {report['copy_GBps']:.0f} GB/s, median of {report['replays']} graph replays")
+    table = format_table(["past KV", "mode", "step ms", "sampler ms", "step+sampler ms", "floor ms", "% of copy",
+                          "paper ms"], rows)
+    fused = {(r["past_kv"], r["mode"]): r["step_ms"] for r in report["results"]}
+    ablation = [[u["past_kv"], u["mode"], f"{u['step_ms']:.3f}", f"{fused[(u['past_kv'], u['mode'])]:.3f}"]
+                for u in report.get("unfused", [])]
+    if ablation:
+        table += "\nfusion ablation (step ms):\n" + format_table(["past KV", "mode", "unfused model", "fused model"], ablation)
+    return head + "\n" + table

@@ -1,0 +1,113 @@
+"""A KV cache filled with random values, decoded from the engine's CUDA graphs at any context."""
+
+import gc
+
+import torch
+
+from sparrow.kernels import SparseAttentionConfig
+from sparrow.rollout_workers.api import SamplingParams
+
+from ..cuda_graphs import DecodeGraphs, DecodeStep
+from ..kv_cache import KVCache, bytes_per_block
+from ..model import DecoderModel
+from ..sampler import SamplingBatch, sample
+from ..scheduler import blocks_for
+
+
+def free_gpu_memory() -> int:
+    """Free device memory once everything unreferenced is released (PyTorch's cache included)."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    return torch.cuda.mem_get_info()[0]
+
+
+class FilledDecode:
+    """`batch` sequences whose KV cache (every layer) and landmarks hold random values up to `max_len`
+    tokens; each block table is a random slice of the pool, as in a long-running engine. Decode steps at
+    any context ≤ max_len replay from the engine's `DecodeGraphs`, then sample (T = 1, top-20 logprobs)."""
+
+    def __init__(self, model: DecoderModel, attention: SparseAttentionConfig, batch: int, max_len: int, seed: int = 0):
+        from sparrow.kernels.triton import TritonBackend
+
+        bs = attention.block_size
+        self.model, self.attention, self.batch = model, attention, batch
+        self.max_blocks = blocks_for(max_len, bs)
+        num_blocks = batch * self.max_blocks + 1
+        need = num_blocks * bytes_per_block(model.spec, attention, model.dtype)
+        free = free_gpu_memory()
+        if need > 0.97 * free:
+            raise ValueError(f"{batch} sequences of {max_len} tokens need {need / 1e9:.1f} GB of KV cache, "
+                             f"{free / 1e9:.1f} GB are free; lower the batch or the length")
+        self.cache = KVCache(model.spec, attention, num_blocks, model.dtype, model.device)
+        gen = torch.Generator(device=model.device).manual_seed(seed)
+        for t in (self.cache.k, self.cache.v, self.cache.landmarks):
+            t.normal_(generator=gen)
+        self.graphs = DecodeGraphs(model, self.cache, TritonBackend(), attention, batch, self.max_blocks)
+        cpu = torch.Generator().manual_seed(seed)
+        perm = torch.randperm(num_blocks, generator=cpu)
+        self.tables = [perm[r * self.max_blocks : (r + 1) * self.max_blocks].tolist() for r in range(batch)]
+        for row, table in enumerate(self.tables):
+            self.graphs.write_table(row, table)
+        self.token_ids = torch.randint(0, model.spec.vocab_size, (batch,), generator=cpu).tolist()
+        params = [SamplingParams(temperature=1.0, logprobs=20)] * batch
+        self.sampling = SamplingBatch.build(params, list(range(batch)), [max_len] * batch, model.device)
+
+    def use_model(self, model: DecoderModel) -> None:
+        """Decode with another model of the same shape over the same filled cache (new graphs)."""
+        from sparrow.kernels.triton import TritonBackend
+
+        self.graphs = DecodeGraphs(model, self.cache, TritonBackend(), self.attention, self.batch, self.max_blocks)
+        for row, table in enumerate(self.tables):
+            self.graphs.write_table(row, table)
+        gc.collect()
+
+    def stage(self, context: int, sparse: bool) -> DecodeStep:
+        bs = self.attention.block_size
+        current = [t[(context - 1) // bs] for t in self.tables]
+        return self.graphs.stage(list(range(self.batch)), self.token_ids, [context] * self.batch, current, sparse)
+
+    def time(self, context: int, sparse: bool, replays: int) -> dict:
+        """Median ms of the graph replay, of the sampler after it, and of both, over `replays` steps."""
+        step = self.stage(context, sparse)
+        step.replay()
+        sample(step.logits[: self.batch], self.sampling)
+        torch.cuda.synchronize()
+        marks = [[torch.cuda.Event(enable_timing=True) for _ in range(3)] for _ in range(replays)]
+        for start, mid, end in marks:
+            start.record()
+            step.replay()
+            mid.record()
+            sample(step.logits[: self.batch], self.sampling)
+            end.record()
+        torch.cuda.synchronize()
+
+        def median(values):
+            return sorted(values)[len(values) // 2]
+
+        return {"step_ms": median([s.elapsed_time(m) for s, m, _ in marks]),
+                "sample_ms": median([m.elapsed_time(e) for _, m, e in marks]),
+                "total_ms": median([s.elapsed_time(e) for s, _, e in marks])}
+
+    def release(self) -> None:
+        del self.graphs, self.cache
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def profile_kernels(step: DecodeStep, top: int = 12) -> dict:
+    """Kernels of one replay (CUPTI sees the kernels inside a graph): count, summed GPU time, the largest."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step.replay()
+        torch.cuda.synchronize()
+    kernels = [k for k in prof.key_averages() if k.device_type == DeviceType.CUDA]
+
+    def us(k):
+        return getattr(k, "self_device_time_total", None) or getattr(k, "self_cuda_time_total", 0.0)
+
+    kernels.sort(key=us, reverse=True)
+    return {"kernels": sum(k.count for k in kernels), "kernel_us": sum(us(k) for k in kernels),
+            "top": [{"name": k.key[:90], "count": k.count, "us": us(k)} for k in kernels[:top]]}
