@@ -137,8 +137,12 @@ def test_table_marks_the_choice_and_matches_the_controller_warm_start(tmp_path):
 
     path = tmp_path / "measurements.json"
     path.write_text(json.dumps(measurement_file(result, {})))
-    controlled = initial_schedule(ControllerConfig(target=0.86, calibration=str(path)), template)
+    # the warm start reads the histograms of the controller's own statistic (upper = exact α here)
+    controlled = initial_schedule(ControllerConfig(target=0.86, calibration=str(path), statistic="upper"), template)
     assert controlled.topk_blocks == result.schedule.topk_blocks
+    on_lower = assemble(template, synthetic_runs(template), target=0.86, percentile=5, min_tokens=100, statistic="lower")
+    controlled = initial_schedule(ControllerConfig(target=0.86, calibration=str(path)), template)
+    assert controlled.topk_blocks == on_lower.schedule.topk_blocks != result.schedule.topk_blocks
     with pytest.raises(ValueError, match="rollout.schedule"):  # Sparrow's 2000-token bins ≠ the measured ones
         initial_schedule(ControllerConfig(target=0.86, calibration=str(path)))
 
@@ -227,8 +231,11 @@ def test_calibration_writes_a_schedule_the_job_and_controller_accept(calibrated)
     data = json.loads((calibrated / "measurements.json").read_text())
     assert list(schedule.edges) == data["edges"] and schedule.edges[0] == 32
     assert all(v is None or v + 3 in (4, 5, 64) for v in schedule.topk_blocks)
+    # the controller (on the top-K lower bound, α's guaranteed floor) warm-starts at least as dense per bin
     controlled = initial_schedule(ControllerConfig(target=0.86, calibration=str(calibrated / "measurements.json")), schedule)
-    assert controlled.topk_blocks == schedule.topk_blocks
+    dense = 10**9
+    assert all((c if c is not None else dense) >= (e if e is not None else dense)
+               for c, e in zip(controlled.topk_blocks, schedule.topk_blocks))
     for row in data["tail_table"]:  # the plot puts each bin at the mean length of its tokens
         assert row["min_length"] <= row["mean_length"] <= (row["max_length"] or 10**9)
     png = (calibrated / "alpha_vs_length.png").read_bytes()

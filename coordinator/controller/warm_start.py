@@ -6,6 +6,9 @@ either form (JSON or YAML):
     {"percentile": 5, "alpha_tail": {"<bin>": {"<total blocks>": alpha, ...}, ...}}
     {"percentile": 5, "histograms": {"<total blocks>": AlphaHistogram.to_dict(), ...}}
 
+plus, optionally, "all_statistics": {"lower" | "upper" | "exact": {"<total blocks>": histogram}}, from which
+the histograms of the controller's statistic are used.
+
 and `sparrow.cost.optimise_schedule` turns it into the cheapest schedule meeting τ (rule "stable",
 so a lucky noisy small budget is not picked; unmeasured bins take their nearest measured neighbour).
 A file that names its length-bin `edges` (`sparrow calibrate` writes them) must match the job's bins.
@@ -23,7 +26,10 @@ from sparrow.schedule import SPARROW_EDGES, ScheduleError, SparsitySchedule, loa
 from .config import ControllerConfig
 
 
-def _calibration_table(path: Path, percentile: float, template: SparsitySchedule) -> dict[int, dict[int, float]]:
+def _calibration_table(path: Path, percentile: float, statistic: str, template: SparsitySchedule) -> dict[int, dict[int, float]]:
+    """Tail α per bin and budget; from a file that carries the top-k bounds as well (`sparrow calibrate`
+    writes exact α, lower and upper), the ones of the controller's own statistic, so its warm start
+    agrees with what it will measure online."""
     if not path.exists():
         raise FileNotFoundError(f"calibration={str(path)!r}: no such file; run `sparrow calibrate` or fix the path")
     try:  # json for .json: PyYAML parses a large histogram file hundreds of times slower
@@ -46,12 +52,23 @@ def _calibration_table(path: Path, percentile: float, template: SparsitySchedule
             "rollout.dense_bin_edges to its edges)"
         )
     try:
-        if "histograms" in data:
-            hists = {int(budget): AlphaHistogram.from_dict(h) for budget, h in data["histograms"].items()}
-            return alpha_tail_from_histograms(hists, percentile)
-        return {int(b): {int(k): float(v) for k, v in curve.items()} for b, curve in data["alpha_tail"].items()}
+        if "histograms" not in data:
+            return {int(b): {int(k): float(v) for k, v in curve.items()} for b, curve in data["alpha_tail"].items()}
+        by_statistic = data.get("all_statistics") or {}
+        if statistic in ("lower", "upper") and statistic in by_statistic:
+            return _tails(by_statistic[statistic], percentile)
+        if statistic == "midpoint" and {"lower", "upper"} <= by_statistic.keys():
+            lower, upper = _tails(by_statistic["lower"], percentile), _tails(by_statistic["upper"], percentile)
+            return {b: {k: (a + upper[b][k]) / 2 for k, a in curve.items()} for b, curve in lower.items()}
+        return _tails(data["histograms"], percentile)
     except (TypeError, ValueError, KeyError, AttributeError) as exc:
         raise ValueError(f"calibration {path}: malformed table ({exc.__class__.__name__}: {exc})") from None
+
+
+def _tails(histograms: dict, percentile: float) -> dict[int, dict[int, float]]:
+    """Tail α per bin and budget from per-budget histograms (a 'dense' entry is the baseline, not a budget)."""
+    hists = {int(budget): AlphaHistogram.from_dict(h) for budget, h in histograms.items() if budget != "dense"}
+    return alpha_tail_from_histograms(hists, percentile)
 
 
 def initial_schedule(config: ControllerConfig, template: SparsitySchedule | None = None) -> SparsitySchedule:
@@ -59,7 +76,7 @@ def initial_schedule(config: ControllerConfig, template: SparsitySchedule | None
     calibration starts (default: Sparrow's 20 bins of 2000 tokens, block 16, sink 1, recent 2)."""
     template = template or SparsitySchedule(name="controlled", topk_blocks=(None,) * (len(SPARROW_EDGES) + 1))
     if config.calibration is not None:
-        table = _calibration_table(Path(config.calibration), config.percentile, template)
+        table = _calibration_table(Path(config.calibration), config.percentile, config.statistic, template)
         result = optimise_schedule(table, config.target, template=template, rule="stable", name=f"controlled-{config.target:g}")
         return result.schedule
     if config.warm_start == "dense":
