@@ -6,7 +6,6 @@ resuming at a step needs no saved cursor or RNG state. Finite datasets are reshu
 (a seeded permutation); the arithmetic task is infinite.
 """
 
-import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
