@@ -6,6 +6,7 @@ import math
 import torch
 
 from sparrow.schedule import SPARROW_EDGES, SparsitySchedule
+from sparrow.trainer.alpha import length_bins, token_context_lengths
 
 PAPER_BUDGETS = (32, 48, 64, 80, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512, 640, 768, 896, 1024)
 """Sparrow's 18 profiled configurations, total blocks of 16 tokens (Fig. 3's "16 32" … "16 1024")."""
@@ -55,14 +56,12 @@ def fixed_budget_schedule(template: SparsitySchedule, budget: int) -> SparsitySc
 
 def token_length_bins(template: SparsitySchedule, prompt_len: int, num_tokens: int) -> torch.Tensor:
     """Length bin of each generated token: token t was produced by the pass whose context held
-    L = prompt_len + t tokens, so it goes to `template.bin_of(prompt_len + t)` (the trainer's rule)."""
-    bs = template.block_size
-    lengths = prompt_len + torch.arange(num_tokens, dtype=torch.long)
-    aligned = (lengths + bs - 1) // bs * bs
-    return (aligned[:, None] >= torch.tensor(template.edges, dtype=torch.long)).sum(-1)
+    L = prompt_len + t tokens, so it goes to `template.bin_of(prompt_len + t)`, binned by the
+    trainer's own functions so calibration and training agree on every token's bin."""
+    return length_bins(template, token_context_lengths(prompt_len, num_tokens))
 
 
 def sparse_token_mask(blocks_attended: torch.Tensor, prompt_len: int, block_size: int = 16) -> torch.Tensor:
     """Which generated tokens came from a pass that attended fewer blocks than its context held."""
-    lengths = prompt_len + torch.arange(blocks_attended.shape[0], dtype=torch.long)
+    lengths = token_context_lengths(prompt_len, blocks_attended.shape[0])
     return blocks_attended.long().cpu() < (lengths + block_size - 1) // block_size

@@ -24,6 +24,7 @@ from sparrow.cost import CostModel, ModelShape, RolloutSpec, resolve_hardware
 from sparrow.rollout_workers.api import RolloutRequest, RolloutSample, SamplingParams
 from sparrow.rollout_workers.native import NativeEngine, NativeEngineConfig, load_spec
 from sparrow.schedule import SPARROW_EDGES, SparsitySchedule
+from sparrow.trainer.alpha import token_context_lengths
 
 from .config import CalibrationConfig
 from .measure import BudgetRun, sample_alpha
@@ -146,7 +147,7 @@ def measure_sample(recompute: PromptRecompute, sample: RolloutSample, template: 
         sparse=sparse_mask,
         replay_error=(sparse.logprobs.cpu() - sample.logprobs.float()).abs(),
         block_mismatches=int((sparse.blocks_attended.cpu().long() != sample.blocks_attended.long()).sum()),
-        lengths=prompt_len + torch.arange(len(sample.token_ids)),
+        lengths=token_context_lengths(prompt_len, len(sample.token_ids)),
     )
 
 
