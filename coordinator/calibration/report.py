@@ -4,7 +4,7 @@ from pathlib import Path
 
 from sparrow.tables import format_table
 
-from .table import CalibrationResult, alpha_table, budget_table, markdown_table
+from .table import CalibrationResult, alpha_table, budget_table, markdown_table, range_text
 
 LEGEND = ("cells: {p} of {stat} α (tokens); * = chosen budget, ? = fewer than {n} tokens, - = no tokens. "
           "Budgets are total blocks of {bs} tokens (sink + top-k + recent).")
@@ -15,10 +15,9 @@ def schedule_rows(result: CalibrationResult) -> tuple[list[str], list[list[str]]
     headers = ["bin", "length (tokens)", "top-k", "blocks", "KV tokens", "cost share"]
     rows = []
     for choice in result.optimised.bins:
-        lo, hi = s.bin_range(choice.bin)
         blocks = s.blocks_for_bin(choice.bin)
         rows.append([
-            str(choice.bin), f"{lo}-{hi}" if hi is not None else f">= {lo}",
+            str(choice.bin), range_text(s, choice.bin),
             "dense" if s.topk_blocks[choice.bin] is None else str(s.topk_blocks[choice.bin]),
             "dense" if blocks is None else str(blocks), "dense" if blocks is None else str(blocks * s.block_size),
             "-" if choice.cost_share is None else f"{choice.cost_share:.2f}",

@@ -193,7 +193,7 @@ def run_summary(run: BudgetRun) -> dict:
     }
 
 
-def _range_text(template: SparsitySchedule, b: int) -> str:
+def range_text(template: SparsitySchedule, b: int) -> str:
     lo, hi = template.bin_range(b)
     return f"{lo}-{hi}" if hi is not None else f">= {lo}"
 
@@ -234,7 +234,7 @@ def alpha_table(result: CalibrationResult) -> tuple[list[str], list[list[str]]]:
         else:
             chosen = f"{choice.budget_blocks} ({choice.budget_blocks * result.template.block_size} tok)"
         reason = f"nearest (bin {choice.source_bin})" if choice.reason == "nearest" else choice.reason
-        rows.append([str(b), _range_text(result.template, b), *cells, chosen, reason])
+        rows.append([str(b), range_text(result.template, b), *cells, chosen, reason])
     return headers + ["chosen", "reason"], rows
 
 
