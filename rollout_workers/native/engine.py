@@ -23,7 +23,7 @@ from sparrow.schedule import DENSE_BUDGET, ScheduleError, SparsitySchedule, load
 from .attention import PagedDecode, PagedPrefill, PrefillChunkMeta, blocks_attended
 from .block_manager import BlockManager
 from .config import NativeEngineConfig
-from .cuda_graphs import DecodeGraphs
+from .cuda_graphs import DecodeGraphs, budget_table
 from .kv_cache import KVCache, bytes_per_block
 from .model import DecoderModel
 from .model_spec import ModelLoadError, load_spec
@@ -197,9 +197,7 @@ class NativeEngine(RolloutEngine):
         self._schedule = schedule
         self._budget_table = None
         if schedule is not None:
-            bs = self.attention.block_size
-            lengths = torch.arange(blocks_for(self.max_model_len, bs) + 1) * bs
-            self._budget_table = schedule.budgets_for_lengths(lengths).tolist()  # budgets depend on ceil(L/16) only
+            self._budget_table = budget_table(schedule, blocks_for(self.max_model_len, self.attention.block_size)).tolist()
         if self._graphs is not None:
             self._graphs.set_schedule(schedule)
 
