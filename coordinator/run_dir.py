@@ -15,6 +15,8 @@ import shutil
 import time
 from pathlib import Path
 
+from sparrow.jsonl import read_jsonl
+
 
 def _clean(value):
     """JSON-safe: NaN/inf become null, tuples lists, tensors and numpy scalars plain numbers."""
@@ -62,9 +64,7 @@ class RunDir:
 
     @staticmethod
     def read_jsonl(file: Path) -> list[dict]:
-        if not file.exists():
-            return []
-        return [json.loads(line) for line in file.read_text().splitlines() if line.strip()]
+        return read_jsonl(file) if file.exists() else []
 
     def truncate_after(self, step: int) -> None:
         """Drop log lines of steps >= `step` (a resumed job redoes them)."""
