@@ -5,7 +5,8 @@ import sys
 from tqdm import tqdm
 
 
-def _fmt(value, spec: str = ".3f") -> str:
+def fmt(value, spec: str = ".3f") -> str:
+    """`value` formatted with `spec`, or "-" when it is missing."""
     return "-" if value is None else format(value, spec)
 
 
@@ -19,9 +20,9 @@ def step_line(record: dict, target: float, total_steps: int) -> str:
     blocks = " ".join("d" if b is None else str(b) for b in sched["blocks"])
     changed = f" (v{sched['version']}, {record['controller']['changes']} changed)" if record["controller"]["changes"] else ""
     return (
-        f"step {record['step'] + 1}/{total_steps} reward {_fmt(r['reward_mean'])} len {_fmt(r['response_length_mean'], '.0f')} "
+        f"step {record['step'] + 1}/{total_steps} reward {fmt(r['reward_mean'])} len {fmt(r['response_length_mean'], '.0f')} "
         f"| α p5 vs τ={target:g}: {' '.join(tails) or 'no tokens'} | blocks {blocks}{changed} "
-        f"| {_fmt(r['tokens_per_s'], '.0f')} tok/s | {record['timing']['step']:.0f} s"
+        f"| {fmt(r['tokens_per_s'], '.0f')} tok/s | {record['timing']['step']:.0f} s"
     )
 
 

@@ -11,6 +11,7 @@ import yaml
 from sparrow.schedule import SparsitySchedule
 from sparrow.tables import format_table
 
+from .progress import fmt
 from .run_dir import RunDir
 
 PLOTS = {
@@ -113,10 +114,6 @@ def _mean_of(rows: list[dict], key: str) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def _fmt(v, spec=".3f"):
-    return "-" if v is None else format(v, spec)
-
-
 def summary_table(rows: list[dict], decisions: list[dict], target: float) -> str:
     first, last = rows[0], rows[-1]
     elapsed = sum(r["timing"]["step"] for r in rows)
@@ -129,13 +126,13 @@ def summary_table(rows: list[dict], decisions: list[dict], target: float) -> str
         ("time in steps", f"{elapsed:.0f} s ({elapsed / len(rows):.0f} s/step)"),
         ("per step: rollout wait / train / publish", f"{mean('rollout_wait'):.0f} / {mean('train'):.0f} / {mean('publish'):.1f} s"),
         ("samples, tokens generated", f"{sum(r['rollout']['samples'] for r in rows)}, {tokens}"),
-        ("reward (first → last step)", f"{_fmt(first['rollout']['reward_mean'])} → {_fmt(last['rollout']['reward_mean'])}"),
-        ("accuracy (first → last step)", f"{_fmt(first['rollout']['accuracy'])} → {_fmt(last['rollout']['accuracy'])}"),
+        ("reward (first → last step)", f"{fmt(first['rollout']['reward_mean'])} → {fmt(last['rollout']['reward_mean'])}"),
+        ("accuracy (first → last step)", f"{fmt(first['rollout']['accuracy'])} → {fmt(last['rollout']['accuracy'])}"),
         ("response length (first → last)",
-         f"{_fmt(first['rollout']['response_length_mean'], '.1f')} → {_fmt(last['rollout']['response_length_mean'], '.1f')}"),
-        ("KV read vs dense (mean)", _fmt(sum(r["rollout"]["kv_read_fraction"] for r in rows) / len(rows))),
-        ("measured speedup (dense probes, mean)", _fmt(_mean_of(rows, "speedup_measured"), ".2f")),
-        ("predicted speedup (last, cost model)", _fmt(last["predicted_speedup"], ".2f")),
+         f"{fmt(first['rollout']['response_length_mean'], '.1f')} → {fmt(last['rollout']['response_length_mean'], '.1f')}"),
+        ("KV read vs dense (mean)", fmt(sum(r["rollout"]["kv_read_fraction"] for r in rows) / len(rows))),
+        ("measured speedup (dense probes, mean)", fmt(_mean_of(rows, "speedup_measured"), ".2f")),
+        ("predicted speedup (last, cost model)", fmt(last["predicted_speedup"], ".2f")),
         ("final blocks per bin", " ".join("dense" if b is None else str(b) for b in last["schedule"]["blocks"])),
         ("schedule version", str(last["schedule"]["version"])),
         ("budget changes by the controller", str(changes)),
@@ -147,10 +144,10 @@ def summary_table(rows: list[dict], decisions: list[dict], target: float) -> str
 def per_step_table(rows: list[dict]) -> str:
     out = []
     for r in rows:
-        tails = " ".join(_fmt(p, ".3f") if n else "-" for p, n in zip(r["alpha"]["p5"], r["alpha"]["tokens"]))
+        tails = " ".join(fmt(p, ".3f") if n else "-" for p, n in zip(r["alpha"]["p5"], r["alpha"]["tokens"]))
         blocks = " ".join("d" if b is None else str(b) for b in r["schedule"]["blocks"])
-        out.append([r["step"] + 1, _fmt(r["rollout"]["reward_mean"]), _fmt(r["rollout"]["response_length_mean"], ".1f"),
-                    tails, blocks, _fmt(r["rollout"]["kv_read_fraction"], ".2f"), _fmt(r["rollout"]["tokens_per_s"], ".0f"),
+        out.append([r["step"] + 1, fmt(r["rollout"]["reward_mean"]), fmt(r["rollout"]["response_length_mean"], ".1f"),
+                    tails, blocks, fmt(r["rollout"]["kv_read_fraction"], ".2f"), fmt(r["rollout"]["tokens_per_s"], ".0f"),
                     f"{r['timing']['step']:.0f}"])
     return format_table(["step", "reward", "length", "α p5 per bin", "blocks after", "KV read", "tok/s", "s"], out)
 
