@@ -29,6 +29,7 @@ from sparrow.acceptance import AlphaHistogram
 from sparrow.coordinator.controller import ControllerConfig, SparsityController, initial_schedule
 from sparrow.coordinator.metrics import SparrowMetrics, start_metrics_server
 from sparrow.coordinator.transport import ControlClient, MonitorServer
+from sparrow.cost import CostModel, ModelShape, RolloutSpec, resolve_hardware
 from sparrow.schedule import SparsitySchedule
 
 from .config import SparrowConfig
@@ -55,6 +56,11 @@ def resolve_model(model: str | None, log) -> str:
 
 def _mean(values) -> float | None:
     return statistics.fmean(values) if values else None
+
+
+def _per_bin(values, counts: list[int]) -> list[float | None]:
+    """A per-bin statistic as floats, None where the bin measured no tokens."""
+    return [None if n == 0 else float(v) for v, n in zip(values.tolist(), counts)]
 
 
 class TrainingJob:
@@ -90,6 +96,7 @@ class TrainingJob:
         cfg = self.config
         self.model = resolve_model(cfg.model, self.log)
         self.vocab_size = json.loads((Path(self.model) / "config.json").read_text())["vocab_size"]
+        self.cost_shape, self.cost_hardware = ModelShape.from_hf_config(self.model), resolve_hardware(cfg.run.cost_hardware)
         self.session.start()
         self.data = PromptSource(cfg.data, cfg.run.seed)
         self.metrics = SparrowMetrics(cfg.metrics, worker="coordinator", pool="trainer")
@@ -376,8 +383,8 @@ class TrainingJob:
             self.metrics.speedup_measured.labels(pool="rollout").set(measured)
         pct = self.controller_config.percentile
         counts = alpha.count().tolist()
-        p5 = [None if n == 0 else float(v) for v, n in zip(alpha.percentile(pct).tolist(), counts)]
-        p5_upper = None if upper is None else [None if n == 0 else float(v) for v, n in zip(upper.percentile(pct).tolist(), counts)]
+        p5 = _per_bin(alpha.percentile(pct), counts)
+        p5_upper = None if upper is None else _per_bin(upper.percentile(pct), counts)
         s = self.schedule
         return {
             "step": step,
@@ -399,7 +406,7 @@ class TrainingJob:
             },
             "train": train,
             "alpha": {"percentile": pct, "p5": p5, "p5_upper": p5_upper, "tokens": counts,
-                      "mean": [None if n == 0 else float(v) for v, n in zip(alpha.mean().tolist(), counts)]},
+                      "mean": _per_bin(alpha.mean(), counts)},
             "schedule": {"version": s.version, "topk_blocks": list(s.topk_blocks),
                          "blocks": [s.blocks_for_bin(b) for b in range(s.num_bins)], "edges": list(s.edges),
                          "blocks_before": [before.blocks_for_bin(b) for b in range(before.num_bins)]},
@@ -412,8 +419,6 @@ class TrainingJob:
 
     def _predicted_speedup(self, summary: dict) -> float | None:
         """sparrow.cost's roofline speedup of the schedule in force at this step's measured lengths."""
-        from sparrow.cost import CostModel, ModelShape, RolloutSpec, resolve_hardware
-
         if not summary["response_lengths"]:
             return None
         engine = self.config.rollout.engine_config()
@@ -422,7 +427,7 @@ class TrainingJob:
             samples=self.config.rollout.sampling.n, batch=self.config.run.prompts_per_step,
             dense_layers=len(engine.dense_layers), landmark=engine.landmark,
         )
-        model = CostModel(ModelShape.from_hf_config(self.model), resolve_hardware(self.config.run.cost_hardware), spec)
+        model = CostModel(self.cost_shape, self.cost_hardware, spec)
         return self.metrics.set_predicted_speedup(model, self.schedule)
 
     def checkpoint(self) -> str:
