@@ -7,7 +7,6 @@ nothing, so resizing one leaves the other's placement group and actors as they a
 """
 
 import os
-import time
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -22,7 +21,7 @@ class PlacementError(RuntimeError):
     """A pool that cannot be placed on the cluster, with what it asked for and what exists."""
 
 
-def _check_feasible(name: str, key: str, pool: PoolConfig) -> None:
+def _check_feasible(name: str, pool: PoolConfig) -> None:
     total = ray.cluster_resources()
     need = {r: v * pool.size for r, v in pool.bundle().items() if v}
     short = {r: (v, total.get(r, 0.0)) for r, v in need.items() if total.get(r, 0.0) + 1e-9 < v}
@@ -30,31 +29,30 @@ def _check_feasible(name: str, key: str, pool: PoolConfig) -> None:
         parts = ", ".join(f"{r}: needs {v:g}, cluster has {have:g}" for r, (v, have) in short.items())
         hint = (f"; start the intended nodes with --resources '{{\"{pool.node_label}\": 1}}'"
                 if pool.node_label and pool.node_label in short else "")
-        raise PlacementError(f"{name} pool ({key}.pool: size {pool.size} × {pool.bundle()}) cannot fit: {parts}{hint}")
+        raise PlacementError(f"{name} pool ({name}.pool: size {pool.size} × {pool.bundle()}) cannot fit: {parts}{hint}")
 
 
 class Pool:
-    """`size` actors of `cls` (already `ray.remote`), actor i built with `args(i)`."""
+    """`size` actors of `cls` (already `ray.remote`), actor i built with `args(i)`; `name` is also the
+    pool's config section (`rollout` / `trainer`)."""
 
-    def __init__(self, name: str, key: str, pool: PoolConfig, cls, args, env: dict | None = None):
-        _check_feasible(name, key, pool)
+    def __init__(self, name: str, pool: PoolConfig, cls, args):
+        _check_feasible(name, pool)
         self.name, self.config = name, pool
         self.placement_group = placement_group([pool.bundle()] * pool.size, strategy=pool.strategy, name=f"sparrow-{name}")
-        start = time.monotonic()
         if not self.placement_group.wait(pool.ready_timeout_s):
             remove_placement_group(self.placement_group)
             raise PlacementError(
                 f"{name} pool: placement group of {pool.size} × {pool.bundle()} ({pool.strategy}) not ready after "
                 f"{pool.ready_timeout_s:g} s; available now: {ray.available_resources()}. Free resources, "
-                f"lower {key}.pool.size / cpus / gpus, or raise {key}.pool.ready_timeout_s"
+                f"lower {name}.pool.size / cpus / gpus, or raise {name}.pool.ready_timeout_s"
             )
-        self.placement_seconds = time.monotonic() - start
         resources = {pool.node_label: pool.label_amount} if pool.node_label else {}
         self.actors = [
             cls.options(
                 num_cpus=pool.cpus, num_gpus=pool.gpus, resources=resources, name=f"sparrow-{name}-{i}-{os.getpid()}",
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=i),
-                runtime_env={"env_vars": {**ACTOR_ENV, **(env or {})}},
+                runtime_env={"env_vars": ACTOR_ENV},
             ).remote(*args(i))
             for i in range(pool.size)
         ]
@@ -79,7 +77,7 @@ def rollout_pool(config: SparrowConfig, model: str) -> Pool:
     cls = ray.remote(concurrency_groups={"monitor": 1})(RolloutWorker)
     payload = config.model_dump(mode="json")
     pool = config.rollout.pool
-    return Pool("rollout", "rollout", pool, cls, lambda i: (payload, model, i, pool.torch_threads))
+    return Pool("rollout", pool, cls, lambda i: (payload, model, i, pool.torch_threads))
 
 
 class TrainerPool(Pool):
@@ -91,7 +89,7 @@ class TrainerPool(Pool):
         trainer = section.trainer_config(model, temperature)
         payload = trainer.model_dump(mode="json")
         pool = section.pool
-        super().__init__("trainer", "trainer", pool, ray.remote(TrainerHost),
+        super().__init__("trainer", pool, ray.remote(TrainerHost),
                          lambda i: (payload, i, pool.size, pool.torch_threads))
         self.trainer_config = trainer
         addr, port = ray.get(self.actors[0].address.remote())

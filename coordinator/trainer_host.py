@@ -113,11 +113,6 @@ class TrainerHost(TrainerRank):
         """Reopen the trajectory server after a Drain RPC."""
         self.server.resume()
 
-    def ingest_stats(self) -> dict:
-        with self._cond:
-            pending = len(self.pending)
-        return {**self.server.stats(), "pending": float(pending)}
-
     def collect(self, step: int, expected: list[str], policy_version: int, max_staleness: int, timeout_s: float) -> dict:
         """Take exactly the `expected` samples; shards (object refs, one per rank) and a summary."""
         deadline = time.monotonic() + timeout_s
