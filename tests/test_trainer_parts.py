@@ -185,3 +185,15 @@ def test_sparse_forward_matches_native_engine_teacher_forcing(tiny_qwen3):
         assert torch.allclose(ours, ref.logprobs, atol=2e-5), (ours - ref.logprobs).abs().max()
         offset += t.response_len
     assert (sparse.logprobs - dense.logprobs).abs().max() > 1e-3  # the schedule really is sparse here
+
+
+def test_group_refuses_a_batch_with_only_some_advantages(tiny_qwen3):
+    from sparrow.trainer.group import TrainerGroup
+
+    group = object.__new__(TrainerGroup)  # prepare() is pure: no Ray actors needed
+    group.config = TrainerConfig(model=str(tiny_qwen3))
+    none_set = TrajectoryBatch([_traj(3, 4, seed=s, reward=float(s), group_id="g") for s in range(2)])
+    assert [t.advantage for t in group.prepare(none_set)] == pytest.approx([-0.7071, 0.7071], abs=1e-3)
+    mixed = TrajectoryBatch([_traj(3, 4, advantage=0.5, group_id="g"), _traj(3, 4, seed=1, group_id="g")])
+    with pytest.raises(ValueError, match="1 of 2 trajectories have an advantage"):
+        group.prepare(mixed)

@@ -45,9 +45,14 @@ class TrainerGroup:
         return batch.shard(self.num_ranks)
 
     def prepare(self, batch: TrajectoryBatch) -> TrajectoryBatch:
-        """GRPO advantages over the whole batch (groups may span ranks), unless every trajectory has one."""
-        if all(t.advantage is not None for t in batch):
+        """GRPO advantages over the whole batch (groups may span ranks), unless every trajectory has one.
+        A batch with some advantages set is refused rather than having them overwritten."""
+        given = sum(t.advantage is not None for t in batch)
+        if given == len(batch):
             return batch
+        if given:
+            raise ValueError(f"batch: {given} of {len(batch)} trajectories have an advantage; set it on all of them "
+                             "or on none (then GRPO advantages are computed over the whole batch)")
         loss = self.config.loss
         return batch.with_grpo_advantages(loss.advantage_std_norm, loss.advantage_eps)
 
