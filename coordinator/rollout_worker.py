@@ -222,7 +222,7 @@ class RolloutWorker:
         thread = threading.Thread(target=self._produce, args=(requests, out, timing), name="engine", daemon=True)
         thread.start()
         errors: list[BaseException] = []
-        tally = {"samples": 0, "failed": 0, "tokens": 0, "rewards": []}
+        tally = {"samples": 0, "failed": 0, "tokens": 0}
 
         def trajectories():
             while (item := out.get()) is not _DONE:
@@ -233,7 +233,6 @@ class RolloutWorker:
                 if item.finish_reason != "error":
                     text = self.tokenizer.decode(item.token_ids.tolist(), skip_special_tokens=True)
                     reward = self.reward(text, answers[item.request_id], item.finish_reason)
-                    tally["rewards"].append(reward)
                 else:
                     tally["failed"] += 1
                 n = int(item.token_ids.numel())
@@ -255,7 +254,7 @@ class RolloutWorker:
         return {
             "worker": self.worker_id, "step": step, "drained": False, "requests": len(requests),
             "samples": tally["samples"], "failed": tally["failed"], "tokens": tally["tokens"], "seconds": seconds,
-            "rewards": tally["rewards"], "accepted": report.accepted, "duplicate": report.duplicate,
+            "accepted": report.accepted, "duplicate": report.duplicate,
             "rejected": [(r.id, r.field, r.message) for r in report.rejected], "streams": report.streams,
             "policy_version": self.engine.policy_version,
             "schedule_version": self.engine.schedule.version if self.engine.schedule is not None else -1,
