@@ -161,10 +161,7 @@ class TrainingJob:
         cfg = self.config
         template = cfg.schedule_template()
         self.controller_config = ControllerConfig(**cfg.controller.model_dump(exclude={"enabled"}))
-        if cfg.controller.calibration:
-            start = initial_schedule(self.controller_config, template)
-        else:
-            start = cfg.initial_schedule() or template
+        start = initial_schedule(self.controller_config, template) if cfg.controller.calibration else template
         self.controller = SparsityController(self.controller_config, start) if cfg.controller.enabled else None
         self.schedule = self.controller.schedule if self.controller else start
 
