@@ -27,10 +27,8 @@ class FilledDecode:
     any context ≤ max_len replay from the engine's `DecodeGraphs`, then sample (T = 1, top-20 logprobs)."""
 
     def __init__(self, model: DecoderModel, attention: SparseAttentionConfig, batch: int, max_len: int, seed: int = 0):
-        from sparrow.kernels.triton import TritonBackend
-
         bs = attention.block_size
-        self.model, self.attention, self.batch = model, attention, batch
+        self.attention, self.batch = attention, batch
         self.max_blocks = blocks_for(max_len, bs)
         num_blocks = batch * self.max_blocks + 1
         need = num_blocks * bytes_per_block(model.spec, attention, model.dtype)
@@ -42,18 +40,16 @@ class FilledDecode:
         gen = torch.Generator(device=model.device).manual_seed(seed)
         for t in (self.cache.k, self.cache.v, self.cache.landmarks):
             t.normal_(generator=gen)
-        self.graphs = DecodeGraphs(model, self.cache, TritonBackend(), attention, batch, self.max_blocks)
         cpu = torch.Generator().manual_seed(seed)
         perm = torch.randperm(num_blocks, generator=cpu)
         self.tables = [perm[r * self.max_blocks : (r + 1) * self.max_blocks].tolist() for r in range(batch)]
-        for row, table in enumerate(self.tables):
-            self.graphs.write_table(row, table)
+        self.use_model(model)
         self.token_ids = torch.randint(0, model.spec.vocab_size, (batch,), generator=cpu).tolist()
         params = [SamplingParams(temperature=1.0, logprobs=20)] * batch
         self.sampling = SamplingBatch.build(params, list(range(batch)), [max_len] * batch, model.device)
 
     def use_model(self, model: DecoderModel) -> None:
-        """Decode with another model of the same shape over the same filled cache (new graphs)."""
+        """Decode with `model` (of the cache's shape) over the filled cache: new graphs, same block tables."""
         from sparrow.kernels.triton import TritonBackend
 
         self.graphs = DecodeGraphs(model, self.cache, TritonBackend(), self.attention, self.batch, self.max_blocks)
