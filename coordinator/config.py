@@ -338,6 +338,15 @@ class SparrowConfig(_Section):
         except ScheduleError as exc:
             raise ValueError(f"rollout.schedule: {exc}") from None
 
+    def worker_payload(self) -> dict:
+        """The config as sent to actors on other nodes, with `rollout.schedule` inlined: a schedule file
+        then needs to exist on the driver's node only (workers validate the config again)."""
+        payload = self.model_dump(mode="json")
+        schedule = self.initial_schedule()
+        if schedule is not None:
+            payload["rollout"]["schedule"] = schedule.to_dict()
+        return payload
+
     def schedule_template(self) -> SparsitySchedule:
         """Bins, block size, sink and recent of the job (from the initial schedule, or dense bins)."""
         schedule = self.initial_schedule()

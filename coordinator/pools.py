@@ -75,7 +75,7 @@ def rollout_pool(config: SparrowConfig, model: str) -> Pool:
     from .rollout_worker import RolloutWorker
 
     cls = ray.remote(concurrency_groups={"monitor": 1})(RolloutWorker)
-    payload = config.model_dump(mode="json")
+    payload = config.worker_payload()
     pool = config.rollout.pool
     return Pool("rollout", pool, cls, lambda i: (payload, model, i, pool.torch_threads))
 

@@ -107,3 +107,16 @@ def test_cli_print_config_and_errors(capsys, tmp_path):
     assert err.startswith("sparrow train: error: invalid config") and "rollout.pool.size: Input should be greater than or equal to 1" in err
     assert main(["train", "--resume", str(tmp_path)]) == 2
     assert "not a run directory (no config.yaml)" in capsys.readouterr().err
+
+
+def test_worker_payload_inlines_a_schedule_file_so_other_nodes_need_not_have_it(tmp_path):
+    from sparrow.schedule import load_schedule
+
+    schedule_file = tmp_path / "schedule.json"
+    load_schedule("qwen3-4b-0.86").save(schedule_file)
+    config = load_config(None, [f"rollout.schedule={schedule_file}", "controller.enabled=false"])
+    payload, edges = config.worker_payload(), config.schedule_template().edges
+    schedule_file.unlink()  # as on a rollout node that does not have the file
+    worker_view = SparrowConfig.model_validate(payload)
+    assert worker_view.initial_schedule().topk_blocks == load_schedule("qwen3-4b-0.86").topk_blocks
+    assert worker_view.schedule_template().edges == edges
