@@ -116,22 +116,6 @@ def make_plan(config: CalibrationConfig, prompt_lens: list[int]) -> Plan:
     return Plan(template, budgets, longest, notes)
 
 
-def generate(engine: NativeEngine, requests: list[RolloutRequest], progress: bool) -> list[RolloutSample]:
-    """`engine.generate`, stepped here so the bar counts tokens (samples of equal length all finish
-    at the last step, so a bar of finished samples would jump from 0 to done)."""
-    samples: list[RolloutSample] = []
-    total = sum(r.sampling.n * r.sampling.max_tokens for r in requests)
-    with tqdm(total=total, desc="generate", unit="tok", leave=False, disable=not progress) as bar:
-        start = engine.stats()["tokens_generated"]
-        for request in requests:
-            samples += engine.add_request(request)
-        while engine.has_unfinished():
-            samples += engine.step()
-            bar.update(engine.stats()["tokens_generated"] - start - bar.n)
-    order = {r.request_id: i for i, r in enumerate(requests)}
-    return sorted(samples, key=lambda s: (order[s.request_id], s.sample_index))
-
-
 def measure_sample(recompute: PromptRecompute, sample: RolloutSample, template: SparsitySchedule, run: BudgetRun) -> None:
     """Exact α of every generated token from teacher-forced recomputes over the full vocabulary:
     dense, and sparse with the engine's own blocks replayed. A sample none of whose passes was
@@ -231,7 +215,7 @@ def run_calibration(config: CalibrationConfig, command: str = "sparrow calibrate
         engine.set_schedule(None if budget is None else fixed_budget_schedule(plan.template, budget))
         run = runs[budget] = BudgetRun(budget, plan.template.num_bins)
         t0 = time.perf_counter()
-        samples = generate(engine, requests, progress)
+        samples = engine.generate(requests, progress=progress)
         run.generate_seconds = time.perf_counter() - t0
         for sample in samples:
             if sample.error is not None:

@@ -216,16 +216,19 @@ class NativeEngine(RolloutEngine):
         self._policy_version = version
 
     def generate(self, requests: Seq[RolloutRequest], progress: bool = False) -> list[RolloutSample]:
+        """`progress` shows a bar of tokens (at most max_tokens per sample; a sample that stops early
+        is counted in full when it finishes), which moves even while all samples are still running."""
         order = {id(r): i for i, r in enumerate(requests)}
         results: list[tuple[RolloutRequest, RolloutSample]] = []
-        with self._session(), tqdm(total=sum(_num_samples(r) for r in requests), disable=not progress,
-                                   desc="samples", unit="sample") as bar:
+        budget = sum(_num_samples(r) * r.sampling.max_tokens for r in requests)
+        with self._session(), tqdm(total=budget, disable=not progress, desc="generate", unit="tok") as bar:
             for request in requests:
                 results += [(request, s) for s in self.add_request(request)]
             while self.scheduler.has_work():
+                before = self._counters["tokens_generated"]
                 finished = self._step()
-                if finished:
-                    bar.update(len(finished))
+                unused = sum(r.sampling.max_tokens - len(s.token_ids) for r, s in finished)
+                bar.update(self._counters["tokens_generated"] - before + unused)
                 results += finished
         results.sort(key=lambda pair: (order[id(pair[0])], pair[1].sample_index))
         return [s for _, s in results]
