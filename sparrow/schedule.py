@@ -100,6 +100,11 @@ class SparsitySchedule:
         hi = None if index == len(self.edges) else (math.ceil(self.edges[index] / bs) - 1) * bs
         return lo, hi
 
+    def bin_text(self, index: int) -> str:
+        """A bin's token range for tables: "lo-hi", or ">= lo" for the last bin."""
+        lo, hi = self.bin_range(index)
+        return f"{lo}-{hi}" if hi is not None else f">= {lo}"
+
     def blocks_for_bin(self, index: int) -> int | None:
         """Blocks attended per row in a bin, sinks and recents included; None = dense."""
         v = self.topk_blocks[index]

@@ -4,7 +4,7 @@ from pathlib import Path
 
 from sparrow.tables import format_table
 
-from .table import CalibrationResult, alpha_table, budget_table, markdown_table, range_text
+from .table import CalibrationResult, alpha_table, budget_table, markdown_table
 
 LEGEND = ("cells: {p} of {stat} α (tokens); * = chosen budget, ? = fewer than {n} tokens, - = no tokens. "
           "Budgets are total blocks of {bs} tokens (sink + top-k + recent).")
@@ -17,7 +17,7 @@ def schedule_rows(result: CalibrationResult) -> tuple[list[str], list[list[str]]
     for choice in result.optimised.bins:
         blocks = s.blocks_for_bin(choice.bin)
         rows.append([
-            str(choice.bin), range_text(s, choice.bin),
+            str(choice.bin), s.bin_text(choice.bin),
             "dense" if s.topk_blocks[choice.bin] is None else str(s.topk_blocks[choice.bin]),
             "dense" if blocks is None else str(blocks), "dense" if blocks is None else str(blocks * s.block_size),
             "-" if choice.cost_share is None else f"{choice.cost_share:.2f}",

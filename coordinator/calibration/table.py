@@ -193,11 +193,6 @@ def run_summary(run: BudgetRun) -> dict:
     }
 
 
-def range_text(template: SparsitySchedule, b: int) -> str:
-    lo, hi = template.bin_range(b)
-    return f"{lo}-{hi}" if hi is not None else f">= {lo}"
-
-
 def _fmt(x: float | None, digits: int = 3) -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
 
@@ -234,7 +229,7 @@ def alpha_table(result: CalibrationResult) -> tuple[list[str], list[list[str]]]:
         else:
             chosen = f"{choice.budget_blocks} ({choice.budget_blocks * result.template.block_size} tok)"
         reason = f"nearest (bin {choice.source_bin})" if choice.reason == "nearest" else choice.reason
-        rows.append([str(b), range_text(result.template, b), *cells, chosen, reason])
+        rows.append([str(b), result.template.bin_text(b), *cells, chosen, reason])
     return headers + ["chosen", "reason"], rows
 
 

@@ -36,10 +36,6 @@ def run_list(args) -> int:
     return 0
 
 
-def _range_text(lo: int, hi: int | None) -> str:
-    return f"{lo}-{hi}" if hi is not None else f">= {lo}"
-
-
 def run_show(args) -> int:
     s = load_schedule(args.schedule)
     bins = []
@@ -52,7 +48,7 @@ def run_show(args) -> int:
         print(json.dumps({"schedule": s.to_dict(), "bins": bins}))
         return 0
     print(f"schedule {s.name} (version {s.version}): block {s.block_size} tokens, sink {s.sink}, recent {s.recent}")
-    rows = [[b["bin"], _range_text(b["min_length"], b["max_length"]), "dense" if b["blocks"] is None else b["blocks"],
+    rows = [[b["bin"], s.bin_text(b["bin"]), "dense" if b["blocks"] is None else b["blocks"],
              "dense" if b["tokens"] is None else b["tokens"]] for b in bins]
     print(format_table(["bin", "total length (tokens)", "blocks", "KV tokens"], rows))
     print("attention is dense while the context fits in the budget, and always in the dense layers and in prefill")
