@@ -144,9 +144,10 @@ class TrainerSection(TrainerConfig):
     model: str | None = Field(None, description="HF model directory; None = the top-level model")
     pool: PoolConfig = Field(default_factory=PoolConfig)
 
-    def trainer_config(self, model: str, temperature: float) -> TrainerConfig:
+    def trainer_config(self, model: str) -> TrainerConfig:
+        """The trainer's own config; `temperature` was set to the rollout's when the job config was validated."""
         data = self.model_dump(exclude={"pool"})
-        data.update(model=self.model or model, temperature=temperature)
+        data.update(model=self.model or model)
         return TrainerConfig.model_validate(data)
 
 

@@ -108,7 +108,7 @@ class TrainingJob:
         monitor_port = self.monitor.start()
         self.metrics.watch_transport("stats", self.monitor.stats)
         self.rollouts = rollout_pool(cfg, self.model)  # engines load while the trainer ranks set up
-        self.trainers = TrainerPool(cfg.trainer, self.model, cfg.rollout.sampling.temperature)
+        self.trainers = TrainerPool(cfg.trainer, self.model)
         transport = cfg.transport.model_copy(update={"vocab_size": self.vocab_size})
         self.trajectory_address = ray.get(self.trainers.rank0.start_ingest.remote(
             transport.model_dump(mode="json"), f"{advertised_host(monitor_cfg.host)}:{monitor_port}"))

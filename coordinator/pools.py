@@ -83,10 +83,10 @@ def rollout_pool(config: SparrowConfig, model: str) -> Pool:
 class TrainerPool(Pool):
     """DeepSpeed ranks (`TrainerHost`) with their torch.distributed rendezvous done."""
 
-    def __init__(self, section: TrainerSection, model: str, temperature: float):
+    def __init__(self, section: TrainerSection, model: str):
         from .trainer_host import TrainerHost
 
-        trainer = section.trainer_config(model, temperature)
+        trainer = section.trainer_config(model)
         payload = trainer.model_dump(mode="json")
         pool = section.pool
         super().__init__("trainer", pool, ray.remote(TrainerHost),

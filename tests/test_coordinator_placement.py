@@ -40,7 +40,7 @@ def _config(model, rollout_size: int):
 def test_pools_land_on_their_labelled_nodes_and_resize_independently(two_nodes, tiny_qwen3):
     config = _config(tiny_qwen3, 1)
     rollouts = rollout_pool(config, str(tiny_qwen3))
-    trainers = TrainerPool(config.trainer, str(tiny_qwen3), config.rollout.sampling.temperature)
+    trainers = TrainerPool(config.trainer, str(tiny_qwen3))
     try:
         assert [w["node_id"] for w in rollouts.call("info")] == [two_nodes["rollout"]]
         assert [n["node_id"] for n in trainers.call("node")] == [two_nodes["trainer"]] * 2
