@@ -375,10 +375,11 @@ def _fmt(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def default_out_path(device_name: str) -> Path:
+def default_out_path(device_name: str, kind: str = "kernels") -> Path:
+    """benchmarks/results/<kind>-<device>-<UTC time>.json, the naming every GPU benchmark uses."""
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
     slug = "".join(c if c.isalnum() else "-" for c in device_name.lower()).strip("-")
-    return RESULTS_DIR / f"kernels-{slug}-{stamp}.json"
+    return RESULTS_DIR / f"{kind}-{slug}-{stamp}.json"
 
 
 def run_from_args(args, command: str) -> dict:

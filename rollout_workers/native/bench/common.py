@@ -6,7 +6,6 @@ from pathlib import Path
 
 import torch
 
-RESULTS_DIR = Path("benchmarks/results")
 DEVICE, DTYPE = "cuda", torch.bfloat16
 PAPER_STEP_MS = {16384: 4.59, 24576: 5.13, 32768: 5.41}
 """Sparrow Table 4: full decode step, one H200, batch 8, 1024-token budget (16 × 64-token pages)."""
@@ -25,10 +24,9 @@ def device_report(command: str) -> dict:
 
 
 def default_out_path(kind: str) -> Path:
-    name = torch.cuda.get_device_properties(0).name
-    slug = "".join(c if c.isalnum() else "-" for c in name.lower()).strip("-")
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
-    return RESULTS_DIR / f"{kind}-{slug}-{stamp}.json"
+    from sparrow.kernels.triton.bench import default_out_path as results_path
+
+    return results_path(torch.cuda.get_device_properties(0).name, kind)
 
 
 def write_report(report: dict, out_path: Path | None, log) -> None:
