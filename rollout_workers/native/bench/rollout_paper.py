@@ -31,15 +31,14 @@ def protocol_batch(model: DecoderModel, attention: SparseAttentionConfig, max_le
     return fits // samples * samples
 
 
-def regimes(schedule: SparsitySchedule | None, lo: int, hi: int, dense_every: int = 4096,
+def regimes(schedule: SparsitySchedule | None, lo: int, hi: int, block_size: int, dense_every: int = 4096,
             extra_cuts=()) -> list[tuple[int, int]]:
     """Split contexts [lo, hi] into ranges on which the decode step's time is linear in the context:
     the budget, the dense/sparse choice and the block-table width bucket are constant inside each."""
     cuts = {lo, hi + 1, *[c for c in extra_cuts if lo < c <= hi]}
-    bs = 16
     k = 16
-    while k * bs + 1 <= hi:  # width buckets change when the block count passes a power of two
-        cuts.add(k * bs + 1)
+    while k * block_size + 1 <= hi:  # `width_bucket` changes when the block count passes a power of two (>= 16)
+        cuts.add(k * block_size + 1)
         k *= 2
     if schedule is None:
         cuts.update(range(lo + dense_every, hi + 1, dense_every))
@@ -49,7 +48,7 @@ def regimes(schedule: SparsitySchedule | None, lo: int, hi: int, dense_every: in
             cuts.add(first)
             budget = schedule.blocks_for_bin(i)
             if budget is not None:
-                cuts.add(budget * bs + 1)  # from here the row no longer fits its budget
+                cuts.add(budget * block_size + 1)  # from here the row no longer fits its budget
     cuts = sorted(c for c in cuts if lo <= c <= hi + 1)
     return [(a, b - 1) for a, b in zip(cuts, cuts[1:])]
 
@@ -162,13 +161,13 @@ def run_model(name: str, schedules: list[str], real_prompt: int, real_gen: int, 
     proj_lo, proj_hi = project_prompt + 1, project_len - 1
     lo, hi = min(real_prompt + 1, proj_lo), max(*real_hi.values(), proj_hi)
     cuts = (real_prompt + 1, proj_lo, proj_hi + 1, *[h + 1 for h in real_hi.values()])
-    dense_ranges = regimes(None, lo, hi, extra_cuts=cuts)
+    dense_ranges = regimes(None, lo, hi, bs, extra_cuts=cuts)
     dense_times = measure_step_times(filled, None, dense_ranges, replays)
     out["projection"]["dense_points_ms"] = dense_times
     prefill_s = groups * project_prompt / prefill_rate
     for sched_name in schedules:
         sched = load_schedule(sched_name)
-        ranges = regimes(sched, lo, hi, extra_cuts=cuts)
+        ranges = regimes(sched, lo, hi, bs, extra_cuts=cuts)
         times = measure_step_times(filled, sched, ranges, replays)
         dense_real = integrate(dense_times, dense_ranges, real_prompt + 1, real_hi["dense"]) / 1e3
         sparse_real = integrate(times, ranges, real_prompt + 1, real_hi["sparse"]) / 1e3
