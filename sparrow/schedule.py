@@ -116,12 +116,15 @@ class SparsitySchedule:
         budget = self.blocks_for_bin(self.bin_of(length))
         return None if budget is None or blocks <= budget else budget
 
-    def budgets_for_lengths(self, lengths: torch.Tensor) -> torch.Tensor:
-        """Vectorised budget (total blocks) per length; dense bins give DENSE_BUDGET."""
+    def bins_for_lengths(self, lengths: torch.Tensor) -> torch.Tensor:
+        """Vectorised `bin_of`: the bin index per total length, on the lengths' device."""
         lengths = lengths.long()
         aligned = (lengths + self.block_size - 1) // self.block_size * self.block_size
-        edges = torch.tensor(self.edges, dtype=torch.long, device=lengths.device)
-        bins = (aligned[..., None] >= edges).sum(-1)
+        return (aligned[..., None] >= torch.tensor(self.edges, dtype=torch.long, device=lengths.device)).sum(-1)
+
+    def budgets_for_lengths(self, lengths: torch.Tensor) -> torch.Tensor:
+        """Vectorised budget (total blocks) per length; dense bins give DENSE_BUDGET."""
+        bins = self.bins_for_lengths(lengths)
         table = torch.tensor(
             [DENSE_BUDGET if b is None else b for b in map(self.blocks_for_bin, range(self.num_bins))],
             dtype=torch.long,

@@ -6,7 +6,7 @@ import torch
 
 from sparrow.acceptance import AlphaHistogram, acceptance_bounds_topk
 from sparrow.schedule import load_schedule
-from sparrow.trainer.alpha import AlphaReport, add_trajectory_alpha, length_bins
+from sparrow.trainer.alpha import AlphaReport, add_trajectory_alpha
 from sparrow.trainer.batch import Trajectory, TrajectoryBatch
 from sparrow.trainer.config import OptimizerConfig, TrainerConfig
 from sparrow.trainer.engine import lr_lambda
@@ -110,7 +110,7 @@ def test_alpha_report_equals_direct_binning():
     assert report.lower[2].count()[:2].tolist() == [0, 20]  # L = 1990 + t ≥ 1985: bin 1 (t=0 included)
     merged = report.merge(report)
     assert merged.tokens() == 2 * report.tokens()
-    assert length_bins(schedule, torch.tensor([1, 1984, 1985, 3984, 3985, 50000])).tolist() == [0, 0, 1, 1, 2, 19]
+    assert schedule.bins_for_lengths(torch.tensor([1, 1984, 1985, 3984, 3985, 50000])).tolist() == [0, 0, 1, 1, 2, 19]
 
 
 def test_buckets_round_trip_and_split_by_size_and_dtype():

@@ -26,13 +26,6 @@ def token_context_lengths(prompt_len: int, response_len: int) -> torch.Tensor:
     return prompt_len + torch.arange(response_len)
 
 
-def length_bins(schedule: SparsitySchedule, lengths: torch.Tensor) -> torch.Tensor:
-    """`schedule.bin_of` for a tensor of lengths."""
-    bs = schedule.block_size
-    aligned = (lengths.long() + bs - 1) // bs * bs
-    return (aligned[..., None] >= torch.tensor(schedule.edges, dtype=torch.long)).sum(-1)
-
-
 @dataclass
 class AlphaReport:
     """α histograms (lower and upper bound) per rollout schedule version."""
@@ -85,6 +78,6 @@ def add_trajectory_alpha(
         dense_top_ids.cpu(), dense_top_logprobs.cpu().float(), trajectory.top_ids, trajectory.top_logprobs.float()
     )
     keep = trajectory.response_mask()
-    bins = length_bins(schedule, token_context_lengths(trajectory.prompt_len, trajectory.response_len))
+    bins = schedule.bins_for_lengths(token_context_lengths(trajectory.prompt_len, trajectory.response_len))
     report.add(trajectory.schedule_version, lower[keep], upper[keep], bins[keep])
     return lower, upper

@@ -19,7 +19,7 @@ from sparrow.kernels import SparseAttentionConfig
 from sparrow.schedule import SPARROW_EDGES, SparsitySchedule, load_schedule
 
 from . import sparse_attention
-from .alpha import AlphaReport, add_trajectory_alpha, length_bins, token_context_lengths
+from .alpha import AlphaReport, add_trajectory_alpha, token_context_lengths
 from .batch import Trajectory, TrajectoryBatch
 from .collectives import all_gather_objects, all_reduce_dict, all_reduce_grads, all_reduce_scalar
 from .config import TrainerConfig
@@ -466,7 +466,7 @@ class TrainerRank:
             for i, a in zip(mb.indices, _split(alpha, mb.response_lens)):
                 t = trajectories[i]
                 keep = t.response_mask()
-                bins = length_bins(self.bins, token_context_lengths(t.prompt_len, t.response_len))
+                bins = self.bins.bins_for_lengths(token_context_lengths(t.prompt_len, t.response_len))
                 report.add(self.schedule.version, a[keep], a[keep], bins[keep])
         return self._global_alpha(report)
 

@@ -6,7 +6,7 @@ import math
 import torch
 
 from sparrow.schedule import SPARROW_EDGES, SparsitySchedule
-from sparrow.trainer.alpha import length_bins, token_context_lengths
+from sparrow.trainer.alpha import token_context_lengths
 
 PAPER_BUDGETS = (32, 48, 64, 80, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512, 640, 768, 896, 1024)
 """Sparrow's 18 profiled configurations, total blocks of 16 tokens (Fig. 3's "16 32" … "16 1024")."""
@@ -58,7 +58,7 @@ def token_length_bins(template: SparsitySchedule, prompt_len: int, num_tokens: i
     """Length bin of each generated token: token t was produced by the pass whose context held
     L = prompt_len + t tokens, so it goes to `template.bin_of(prompt_len + t)`, binned by the
     trainer's own functions so calibration and training agree on every token's bin."""
-    return length_bins(template, token_context_lengths(prompt_len, num_tokens))
+    return template.bins_for_lengths(token_context_lengths(prompt_len, num_tokens))
 
 
 def sparse_token_mask(blocks_attended: torch.Tensor, prompt_len: int, block_size: int = 16) -> torch.Tensor:
