@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from sparrow.coordinator.controller import ControllerConfig
 from sparrow.coordinator.metrics import MetricsConfig
@@ -23,6 +23,8 @@ from sparrow.rollout_workers.native import NativeEngineConfig
 from sparrow.rollout_workers.vllm_backend import VllmEngineConfig
 from sparrow.schedule import SPARROW_EDGES, ScheduleError, SparsitySchedule, load_schedule
 from sparrow.trainer import TrainerConfig
+
+from .user_reward import load_user_function
 
 BASE: dict = {"transport": {"port": 0}}
 """Under every config: a job's servers take free ports and tell the workers (TransportConfig's own default is 50051)."""
@@ -207,8 +209,40 @@ class RewardConfig(_Section):
     correct: float = Field(1.0, description="reward of a correct answer")
     incorrect: float = Field(0.0, description="reward of a wrong or missing answer")
     truncated: float | None = Field(None, description="reward of a sample cut at max_tokens; None = judge it like any other")
+    function: str | None = Field(
+        None, description='user reward "package.module:function", called as fn(text, answer, metadata) -> float '
+        "(def or async def); replaces type/correct/incorrect",
+    )
+    timeout_s: float = Field(30.0, gt=0, description="reward.function: seconds a call may take before it scores on_error")
+    on_error: float = Field(
+        0.0, description="reward.function: reward of a call that raises, times out or returns a non-number / non-finite value"
+    )
+
+    @field_validator("function")
+    @classmethod
+    def _importable(cls, value):
+        if value is not None:
+            load_user_function(value)
+        return value
+
+    @model_validator(mode="after")
+    def _function_settings(self):
+        changed = {k for k, f in type(self).model_fields.items() if getattr(self, k) != f.default}  # a dump sets them all
+        builtin = sorted({"type", "correct", "incorrect"} & changed)
+        if self.function is not None and builtin:
+            raise ValueError(
+                f"function={self.function!r} computes the reward itself, so {'/'.join(builtin)} would be ignored; "
+                "remove them (truncated and on_error still apply)"
+            )
+        hook = sorted({"timeout_s", "on_error"} & changed)
+        if self.function is None and hook:
+            raise ValueError(f"{'/'.join(hook)} apply to a reward function only; set function or remove them")
+        return self
 
     def resolved(self, source: str) -> str:
+        """The built-in check in use (`function` when reward.function is set)."""
+        if self.function is not None:
+            return "function"
         if self.type != "auto":
             return self.type
         return "arithmetic" if source == "arithmetic" else "math_verify"

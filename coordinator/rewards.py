@@ -4,13 +4,19 @@
   must equal the answer exactly.
 - `math_verify`: Hugging Face's math-verify parses the reference (LaTeX or plain) and the
   response (`\\boxed{}` first) and checks them for mathematical equivalence.
+- `function`: the user's `reward.function` (`user_reward.py` loads it and calls it in isolation).
 """
 
+import logging
 import re
 import threading
 from collections.abc import Callable
 
 from .config import RewardConfig
+from .data import PromptRecord
+from .user_reward import IsolatedCall, RewardCallError, load_user_function
+
+log = logging.getLogger(__name__)
 
 BOXED = re.compile(r"\\boxed\s*\{")
 INTEGER = re.compile(r"[-−]?\d[\d,]*")
@@ -65,16 +71,46 @@ def math_verify_correct(response: str, answer: str) -> bool:
 CHECKS: dict[str, Callable[[str, str], bool]] = {"arithmetic": arithmetic_correct, "math_verify": math_verify_correct}
 
 
+def reward_metadata(record: PromptRecord, step: int, sample_index: int, finish_reason: str) -> dict:
+    """What a `reward.function` gets besides the text and the answer: the prompt record's fields
+    (`prompt_id`, `messages` as a list of {role, content}, `answer`, `index` in the data source), the
+    `step`, the sample's `sample_index` in its group and `sample_id` (`<prompt_id>#<sample_index>`,
+    the id the trainer and the logs use), and its `finish_reason` ("stop" or "length")."""
+    return {
+        "prompt_id": record.prompt_id, "messages": [dict(m) for m in record.messages], "answer": record.answer,
+        "index": record.index, "step": step, "sample_index": sample_index,
+        "sample_id": f"{record.prompt_id}#{sample_index}", "finish_reason": finish_reason,
+    }
+
+
 class RewardFunction:
-    """response text, reference answer, finish reason → reward."""
+    """response text, reference answer, finish reason (and, for a user function, metadata) → reward.
 
-    def __init__(self, config: RewardConfig, source: str):
-        self.config = config
+    A user function (`reward.function`) runs isolated: when it raises, times out or returns no finite
+    number, the sample scores `reward.on_error`, the failure is logged with the sample id and
+    `on_error(reason)` is told (the rollout worker counts it in `sparrow_reward_errors_total`).
+    """
+
+    def __init__(self, config: RewardConfig, source: str, on_error: Callable[[str], None] = lambda reason: None):
+        self.config, self.on_error = config, on_error
         self.kind = config.resolved(source)
-        self.check = CHECKS[self.kind]
+        if self.kind == "function":
+            self.user = IsolatedCall(load_user_function(config.function), config.timeout_s)
+        else:
+            self.check = CHECKS[self.kind]
 
-    def __call__(self, response: str, answer: str, finish_reason: str) -> float:
+    def __call__(self, response: str, answer: str, finish_reason: str, metadata: dict | None = None) -> float:
         c = self.config
         if finish_reason == "length" and c.truncated is not None:
             return c.truncated
-        return c.correct if self.check(response, answer) else c.incorrect
+        if self.kind != "function":
+            return c.correct if self.check(response, answer) else c.incorrect
+        metadata = {**(metadata or {}), "finish_reason": finish_reason}
+        try:
+            return self.user(response, answer, metadata)
+        except RewardCallError as exc:
+            sample = metadata.get("sample_id", "?")
+            log.warning("reward.function %s failed on sample %s (%s, scored %g): %s", c.function, sample, exc.reason,
+                        c.on_error, exc, exc_info=exc.__cause__)
+            self.on_error(exc.reason)
+            return c.on_error

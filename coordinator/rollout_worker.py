@@ -29,7 +29,7 @@ from sparrow.schedule import SparsitySchedule
 
 from .config import SparrowConfig
 from .data import PromptRecord, render_prompt, stable_seed
-from .rewards import RewardFunction
+from .rewards import RewardFunction, reward_metadata
 
 _DONE = object()
 
@@ -66,7 +66,6 @@ class RolloutWorker:
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(engine_model_dir(self.config, model))
-        self.reward = RewardFunction(self.config.reward, self.config.data.source)
         self.client: TrajectoryClient | None = None
         self.schedule_state = ScheduleState(self._stage_schedule)
         self._staged: SparsitySchedule | None = None
@@ -84,6 +83,7 @@ class RolloutWorker:
             start_metrics_server(self.metrics, mcfg.model_copy(update={"port": mcfg.port + 1 if mcfg.port else 0, "port_search": 256}))
             if mcfg.enabled else None
         )
+        self.reward = RewardFunction(self.config.reward, self.config.data.source, on_error=self.metrics.record_reward_error)
         self._control = self._start_control()
         self.weight_group = None
 
@@ -216,7 +216,7 @@ class RolloutWorker:
     def _generate(self, step: int, records: list[PromptRecord]) -> dict:
         start = time.perf_counter()
         requests = self._requests(step, records)
-        answers = {r.request_id: r.metadata["answer"] for r in requests}
+        by_id = {r.prompt_id: r for r in records}
         out: queue.Queue = queue.Queue()
         timing: dict = {}
         thread = threading.Thread(target=self._produce, args=(requests, out, timing), name="engine", daemon=True)
@@ -232,7 +232,9 @@ class RolloutWorker:
                 reward = None
                 if item.finish_reason != "error":
                     text = self.tokenizer.decode(item.token_ids.tolist(), skip_special_tokens=True)
-                    reward = self.reward(text, answers[item.request_id], item.finish_reason)
+                    record = by_id[item.request_id]
+                    meta = reward_metadata(record, step, item.sample_index, item.finish_reason)
+                    reward = self.reward(text, record.answer, item.finish_reason, meta)
                 else:
                     tally["failed"] += 1
                 n = int(item.token_ids.numel())

@@ -124,6 +124,10 @@ class SparrowMetrics:
             "sparrow_speedup_predicted", "Cost-model predicted rollout speedup of the schedule in force", ["pool"], registry=r
         )
         self.reward = Histogram("sparrow_reward", "Reward per sample", ["pool"], buckets=REWARD_BUCKETS, registry=r)
+        self.reward_errors = Counter(
+            "sparrow_reward_errors", "reward.function calls scored reward.on_error, by reason (exception, timeout, invalid)",
+            ["worker", "pool", "reason"], registry=r,
+        )
         self.response_length = Histogram(
             "sparrow_response_length_tokens", "Generated tokens per sample", ["pool"], buckets=LENGTH_BUCKETS, registry=r
         )
@@ -184,6 +188,9 @@ class SparrowMetrics:
                 self.response_length.labels(pool=self.pool).observe(n)
             if t.reward is not None:
                 self.reward.labels(pool=self.pool).observe(t.reward)
+
+    def record_reward_error(self, reason: str) -> None:
+        self.reward_errors.labels(worker=self.worker, pool=self.pool, reason=reason).inc()
 
     def record_staleness(self, trainer_version: int, policy_versions: Iterable[int]) -> None:
         for v in policy_versions:
