@@ -269,12 +269,21 @@ class RunConfig(_Section):
     name: str | None = Field(None, description="run directory name; None = train-<date>-<time>")
     checkpoint_every: int = Field(0, ge=0, description="checkpoint every N steps (0 = only at the end)")
     keep_checkpoints: int = Field(1, ge=1, description="checkpoints kept on disk (older ones are deleted)")
+    export_hf_every: int = Field(
+        0, ge=0, description="write the policy as a Hugging Face model to RUN_DIR/hf/stepN every N steps and at the "
+        "last step; 0 = off",
+    )
     weights_channel: Literal["auto", "object_store", "collective"] = Field(
         "auto", description="auto = collective (NCCL) for sync GPU trainers, Ray's object store otherwise"
     )
     cost_hardware: str = Field("h200", description="hardware profile of the predicted speedup (sparrow.cost)")
     collect_timeout_s: float = Field(600.0, gt=0, description="seconds the trainer waits for a step's samples")
     ray: RayConfig = Field(default_factory=RayConfig)
+
+    def exports_hf_at(self, step: int) -> bool:
+        """Whether the job writes RUN_DIR/hf/step<step> once `step` steps are done."""
+        every = self.export_hf_every
+        return bool(every) and (step % every == 0 or step == self.steps)
 
     @property
     def staleness(self) -> int:
@@ -475,6 +484,19 @@ def read_config_file(path: str | Path) -> dict:
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path}: the top level must be a mapping of sections (data, rollout, trainer, ...)")
     return data
+
+
+def read_trainer_config(path: str | Path) -> TrainerConfig:
+    """The trainer's config in a saved job config (a run's config.yaml). Only the trainer section is
+    validated: the whole config would import reward.function, which e.g. `sparrow export` does not need."""
+    from sparrow.model_zoo import default_model_dir
+
+    data = read_config_file(path)
+    try:
+        section = TrainerSection.model_validate(data.get("trainer") or {})
+    except ValidationError as exc:
+        raise ConfigError(f"invalid trainer section in {path}:\n{format_validation_error(exc, TrainerSection)}") from None
+    return section.trainer_config(data.get("model") or str(default_model_dir()))
 
 
 def build_config(data: dict, origin: str = "config") -> SparrowConfig:

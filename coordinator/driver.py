@@ -286,6 +286,8 @@ class TrainingJob:
         every = cfg.run.checkpoint_every
         if self.step == cfg.run.steps or (every and self.step % every == 0):
             self.checkpoint()
+        if cfg.run.exports_hf_at(self.step):  # run.export_hf_every → RUN_DIR/hf/stepN; rollouts go on meanwhile
+            self.trainers.export_hf(self.run_dir.hf_dir(self.step), wait=self.step == cfg.run.steps)
         return record
 
     def _expected(self, step: int, ids: list[str], reports: list[dict]) -> list[str]:

@@ -7,6 +7,7 @@ nothing, so resizing one leaves the other's placement group and actors as they a
 """
 
 import os
+from pathlib import Path
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -94,6 +95,21 @@ class TrainerPool(Pool):
         self.trainer_config = trainer
         addr, port = ray.get(self.actors[0].address.remote())
         self.setup_info = self.call("setup", addr, port)
+        self.exporting: list = []
+
+    def export_hf(self, directory: Path, wait: bool) -> None:
+        """Every rank runs `export_hf` (ZeRO-3 gathers are collective); rank 0 writes `directory`,
+        replacing an earlier export there (a resumed run redoes steps).
+
+        Without `wait` the caller goes on at once: each rank runs the export before its next call (an
+        actor runs its calls in order), so rollouts continue and only the next trainer call queues
+        behind it. A failed export raises at the next one (or here, with `wait`).
+        """
+        ray.get(self.exporting)
+        self.exporting = [a.export_hf.remote(str(directory), True) for a in self.actors]
+        if wait:
+            ray.get(self.exporting)
+            self.exporting = []
 
     @property
     def rank0(self):

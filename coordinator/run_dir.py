@@ -6,6 +6,7 @@
     RUN_DIR/checkpoints/<tag>/          DeepSpeed checkpoint (model, optimizer, LR schedule)
     RUN_DIR/checkpoints/latest          DeepSpeed's pointer to the newest tag
     RUN_DIR/checkpoints/<tag>.json      coordinator state at that tag (step, controller, schedule)
+    RUN_DIR/hf/stepN/                   the policy as a Hugging Face model directory (run.export_hf_every)
     RUN_DIR/report/                     report.md and PNG plots
 """
 
@@ -77,6 +78,31 @@ class RunDir:
     def latest_tag(self) -> str | None:
         latest = self.checkpoints / "latest"
         return latest.read_text().strip() if latest.is_file() else None
+
+    def checkpoint_tags(self) -> list[str]:
+        """Tags of the DeepSpeed checkpoints on disk, oldest first."""
+        found = self.checkpoints.glob("step*") if self.checkpoints.is_dir() else []
+        tags = [p.name for p in found if p.is_dir() and p.name.removeprefix("step").isdigit()]
+        return sorted(tags, key=lambda t: int(t.removeprefix("step")))
+
+    def checkpoint_tag(self, step: int | None = None) -> str:
+        """The tag of the checkpoint at `step` (None = the latest); FileNotFoundError naming what exists."""
+        tags = self.checkpoint_tags()
+        if not tags:
+            raise FileNotFoundError(
+                f"{self.path}: no checkpoint yet (nothing under checkpoints/); a run writes one at its end and every "
+                "run.checkpoint_every steps"
+            )
+        tag = self.latest_tag() if step is None else f"step{step}"
+        if tag not in tags:
+            raise FileNotFoundError(
+                f"{self.path}: no checkpoint at {'the latest step' if step is None else f'step {step}'} ({tag}); on disk: "
+                f"{', '.join(tags)} (run.keep_checkpoints sets how many are kept)"
+            )
+        return tag
+
+    def hf_dir(self, step: int) -> Path:
+        return self.path / "hf" / f"step{step}"
 
     def save_state(self, tag: str, state: dict, keep: int) -> None:
         (self.checkpoints / f"{tag}.json").write_text(json.dumps(_clean(state)))

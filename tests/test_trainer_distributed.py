@@ -216,7 +216,7 @@ def test_checkpoint_resume_and_hf_export(ray_session, tiny_qwen3, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(exported["policy"], dtype=torch.float32)
     state = model.state_dict()
     assert all(torch.equal(state[k], w_again[k]) for k in w_again)
-    assert "tokenizer.json" in exported["tokenizer_files"]
+    assert "tokenizer.json" in exported["files"]
 
 
 @ray.remote(num_cpus=0)

@@ -7,6 +7,7 @@ import ray
 
 from .batch import TrajectoryBatch
 from .config import TrainerConfig
+from .hf_export import DEFAULT_MAX_SHARD_SIZE
 from .rank import TrainerRank
 from .results import RecomputeResult, StepResult
 
@@ -91,8 +92,8 @@ class TrainerGroup:
     def load_checkpoint(self, directory: str, tag: str | None = None) -> dict:
         return self.call("load_checkpoint", directory, tag)[0]
 
-    def export_hf(self, directory: str) -> dict:
-        return self.call("export_hf", directory)[0]
+    def export_hf(self, directory: str, replace: bool = False, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> dict:
+        return self.call("export_hf", directory, replace, max_shard_size)[0]
 
     def shutdown(self) -> None:
         for a in self.actors:

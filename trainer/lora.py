@@ -43,3 +43,9 @@ def lora_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
 
     return {clean_name(n + "."): m for n, m in model.named_modules() if isinstance(m, LoraLayer)}
 
+
+
+def adapter_state(named) -> dict[str, torch.Tensor]:
+    """The adapter's tensors from (name, tensor) pairs of the engine's module (or its state dict),
+    under peft's own names (`base_model.model.…q_proj.lora_A.default.weight`)."""
+    return {name.removeprefix(WRAPPER_PREFIX): t for name, t in named if is_lora_param(name)}

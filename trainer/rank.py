@@ -6,8 +6,6 @@ the batch (`TrainerGroup` does the fan-out). Every call that touches the model i
 ranks must make it, in the same order.
 """
 
-import os
-import shutil
 import socket
 import time
 from pathlib import Path
@@ -34,7 +32,8 @@ from .engine import (
 )
 from .export import WeightExporter
 from .forward import PolicyModule, PolicyRunner
-from .lora import attach_lora, is_lora_param
+from .hf_export import DEFAULT_MAX_SHARD_SIZE, write_hf_dir
+from .lora import adapter_state, attach_lora, is_lora_param
 from .losses import k3_kl, policy_loss, ppo_clip_loss, rollout_correction
 from .microbatch import MicroBatch, collate, plan_micro_batches
 from .publish import CollectiveGroup, CollectiveSender, Manifest, ObjectStoreSender, PublishReport, plan_buckets, send_buckets
@@ -542,35 +541,25 @@ class TrainerRank:
             self.lora_scheduler.load_state_dict(state["scheduler"])
         return {"tag": tag, "step_count": self.step_count}
 
-    def export_hf(self, directory: str) -> dict:
-        """The clean policy as an HF directory (and the DistillSparse adapter under `sparse_lora/`).
+    def export_hf(self, directory: str, replace: bool = False, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> dict:
+        """The dense policy as an HF directory (`hf_export.write_hf_dir`: sharded safetensors, config,
+        generation config, tokenizer; with DistillSparse the adapter, unmerged, under `sparse_lora/`).
 
-        Gathers under ZeRO-3 (all ranks must call); rank 0 writes.
+        Collective under ZeRO-3 (every rank gathers, bucket by bucket as `publish_weights` does);
+        rank 0 holds the full policy in CPU memory and writes. Returns what was written on rank 0.
         """
         self._require_setup()
         state = {}
-        for name, shape, _ in self.exporter.specs():
-            with self.exporter.tensors([name], merge_lora=False) as t:
+        buckets = plan_buckets(self.exporter.specs(), int(self.config.publish.bucket_mb * 2**20))
+        for bucket in buckets:
+            with self.exporter.tensors([e.name for e in bucket.entries], merge_lora=False) as tensors:
                 if self.rank == 0:
-                    state[name] = t[name].detach().cpu().clone()
-        written = {}
-        if self.rank == 0:
-            out = Path(directory)
-            out.mkdir(parents=True, exist_ok=True)
-            module = self.engine.module
-            hf_model = module.hf_model
-            hf_model.config.save_pretrained(out)
-            if getattr(hf_model, "generation_config", None) is not None:
-                hf_model.generation_config.save_pretrained(out)
-            from safetensors.torch import save_file
-
-            save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
-            written["policy"] = str(out)
-            copied = [f for f in os.listdir(self.config.model) if f.startswith(("tokenizer", "special_tokens", "vocab", "merges", "chat_template"))]
-            for f in copied:
-                shutil.copy2(Path(self.config.model) / f, out / f)
-            written["tokenizer_files"] = copied
-            if self.config.distill_sparse.enabled:
-                module.policy.save_pretrained(str(out / "sparse_lora"))
-                written["sparse_lora"] = str(out / "sparse_lora")
-        return written
+                    state.update({n: t.detach().cpu().clone() for n, t in tensors.items()})
+        if self.rank != 0:
+            return {}
+        start = time.perf_counter()
+        adapter = None
+        if self.config.distill_sparse.enabled:
+            adapter = {n: t.detach().cpu().clone() for n, t in adapter_state(self.engine.module.named_parameters()).items()}
+        written = write_hf_dir(state, self.config.model, directory, adapter, self.config.distill_sparse, replace, max_shard_size)
+        return {**written, "seconds": time.perf_counter() - start}

@@ -12,6 +12,7 @@ SUBCOMMANDS = [
     "sparrow.cli.bench_cmd",
     "sparrow.cli.train_cmd",
     "sparrow.cli.calibrate_cmd",
+    "sparrow.cli.export_cmd",
 ]
 
 
