@@ -94,6 +94,10 @@ class RunDir:
                 "run.checkpoint_every steps"
             )
         tag = self.latest_tag() if step is None else f"step{step}"
+        if tag is None:
+            raise FileNotFoundError(
+                f"{self.path}: checkpoints/latest is missing (a save cut short?); name the step, one of {', '.join(tags)}"
+            )
         if tag not in tags:
             raise FileNotFoundError(
                 f"{self.path}: no checkpoint at {'the latest step' if step is None else f'step {step}'} ({tag}); on disk: "

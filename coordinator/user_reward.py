@@ -47,20 +47,18 @@ def load_user_function(spec: str) -> Callable:
             f"cannot import module {module_name!r} ({exc.__class__.__name__}: {exc}); install it or put its folder on "
             "PYTHONPATH (on every node: the rollout workers import it too)"
         ) from None
-    fn = module
-    for part in attr.split("."):
-        if not hasattr(fn, part):
-            public = sorted(n for n in vars(module) if not n.startswith("_") and callable(getattr(module, n)))
-            raise ValueError(f"module {module_name!r} has no attribute {attr!r} (callables there: {', '.join(public) or 'none'})")
-        fn = getattr(fn, part)
+    if not hasattr(module, attr):
+        public = sorted(n for n in vars(module) if not n.startswith("_") and callable(getattr(module, n)))
+        raise ValueError(f"module {module_name!r} has no attribute {attr!r} (callables there: {', '.join(public) or 'none'})")
+    fn = getattr(module, attr)
     if not callable(fn):
         raise ValueError(f"{spec} is a {type(fn).__name__}, not a function")
     try:
         inspect.signature(fn).bind("text", "answer", {})
     except TypeError as exc:
-        raise ValueError(f"{spec} cannot be called as fn(text, answer, metadata) ({exc}); give it exactly those three parameters") from None
-    except ValueError:  # no signature to inspect (some builtins): leave it to the call
-        pass
+        raise ValueError(
+            f"{spec} cannot be called as fn(text, answer, metadata) ({exc}); give it exactly those three parameters"
+        ) from None
     return fn
 
 

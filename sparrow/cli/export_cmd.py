@@ -40,7 +40,8 @@ def run(args) -> int:
     written = export_checkpoint(run_dir.checkpoints, tag, trainer.model, trainer.distill_sparse, args.out,
                                 args.overwrite, args.max_shard_size or DEFAULT_MAX_SHARD_SIZE)
     shards = [f for f in written["files"] if f.endswith(".safetensors") and "/" not in f]
-    print(f"{run_dir.path} {tag} (ZeRO-{written['zero_stage']}, {written['ranks']} ranks) → {written['policy']}: "
+    ranks = f"{written['ranks']} rank{'s' if written['ranks'] != 1 else ''}"
+    print(f"{run_dir.path} {tag} (ZeRO-{written['zero_stage']}, {ranks}) → {written['policy']}: "
           f"{len(shards)} safetensors file(s), {written['bytes'] / 2**20:.1f} MiB {written['dtype']}, "
           f"tokenizer of {trainer.model}, in {time.perf_counter() - start:.1f} s")
     if written["sparse_lora"]:
