@@ -115,7 +115,7 @@ def test_live_export_reproduces_the_trainers_logprobs_in_transformers(zero3_run,
 
     run_dir, temperature = zero3_run["run_dir"], zero3_run["config"].trainer.temperature
     out = run_dir.hf_dir(1)
-    assert zero3_run["pending"] == 2 and zero3_run["submit_seconds"] < 1.0  # the driver did not wait for it
+    assert zero3_run["pending"] == 2 and zero3_run["submit_seconds"] < 2.0  # the driver did not wait for it
     assert sorted(p.name for p in (run_dir.path / "hf").iterdir()) == ["step1"]  # no .partial / .old left
     files = {p.name for p in out.iterdir()}
     assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",

@@ -68,7 +68,7 @@ def test_failures_score_on_error_are_logged_and_counted(caplog):
             start = time.perf_counter()
             got[name] = (call(fn, "7", sample_index=1), time.perf_counter() - start)
     assert {name: value for name, (value, _) in got.items()} == dict.fromkeys(got, -1.0)
-    assert got["hangs"][1] < 0.9 and got["async_hangs"][1] < 0.9  # the worker waits timeout_s (0.5 s), not 30 s
+    assert got["hangs"][1] < 3 and got["async_hangs"][1] < 3  # the worker waits timeout_s (0.5 s), not the 30 s they take
     counts = {s.labels["reason"]: s.value for m in metrics.registry.collect() if m.name == "sparrow_reward_errors"
               for s in m.samples if s.name.endswith("_total")}
     assert counts == {"exception": 1.0, "timeout": 2.0, "invalid": 2.0}
