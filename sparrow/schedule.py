@@ -6,6 +6,9 @@ attends to `topk + sink + recent` blocks, and densely when its ceil(L / block_si
 that. The bin of L is the number of edges e with ceil(L / block_size)·block_size ≥ e, which with
 edges at multiples of 2000 reproduces Sparrow's `min(ceil(L/16) // 125, 19)` exactly.
 A bin whose value is None is dense.
+
+torch is not imported here (the vectorised methods build their tensors from the lengths they are
+given) and yaml only for schedule files, so `sparrow schedule list` starts fast.
 """
 
 import json
@@ -13,9 +16,10 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from importlib import resources
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-import yaml
+if TYPE_CHECKING:
+    import torch
 
 DENSE_BUDGET = 1 << 30
 """Budget (in blocks) standing for 'attend to everything' in tensors of budgets."""
@@ -116,20 +120,16 @@ class SparsitySchedule:
         budget = self.blocks_for_bin(self.bin_of(length))
         return None if budget is None or blocks <= budget else budget
 
-    def bins_for_lengths(self, lengths: torch.Tensor) -> torch.Tensor:
+    def bins_for_lengths(self, lengths: "torch.Tensor") -> "torch.Tensor":
         """Vectorised `bin_of`: the bin index per total length, on the lengths' device."""
         lengths = lengths.long()
         aligned = (lengths + self.block_size - 1) // self.block_size * self.block_size
-        return (aligned[..., None] >= torch.tensor(self.edges, dtype=torch.long, device=lengths.device)).sum(-1)
+        return (aligned[..., None] >= aligned.new_tensor(self.edges)).sum(-1)
 
-    def budgets_for_lengths(self, lengths: torch.Tensor) -> torch.Tensor:
+    def budgets_for_lengths(self, lengths: "torch.Tensor") -> "torch.Tensor":
         """Vectorised budget (total blocks) per length; dense bins give DENSE_BUDGET."""
         bins = self.bins_for_lengths(lengths)
-        table = torch.tensor(
-            [DENSE_BUDGET if b is None else b for b in map(self.blocks_for_bin, range(self.num_bins))],
-            dtype=torch.long,
-            device=lengths.device,
-        )
+        table = bins.new_tensor([DENSE_BUDGET if b is None else b for b in map(self.blocks_for_bin, range(self.num_bins))])
         return table[bins]
 
     def with_topk(self, topk_blocks, version: int | None = None, name: str | None = None) -> "SparsitySchedule":
@@ -166,6 +166,8 @@ class SparsitySchedule:
         return cls(**data)
 
     def save(self, path: str | Path) -> None:
+        import yaml
+
         path = Path(path)
         text = yaml.safe_dump(self.to_dict(), sort_keys=False) if path.suffix in (".yaml", ".yml") else json.dumps(self.to_dict(), indent=1)
         path.write_text(text)
@@ -192,6 +194,8 @@ def load_schedule(name_or_file: str | Path) -> SparsitySchedule:
             f"schedule {text!r}: not a published schedule name and no such file; "
             f"run `sparrow schedule list` for names (e.g. qwen3-1.7b-0.86) or give a .json/.yaml path"
         )
+    import yaml
+
     try:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as exc:

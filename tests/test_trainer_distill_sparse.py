@@ -83,7 +83,7 @@ class DistillRun:
 
 
 def test_distill_sparse_raises_tail_alpha_and_keeps_dense_identical(smollm2):
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the worker cannot import this test module
     try:
         out = ray.get(DistillRun.remote().run.remote(str(smollm2)))

@@ -34,7 +34,7 @@ def test_grpo_raises_mean_reward(tiny_qwen3):
     evaluate = lambda: sum(map(_reward, s := engine.generate(_requests(prompts, 10_000)))) / len(s)  # noqa: E731
     before = evaluate()
     receiver = WeightReceiver(engine)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         config = {"model": str(tiny_qwen3), "optimizer": {"lr": 1e-2, "weight_decay": 0.0}, "recompute_topk": 5}
         group = TrainerGroup(config, 1, actor_options={"num_cpus": 0})

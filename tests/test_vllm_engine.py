@@ -282,7 +282,7 @@ def test_weight_update_on_cpu_equals_a_fresh_load_and_runs_in_a_ray_actor(vllm_e
 
     # A fresh load of the same weights, in a Ray actor (how the coordinator runs engines).
     fresh_dir = save_checkpoint(updated, Path(tiny_llama), tmp_path / "updated")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1"}})
     try:
         # `stream` makes it an async actor, whose sync methods share one thread: control calls get their own group.

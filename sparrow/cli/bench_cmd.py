@@ -13,8 +13,7 @@ from sparrow.tables import format_table
 from sparrow.trainer.cli import register as register_trainer
 
 
-def register(sub) -> None:
-    p = sub.add_parser("bench", help="benchmarks: rollout throughput, decode step, decode kernel bandwidth, trainer step")
+def configure(p) -> None:
     actions = p.add_subparsers(dest="bench_command", metavar="ACTION", required=True)
     r = actions.add_parser("rollout", help="native engine: dense vs sparse decode tokens/s in one process")
     r.add_argument("--model", required=True, metavar="DIR_OR_SHAPE", help="HF directory, or a shape name (random weights)")

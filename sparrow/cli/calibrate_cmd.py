@@ -14,8 +14,7 @@ def _ints(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers, e.g. 4,8,16") from None
 
 
-def register(sub) -> None:
-    p = sub.add_parser("calibrate", help="measure tail α per length bin and KV budget; write the cheapest schedule meeting τ")
+def configure(p) -> None:
     p.add_argument("--model", default="smollm2", help="HF model directory, or smollm2 (fetched if missing; default)")
     p.add_argument("--prompts", default="arithmetic", help="arithmetic (built-in task), FILE.jsonl or FILE.parquet")
     p.add_argument("--prompt-key", default="prompt", help="prompt column of a JSONL/Parquet file (text or chat messages)")

@@ -12,8 +12,7 @@ from sparrow.schedule import load_schedule
 from sparrow.tables import format_table
 
 
-def register(sub) -> None:
-    p = sub.add_parser("cost", help="predicted decode cost and speedup of a sparsity schedule (paper forms + per-step sum)")
+def configure(p) -> None:
     p.add_argument("--model", required=True, help="qwen3-0.6b|1.7b|4b|8b|14b, or an HF config.json / model directory")
     p.add_argument("--schedule", required=True, metavar="NAME_OR_FILE", help="published schedule name or schedule file")
     p.add_argument("--hardware", default="h200", help=f"one of {', '.join(HARDWARE)} (default h200)")

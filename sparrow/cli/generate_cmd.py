@@ -8,8 +8,7 @@ from sparrow.jsonl import iter_jsonl
 from sparrow.tables import format_table
 
 
-def register(sub) -> None:
-    p = sub.add_parser("generate", help="generate with the native engine (dense or block-sparse decode)")
+def configure(p) -> None:
     p.add_argument("--model", required=True, help="HF model directory (config.json + safetensors + tokenizer)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="one prompt text")

@@ -6,8 +6,7 @@ from sparrow.schedule import load_schedule, published_schedules
 from sparrow.tables import format_table
 
 
-def register(sub) -> None:
-    p = sub.add_parser("schedule", help="inspect sparsity schedules (KV budget per length bin)")
+def configure(p) -> None:
     cmds = p.add_subparsers(dest="schedule_command", metavar="ACTION", required=True)
 
     lst = cmds.add_parser("list", help="published schedule names")

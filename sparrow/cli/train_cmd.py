@@ -11,8 +11,7 @@ import time
 from pathlib import Path
 
 
-def register(sub) -> None:
-    p = sub.add_parser("train", help="run a GRPO job: rollout pool, trainer pool, controller (embedded default without --config)")
+def configure(p) -> None:
     p.add_argument("--config", type=Path, help="YAML job config (default: the embedded default job)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override one config key, e.g. --set run.steps=10 --set trainer.optimizer.lr=1e-6 (repeatable)")
