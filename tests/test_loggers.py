@@ -235,9 +235,9 @@ except ConfigError as exc:
 
 
 @pytest.mark.parametrize("api_key, expected", [
-    (None, "run.wandb.mode='online' needs a W&B API key and none is configured"),
-    ("x" * 86, "run.wandb.mode='online': W&B could not start the run within init_timeout_s=1.0 (Timed out while "
-               'retrying: Post "http://127.0.0.1:9/graphql": dial tcp 127.0.0.1:9: connect: connection refused)'),
+    (None, ["run.wandb.mode='online' needs a W&B API key and none is configured"]),
+    ("x" * 86, ["run.wandb.mode='online': W&B could not start the run within init_timeout_s=1.0 (",
+                "http://127.0.0.1:9/graphql", "connection refused", "check the network and WANDB_BASE_URL"]),
 ], ids=["no API key", "server unreachable"])
 def test_wandb_online_without_a_key_or_the_network_is_refused_naming_the_fix(tmp_path, api_key, expected):
     """In a fresh process each: W&B keeps a login and the server address per process."""
@@ -246,7 +246,7 @@ def test_wandb_online_without_a_key_or_the_network_is_refused_naming_the_fix(tmp
                **({"WANDB_API_KEY": api_key} if api_key else {}))
     out = subprocess.run([sys.executable, "-c", ONLINE, str(tmp_path)], capture_output=True, text=True, timeout=120,
                          env=env, stdin=subprocess.DEVNULL)
-    assert expected in out.stdout, out.stdout + out.stderr
+    assert all(part in out.stdout for part in expected), out.stdout + out.stderr
     assert "upload RUN_DIR/wandb/offline-run-* later with `wandb sync`" in out.stdout
 
 
