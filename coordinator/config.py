@@ -323,9 +323,8 @@ class RunConfig(_Section):
         if twice:
             raise ValueError(f"loggers={self.loggers} lists {', '.join(map(repr, twice))} more than once; list each logger once")
         if "jsonl" not in self.loggers:
-            raise ValueError(
-                f"loggers={self.loggers} leaves out 'jsonl': the report (RUN_DIR/report/) is made from RUN_DIR/metrics.jsonl; add 'jsonl'"
-            )
+            raise ValueError(f"loggers={self.loggers} leaves out 'jsonl': the report (RUN_DIR/report/) is made from "
+                             "RUN_DIR/metrics.jsonl; add 'jsonl'")
         if "wandb" not in self.loggers and self.wandb != WandbConfig():
             raise ValueError(
                 f"wandb is set ({self.wandb.model_dump(exclude_defaults=True)}) but loggers={self.loggers} has no 'wandb'; "

@@ -113,7 +113,8 @@ def test_step_scalars_are_the_records_numbers_by_bin_and_worker():
     assert s2["rollout/reward_mean"] == r.rollout.reward_mean == 0.625  # 5 of 8 correct
     assert s2["rollout/accuracy"] == 0.625 and s2["rollout/tokens"] == 1254 and s2["rollout/tokens_per_s"] == 1254 / 6.5
     assert s2["rollout/kv_read_fraction"] == pytest.approx(0.6) and s2["rollout/requeued"] == 1.0
-    assert s2["rollout/utilisation/rollout-0"] == pytest.approx(0.91) and s2["rollout/utilisation/rollout-1"] == pytest.approx(0.71)
+    assert s2["rollout/utilisation/rollout-0"] == pytest.approx(0.91)
+    assert s2["rollout/utilisation/rollout-1"] == pytest.approx(0.71)
     assert s2["rollout/groups/rollout-0"] == 1.0
     assert s2["train/pg_loss"] == pytest.approx(-0.036) and s2["train/grad_norm"] == pytest.approx(0.55)
     assert "train/grad_norm" not in s0  # NaN: metrics.jsonl writes null
@@ -267,7 +268,8 @@ def test_a_missing_tracking_package_names_the_extra(tmp_path, monkeypatch, logge
                               "RUN_DIR/metrics.jsonl; add 'jsonl'"),
     (["run.wandb.project=rl"], "run: wandb is set ({'project': 'rl'}) but loggers=['jsonl'] has no 'wandb'; add 'wandb' "
                                "to loggers or remove the wandb section"),
-    (["run.loggers=[jsonl, wandb]", "run.wandb.mode=cloud"], "run.wandb.mode: Input should be 'offline' or 'online' (got 'cloud')"),
+    (["run.loggers=[jsonl, wandb]", "run.wandb.mode=cloud"],
+     "run.wandb.mode: Input should be 'offline' or 'online' (got 'cloud')"),
     (["run.loggers=[jsonl, wandb]", "run.wandb.projct=rl"], "run.wandb.projct: unknown key; did you mean 'run.wandb.project'?"),
 ])
 def test_logger_config_errors_name_key_value_and_fix(overrides, expected):
