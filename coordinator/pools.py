@@ -71,13 +71,13 @@ class Pool:
         remove_placement_group(self.placement_group)
 
 
-def rollout_pool(config: SparrowConfig, model: str) -> Pool:
+def rollout_pool(config: SparrowConfig, model: str, credentials) -> Pool:
     from .rollout_worker import RolloutWorker
 
     cls = ray.remote(concurrency_groups={"monitor": 1})(RolloutWorker)
     payload = config.worker_payload()
     pool = config.rollout.pool
-    return Pool("rollout", pool, cls, lambda i: (payload, model, i, pool.torch_threads))
+    return Pool("rollout", pool, cls, lambda i: (payload, model, i, pool.torch_threads, credentials))
 
 
 class TrainerPool(Pool):
