@@ -12,6 +12,8 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from sparrow.coordinator.transport import JobCredentials
+
 from .config import PoolConfig, SparrowConfig, TrainerSection
 
 ACTOR_ENV = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "RAY_DEDUP_LOGS": "0"}
@@ -71,7 +73,7 @@ class Pool:
         remove_placement_group(self.placement_group)
 
 
-def rollout_pool(config: SparrowConfig, model: str, credentials) -> Pool:
+def rollout_pool(config: SparrowConfig, model: str, credentials: JobCredentials) -> Pool:
     from .rollout_worker import RolloutWorker
 
     cls = ray.remote(concurrency_groups={"monitor": 1})(RolloutWorker)

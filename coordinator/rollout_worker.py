@@ -303,7 +303,7 @@ class RolloutWorker:
         return self.engine.policy_version
 
     def shutdown(self) -> None:
-        self._control.stop(grace=0)
+        self._control.stop(0)
         if self.client is not None:
             self.client.close()
         if self.metrics_server is not None:

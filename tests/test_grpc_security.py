@@ -2,8 +2,10 @@
 
 import dataclasses
 import pickle
+import socket
 
 import grpc
+import psutil
 import pytest
 import torch
 from pydantic import ValidationError
@@ -135,6 +137,18 @@ def test_files_mode_serves_with_certificates_read_from_disk(tmp_path):
         with TrajectoryClient(server.address, cfg, dataclasses.replace(creds, client_identity=None)) as client:
             with pytest.raises(TransportError, match="UNAVAILABLE"):
                 client.send([trajectory(0)])
+
+
+def test_a_server_on_all_interfaces_is_trusted_at_every_address_of_its_node():
+    cfg = TransportConfig(host="0.0.0.0", port=0, vocab_size=500)
+    assert cfg.tls_mode == "job"
+    creds = JobCredentials.create(cfg)
+    addresses = ["127.0.0.1"] + [a.address for nic in psutil.net_if_addrs().values() for a in nic
+                                 if a.family == socket.AF_INET and not a.address.startswith("127.")][:1]
+    with TrajectoryServer(cfg, creds) as server:
+        for i, host in enumerate(addresses):  # what clients on this node and on others dial
+            with TrajectoryClient(f"{host}:{server.port}", cfg, creds) as client:
+                assert client.send([trajectory(i)]).accepted == 1
 
 
 def test_credentials_survive_pickling_and_never_print_their_secrets():

@@ -1,7 +1,7 @@
 """A trajectory server in a child process, and many-stream load against it.
 
-Shared by tests/test_grpc_load.py, tests/test_grpc_fuzz.py and the benchmarks grpc_many_clients.py
-and fuzz_grpc.py. The server runs in its own process so that its threads and memory are measured
+Shared by tests/test_grpc_load.py and the benchmarks grpc_many_clients.py and fuzz_grpc.py. The
+server runs in its own process so that its threads and memory are measured
 alone and a crash shows as a dead process. Run as `python -m sparrow.coordinator.transport.harness`
 it is that child: it reads its config and credentials from stdin, prints its port, empties its queue
 and answers `stats` / `resume` lines with one JSON line each.
