@@ -75,23 +75,70 @@ class Call:
 
 
 # ---------------------------------------------------------------------- field mutations
+#
+# A mutation is (label, strategy of a parameter, apply(msg, parameter) -> the field the answer must
+# name, or None when the mutated message is still valid). Fields are dotted paths, as validation names them.
+
+Apply = Callable[[object, object], str | None]
 
 _index = st.integers(0, 10**6)
 _nonfinite = st.sampled_from([math.nan, math.inf, -math.inf])
 _positive = st.floats(min_value=0.01, max_value=1e30)
 _negative32 = st.integers(INT32[0], -1)
+_oversized_id = st.text(min_size=MAX_ID_CHARS + 1, max_size=3 * MAX_ID_CHARS)
+_oversized_text = st.integers(MAX_TEXT_CHARS + 1, 2 * MAX_TEXT_CHARS).map(lambda n: "x" * n)
 
 
-def _oversized_id():
-    return st.text(min_size=MAX_ID_CHARS + 1, max_size=3 * MAX_ID_CHARS)
+def _owner(msg, path: str):
+    """The message holding the last field of `path`, and that field's name."""
+    *parents, name = path.split(".")
+    for parent in parents:
+        msg = getattr(msg, parent)
+    return msg, name
 
 
-def _oversized_text():
-    return st.integers(MAX_TEXT_CHARS + 1, 2 * MAX_TEXT_CHARS).map(lambda n: "x" * n)
+def _set(path: str, valid: bool = False) -> Apply:
+    """Set `path` to the parameter."""
+    def apply(msg, value):
+        owner, name = _owner(msg, path)
+        setattr(owner, name, value)
+        return None if valid else path
+    return apply
 
 
-def _new_length(n: int, wanted: int) -> int:
-    return wanted if wanted != n else n + 1
+def _set_pair(valid: bool = False) -> Apply:
+    """The parameter is (path, value)."""
+    return lambda msg, pair: _set(pair[0], valid)(msg, pair[1])
+
+
+def _clear(path: str) -> Apply:
+    def apply(msg, _):
+        owner, name = _owner(msg, path)
+        owner.ClearField(name)
+        return path
+    return apply
+
+
+def _put(path: str) -> Apply:
+    """The parameter is (index, value): overwrite one element (append to an empty array)."""
+    def apply(msg, param):
+        index, value = param
+        owner, name = _owner(msg, path)
+        values = getattr(owner, name)
+        if values:
+            values[index % len(values)] = value
+        else:
+            values.append(value)
+        return path
+    return apply
+
+
+def _answered_as(field: str | None, apply: Apply) -> Apply:
+    """`apply`, but the answer must name `field` (None: the message stays valid)."""
+    def wrapped(msg, param):
+        apply(msg, param)
+        return field
+    return wrapped
 
 
 def _resize(values, length: int, fill) -> None:
@@ -99,162 +146,162 @@ def _resize(values, length: int, fill) -> None:
     values.extend([fill] * (length - len(values)))
 
 
-def _sample_mutations(config: TransportConfig) -> list[tuple[str, st.SearchStrategy, Callable]]:
-    """(label, strategy of a parameter, apply(msg, parameter) -> field the answer must name, or None if valid)."""
+def _other_length(path: str, fill) -> Apply:
+    """The parameter is a length; the array gets it, or one more element if it had that length already."""
+    def apply(msg, wanted):
+        owner, name = _owner(msg, path)
+        values = getattr(owner, name)
+        _resize(values, wanted if wanted != len(values) else len(values) + 1, fill)
+        return path
+    return apply
+
+
+def _sample_mutations(config: TransportConfig) -> list[tuple[str, st.SearchStrategy, Apply]]:
     vocab, limit, max_k = config.vocab_size, config.max_sample_tokens, config.max_top_k
     out_of_vocab = st.integers(vocab, INT32[1]) | _negative32
-
-    def token_length(m, wanted):
-        n = len(m.token_ids)
-        length = _new_length(n, wanted)
-        _resize(m.token_ids, length, 1)
-        return "token_ids" if length == 0 or length > limit else "logprobs"
-
-    def top_logprob_padding(m, i):
-        if not m.top_k:
-            m.top_logprobs.append(math.nan)
-            return "top_logprobs"
-        j = i % len(m.top_ids)
-        m.top_ids[j], m.top_logprobs[j] = -1, math.nan
-        return "top_logprobs"
-
-    def at(array: str, i, value, m):
-        values = getattr(m, array)
-        if values:
-            values[i % len(values)] = value
-        else:
-            values.append(value)
-        return array
-
-    def failed(m, error):
-        m.finish_reason, m.error = pb.FINISH_REASON_ERROR, error
-        return "token_ids" if error else "error"
-
-    def valid_failure(m, error):
-        m.finish_reason, m.error = pb.FINISH_REASON_ERROR, error
-        for name in ("token_ids", "logprobs", "top_ids", "top_logprobs", "blocks_attended"):
-            m.ClearField(name)
-        return None
-
-    def metadata(m, kv):
-        key, value = kv
-        m.metadata[key] = value
-        return f"metadata[{key}]" if key else "metadata"
-
     ids = st.sampled_from(["sample_id", "prompt_id", "group_id"])
     versions = st.sampled_from(["policy_version", "schedule_version"])
+
+    def token_count(msg, wanted):  # the first check a changed token count fails depends on the count
+        _other_length("token_ids", 1)(msg, wanted)
+        n = len(msg.token_ids)
+        return "token_ids" if n == 0 or n > limit else "logprobs"
+
+    def nan_padding(msg, index):
+        if not msg.top_k:
+            msg.top_logprobs.append(math.nan)
+        else:
+            j = index % len(msg.top_ids)
+            msg.top_ids[j], msg.top_logprobs[j] = -1, math.nan
+        return "top_logprobs"
+
+    def failed(msg, error):  # ERROR without saying why, or ERROR that still has tokens
+        msg.finish_reason, msg.error = pb.FINISH_REASON_ERROR, error
+        return "token_ids" if error else "error"
+
+    def valid_failure(msg, error):
+        msg.finish_reason, msg.error = pb.FINISH_REASON_ERROR, error
+        for name in ("token_ids", "logprobs", "top_ids", "top_logprobs", "blocks_attended"):
+            msg.ClearField(name)
+        return None
+
+    def metadata(msg, pair):
+        key, value = pair
+        msg.metadata[key] = value
+        return f"metadata[{key}]" if key else "metadata"
+
     return [
-        ("id:empty", ids, lambda m, f: (setattr(m, f, ""), f)[1]),
-        ("id:oversized", st.tuples(ids, _oversized_id()), lambda m, p: (setattr(m, p[0], p[1]), p[0])[1]),
-        ("worker_id:oversized", _oversized_id(), lambda m, v: (setattr(m, "worker_id", v), "worker_id")[1]),
-        ("sample_index:negative", _negative32, lambda m, v: (setattr(m, "sample_index", v), "sample_index")[1]),
-        ("sample_index:huge (valid)", st.integers(2**20, INT32[1]), lambda m, v: setattr(m, "sample_index", v)),
-        ("version:negative", st.tuples(versions, st.integers(INT64[0], -1)), lambda m, p: (setattr(m, *p), p[0])[1]),
-        ("version:huge (valid)", st.tuples(versions, st.integers(2**31, INT64[1])), lambda m, p: setattr(m, *p)),
-        ("finish_reason:bad enum", st.integers(*INT32).filter(lambda v: v not in (1, 2, 3)),
-         lambda m, v: (setattr(m, "finish_reason", v), "finish_reason")[1]),
-        ("reward:nan/inf", _nonfinite, lambda m, v: (setattr(m, "reward", v), "reward")[1]),
-        ("prompt_token_ids:empty", st.just(None), lambda m, _: (m.ClearField("prompt_token_ids"), "prompt_token_ids")[1]),
-        ("prompt_token_ids:too long", st.integers(limit + 1, 2 * limit),
-         lambda m, n: (_resize(m.prompt_token_ids, n, 1), "prompt_token_ids")[1]),
-        ("prompt_token_ids:out of vocab", st.tuples(_index, out_of_vocab), lambda m, p: at("prompt_token_ids", *p, m)),
-        ("token_ids:out of vocab", st.tuples(_index, out_of_vocab), lambda m, p: at("token_ids", *p, m)),
-        ("token_ids:wrong length", st.integers(0, 2 * limit), token_length),
-        ("logprobs:wrong length", st.integers(0, 64),
-         lambda m, n: (_resize(m.logprobs, _new_length(len(m.token_ids), n), -1.0), "logprobs")[1]),
-        ("logprobs:nan/inf/positive", st.tuples(_index, _nonfinite | _positive), lambda m, p: at("logprobs", *p, m)),
-        ("blocks_attended:wrong length", st.integers(0, 64),
-         lambda m, n: (_resize(m.blocks_attended, _new_length(len(m.token_ids), n), 1), "blocks_attended")[1]),
-        ("blocks_attended:negative", st.tuples(_index, _negative32), lambda m, p: at("blocks_attended", *p, m)),
-        ("top_k:out of range", _negative32 | st.integers(max_k + 1, INT32[1]), lambda m, k: (setattr(m, "top_k", k), "top_k")[1]),
-        ("top_ids:wrong length", st.integers(0, 64),
-         lambda m, n: (_resize(m.top_ids, _new_length(len(m.top_ids), n), 0), "top_ids")[1]),
-        ("top_ids:out of range", st.tuples(_index, st.integers(vocab, INT32[1]) | st.integers(INT32[0], -2)),
-         lambda m, p: at("top_ids", *p, m)),
-        ("top_logprobs:wrong length", st.integers(0, 64),
-         lambda m, n: (_resize(m.top_logprobs, _new_length(len(m.top_logprobs), n), -1.0), "top_logprobs")[1]),
-        ("top_logprobs:nan/inf/positive", st.tuples(_index, _nonfinite | _positive), lambda m, p: at("top_logprobs", *p, m)),
-        ("top_logprobs:NaN padding", _index, top_logprob_padding),
+        ("id:empty", ids.map(lambda f: (f, "")), _set_pair()),
+        ("id:oversized", st.tuples(ids, _oversized_id), _set_pair()),
+        ("worker_id:oversized", _oversized_id, _set("worker_id")),
+        ("sample_index:negative", _negative32, _set("sample_index")),
+        ("sample_index:huge (valid)", st.integers(2**20, INT32[1]), _set("sample_index", valid=True)),
+        ("version:negative", st.tuples(versions, st.integers(INT64[0], -1)), _set_pair()),
+        ("version:huge (valid)", st.tuples(versions, st.integers(2**31, INT64[1])), _set_pair(valid=True)),
+        ("finish_reason:bad enum", st.integers(*INT32).filter(lambda v: v not in (1, 2, 3)), _set("finish_reason")),
+        ("reward:nan/inf", _nonfinite, _set("reward")),
+        ("prompt_token_ids:empty", st.none(), _clear("prompt_token_ids")),
+        ("prompt_token_ids:too long", st.integers(limit + 1, 2 * limit), _other_length("prompt_token_ids", 1)),
+        ("prompt_token_ids:out of vocab", st.tuples(_index, out_of_vocab), _put("prompt_token_ids")),
+        ("token_ids:out of vocab", st.tuples(_index, out_of_vocab), _put("token_ids")),
+        ("token_ids:wrong length", st.integers(0, 2 * limit), token_count),
+        ("logprobs:wrong length", st.integers(0, 64), _other_length("logprobs", -1.0)),
+        ("logprobs:nan/inf/positive", st.tuples(_index, _nonfinite | _positive), _put("logprobs")),
+        ("blocks_attended:wrong length", st.integers(0, 64), _other_length("blocks_attended", 1)),
+        ("blocks_attended:negative", st.tuples(_index, _negative32), _put("blocks_attended")),
+        ("top_k:out of range", _negative32 | st.integers(max_k + 1, INT32[1]), _set("top_k")),
+        ("top_ids:wrong length", st.integers(0, 64), _other_length("top_ids", 0)),
+        ("top_ids:out of range", st.tuples(_index, st.integers(vocab, INT32[1]) | st.integers(INT32[0], -2)), _put("top_ids")),
+        ("top_logprobs:wrong length", st.integers(0, 64), _other_length("top_logprobs", -1.0)),
+        ("top_logprobs:nan/inf/positive", st.tuples(_index, _nonfinite | _positive), _put("top_logprobs")),
+        ("top_logprobs:NaN padding", _index, nan_padding),
         ("error:missing or with tokens", st.sampled_from(["", "engine failed"]), failed),
-        ("error:oversized", _oversized_text(), lambda m, v: (setattr(m, "error", v), "error")[1]),
+        ("error:oversized", _oversized_text, _set("error")),
         ("failed sample (valid)", st.text(min_size=1, max_size=40), valid_failure),
         ("metadata:bad key or oversized value",
-         st.tuples(st.just(""), st.text(max_size=8)) | st.tuples(st.text(min_size=1, max_size=8), _oversized_text()), metadata),
+         st.tuples(st.just(""), st.text(max_size=8)) | st.tuples(st.text(min_size=1, max_size=8), _oversized_text), metadata),
     ]
 
 
-def _histogram_mutations(prefix: str) -> list[tuple[str, st.SearchStrategy, Callable]]:
-    def h(m):
-        return getattr(m, prefix)
+def _histogram_mutations(h: str) -> list[tuple[str, st.SearchStrategy, Apply]]:
+    """Mutations of the histogram at field `h` ("alpha" or "alpha_upper")."""
+    def cell_not_increasing(msg, index):
+        cells = getattr(msg, h).cells
+        cells.append(cells[index % len(cells)])
+        getattr(msg, h).counts.append(1)
+        return f"{h}.cells"
 
-    def cell_not_increasing(m, i):
-        cells = h(m).cells
-        cells.append(cells[i % len(cells)])
-        h(m).counts.append(1)
-        return f"{prefix}.cells"
+    def cell_out_of_range(msg, value):
+        hist = getattr(msg, h)
+        hist.cells.append(max(value, hist.num_length_bins * hist.resolution))
+        hist.counts.append(1)
+        return f"{h}.cells"
 
-    def sums_out_of_range(m, p):
-        i, value = p
-        h(m).sums[i % len(h(m).sums)] = value
-        return f"{prefix}.sums"
+    def sums_length(msg, longer):
+        sums = getattr(msg, h).sums
+        sums.append(0.0) if longer else sums.pop()
+        return f"{h}.sums"
 
     return [
-        (f"{prefix}.num_length_bins:out of range", st.integers(INT32[0], 0) | st.integers(MAX_HISTOGRAM_BINS + 1, INT32[1]),
-         lambda m, v: (setattr(h(m), "num_length_bins", v), f"{prefix}.num_length_bins")[1]),
-        (f"{prefix}.resolution:out of range", st.integers(INT32[0], 0) | st.integers(MAX_HISTOGRAM_RESOLUTION + 1, INT32[1]),
-         lambda m, v: (setattr(h(m), "resolution", v), f"{prefix}.resolution")[1]),
-        (f"{prefix}.counts:wrong length", st.integers(1, 2**32 - 1),
-         lambda m, v: (h(m).counts.append(v), f"{prefix}.counts")[1]),
-        (f"{prefix}.counts:zero", _index, lambda m, i: (h(m).counts.__setitem__(i % len(h(m).counts), 0), f"{prefix}.counts")[1]),
-        (f"{prefix}.cells:not increasing", _index, cell_not_increasing),
-        (f"{prefix}.cells:out of range", st.integers(0, 2**32 - 1),
-         lambda m, v: (h(m).cells.append(max(v, h(m).num_length_bins * h(m).resolution)), h(m).counts.append(1),
-                       f"{prefix}.cells")[2]),
-        (f"{prefix}.sums:wrong length", st.booleans(),
-         lambda m, more: (h(m).sums.append(0.0) if more else h(m).sums.pop(), f"{prefix}.sums")[1]),
-        (f"{prefix}.sums:nan/inf/out of range", st.tuples(_index, _nonfinite | st.floats(1e6, 1e300) | st.floats(-1e300, -1e-3)),
-         sums_out_of_range),
+        (f"{h}.num_length_bins:out of range", st.integers(INT32[0], 0) | st.integers(MAX_HISTOGRAM_BINS + 1, INT32[1]),
+         _set(f"{h}.num_length_bins")),
+        (f"{h}.resolution:out of range", st.integers(INT32[0], 0) | st.integers(MAX_HISTOGRAM_RESOLUTION + 1, INT32[1]),
+         _set(f"{h}.resolution")),
+        (f"{h}.counts:wrong length", st.integers(0, 50), _other_length(f"{h}.counts", 1)),
+        (f"{h}.counts:zero", _index.map(lambda i: (i, 0)), _put(f"{h}.counts")),
+        (f"{h}.cells:not increasing", _index, cell_not_increasing),
+        (f"{h}.cells:out of range", st.integers(0, 2**32 - 1), cell_out_of_range),
+        (f"{h}.sums:wrong length", st.booleans(), sums_length),
+        (f"{h}.sums:nan/inf/out of range",
+         st.tuples(_index, _nonfinite | st.floats(1e6, 1e300) | st.floats(-1e300, -1e-3)), _put(f"{h}.sums")),
     ]
 
 
-def _report_mutations() -> list[tuple[str, st.SearchStrategy, Callable]]:
+def _report_mutations() -> list[tuple[str, st.SearchStrategy, Apply]]:
     ids = st.sampled_from(["report_id", "trainer_id"])
     versions = st.sampled_from(["policy_version", "schedule_version"])
 
-    def other_shape(m, extra_bins):
-        m.alpha_upper.num_length_bins += extra_bins
-        m.alpha_upper.sums.extend([0.0] * extra_bins)
+    def other_shape(msg, extra_bins):  # a valid histogram, of another shape than alpha
+        msg.alpha_upper.num_length_bins += extra_bins
+        msg.alpha_upper.sums.extend([0.0] * extra_bins)
         return "alpha_upper"
 
-    def metric(m, kv):
-        key, value = kv
-        m.metrics[key] = value
+    def other_counts(msg, index):  # a valid histogram, with other counts per bin than alpha
+        counts = msg.alpha_upper.counts
+        counts[index % len(counts)] += 1
+        return "alpha_upper"
+
+    def metric(msg, pair):
+        key, value = pair
+        msg.metrics[key] = value
         return f"metrics[{key}]" if 0 < len(key) <= MAX_ID_CHARS else "metrics"
 
     return [
-        ("id:empty", ids, lambda m, f: (setattr(m, f, ""), f)[1]),
-        ("id:oversized", st.tuples(ids, _oversized_id()), lambda m, p: (setattr(m, *p), p[0])[1]),
-        ("step:negative", st.integers(INT64[0], -1), lambda m, v: (setattr(m, "step", v), "step")[1]),
-        ("step:huge (valid)", st.integers(2**31, INT64[1]), lambda m, v: setattr(m, "step", v)),
-        ("version:negative", st.tuples(versions, st.integers(INT64[0], -1)), lambda m, p: (setattr(m, *p), p[0])[1]),
-        ("alpha:missing", st.just(None), lambda m, _: (m.ClearField("alpha"), "alpha")[1]),
+        ("id:empty", ids.map(lambda f: (f, "")), _set_pair()),
+        ("id:oversized", st.tuples(ids, _oversized_id), _set_pair()),
+        ("step:negative", st.integers(INT64[0], -1), _set("step")),
+        ("step:huge (valid)", st.integers(2**31, INT64[1]), _set("step", valid=True)),
+        ("version:negative", st.tuples(versions, st.integers(INT64[0], -1)), _set_pair()),
+        ("alpha:missing", st.none(), _clear("alpha")),
         *_histogram_mutations("alpha"),
         *_histogram_mutations("alpha_upper"),
         ("alpha_upper:other shape", st.integers(1, 64), other_shape),
-        ("alpha_upper:other counts", _index,
-         lambda m, i: (m.alpha_upper.counts.__setitem__(i % len(m.alpha_upper.counts), m.alpha_upper.counts[i % len(m.alpha_upper.counts)] + 1),
-                       "alpha_upper")[1]),
+        ("alpha_upper:other counts", _index, other_counts),
         ("metrics:nan/inf or bad key", st.tuples(st.text(min_size=1, max_size=12), _nonfinite)
-         | st.tuples(st.just("") | _oversized_id(), st.floats(-1, 1)), metric),
+         | st.tuples(st.just("") | _oversized_id, st.floats(-1, 1)), metric),
     ]
 
 
-def _payloads(rpc: str, base: Callable[[int], object], mutations, ids: itertools.count) -> st.SearchStrategy:
-    def apply(label, apply_fn, param):
-        msg = base(next(ids))
-        return Payload(rpc, label, msg, apply_fn(msg, param))
+def _payloads(rpc: str, base: Callable[[int, object], object], shape: st.SearchStrategy, mutations,
+              ids: itertools.count) -> st.SearchStrategy:
+    """One mutation of a valid message `base(unique id number, shape)`, with the shape drawn too."""
+    def payload(label: str, apply: Apply, drawn) -> Payload:
+        base_shape, param = drawn
+        msg = base(next(ids), base_shape)
+        return Payload(rpc, label, msg, apply(msg, param))
 
-    return st.one_of(*(param.map(lambda p, label=label, fn=fn: apply(label, fn, p)) for label, param, fn in mutations))
+    return st.one_of(*(st.tuples(shape, param).map(lambda d, label=label, apply=apply: payload(label, apply, d))
+                       for label, param, apply in mutations))
 
 
 # ---------------------------------------------------------------------- calls of their own
@@ -323,7 +370,7 @@ def _stream_calls(rpc: str, config: TransportConfig, ids: itertools.count) -> st
                                          Answer("status", "FAILED_PRECONDITION", "kind"))),
         st.just(None).map(lambda _: call("empty request after StreamOpen", lambda: [opening(), b""],
                                          Answer("status", "FAILED_PRECONDITION", "kind"))),
-        _oversized_id().map(lambda v: call("StreamOpen: oversized client_id", lambda: [opening(v)],
+        _oversized_id.map(lambda v: call("StreamOpen: oversized client_id", lambda: [opening(v)],
                                            Answer("status", "INVALID_ARGUMENT", "open.client_id"))),
         st.just(None).map(lambda _: call("message over max_message_mb", oversized, Answer("status", "RESOURCE_EXHAUSTED"))),
         st.just(None).map(lambda _: call("no messages at all", lambda: [], Answer("status", "OK"))),
@@ -342,59 +389,64 @@ def _undecodable(request_type, data: bytes) -> bool:
     return False
 
 
+def _schedule_mutations() -> list[tuple[str, st.SearchStrategy, Apply]]:
+    """Mutations of an UpdateScheduleRequest; rules of SparsitySchedule itself are answered as `schedule`."""
+    def topk_below_dense(msg, param):
+        index, value = param
+        topk = msg.schedule.topk_blocks
+        topk[index % len(topk)] = value
+        return f"schedule.topk_blocks[{index % len(topk)}]"
+
+    def oversized_note(msg, note):
+        msg.schedule.notes.append(note)
+        return f"schedule.notes[{len(msg.schedule.notes) - 1}]"
+
+    def edges_not_increasing(msg, index):
+        edges = msg.schedule.edges
+        j = 1 + index % (len(edges) - 1)
+        edges[j] = edges[j - 1]
+        return "schedule"
+
+    out_of_range = (st.tuples(st.sampled_from(["schedule.block_size", "schedule.recent"]), st.integers(INT32[0], 0))
+                    | st.tuples(st.just("schedule.sink"), _negative32))
+    return [
+        ("valid", st.tuples(st.just(0), st.integers(-1, 64)), _answered_as(None, _put("schedule.topk_blocks"))),
+        ("schedule:missing", st.none(), _clear("schedule")),
+        ("schedule.topk_blocks:below -1", st.tuples(_index, st.integers(INT32[0], -2)), topk_below_dense),
+        ("schedule.version:negative", st.integers(INT64[0], -1), _set("schedule.version")),
+        ("schedule.name:oversized", _oversized_id, _set("schedule.name")),
+        ("schedule.notes:oversized", _oversized_text, oversized_note),
+        ("schedule:bin count", st.sampled_from([19, 21, 0, 40]), _answered_as("schedule", _other_length("schedule.topk_blocks", 1))),
+        ("schedule:edges not increasing", _index, edges_not_increasing),
+        ("schedule:edges not positive", st.tuples(_index, st.integers(INT32[0], 0)), _answered_as("schedule", _put("schedule.edges"))),
+        ("schedule:block_size/sink/recent out of range", out_of_range, _answered_as("schedule", _set_pair())),
+    ]
+
+
 def _unary_calls(rpc: str, config: TransportConfig, versions: itertools.count, resume: Callable[[], None]) -> st.SearchStrategy:
-    def call(label, request: bytes, expected: Answer, after=None):
-        return Call(rpc, label, lambda: [request], expected, after)
+    def call(label, request, expected: Answer, after=None) -> Call:
+        data = request if isinstance(request, bytes) else request.SerializeToString()
+        return Call(rpc, label, lambda: [data], expected, after)
 
     random_bytes = st.binary(max_size=64).map(lambda b: call("random bytes", b, _decoded_answer(rpc, b, config)))
     if rpc == "Health":
-        return random_bytes | st.just(None).map(lambda _: call("valid", pb.HealthRequest().SerializeToString(), Answer("status", "OK")))
+        return random_bytes | st.none().map(lambda _: call("valid", pb.HealthRequest(), Answer("status", "OK")))
     if rpc == "Drain":
-        def drain(t, label, expected, after=None):
-            return call(label, pb.DrainRequest(timeout_s=t).SerializeToString(), expected, after)
+        invalid = _nonfinite | st.floats(max_value=-1e-9, allow_infinity=True, allow_nan=False)
         return st.one_of(
             random_bytes,
-            (_nonfinite | st.floats(max_value=-1e-9, allow_infinity=True, allow_nan=False)).map(
-                lambda t: drain(t, "timeout_s:nan/inf/negative", Answer("status", "INVALID_ARGUMENT", "timeout_s"))),
-            st.floats(0, 0.05).map(lambda t: drain(t, "valid (then resumed)", Answer("status", "OK"), resume)),
+            invalid.map(lambda t: call("timeout_s:nan/inf/negative", pb.DrainRequest(timeout_s=t),
+                                       Answer("status", "INVALID_ARGUMENT", "timeout_s"))),
+            st.floats(0, 0.05).map(lambda t: call("valid (then resumed)", pb.DrainRequest(timeout_s=t), Answer("status", "OK"), resume)),
         )
 
-    def schedule_case(label, mutate, expected_field):
-        msg = valid_schedule(next(versions))
-        request = pb.UpdateScheduleRequest(schedule=msg)
-        field = mutate(request.schedule) if callable(mutate) else expected_field
-        answer = Answer("status", "INVALID_ARGUMENT", field) if field else Answer("status", "OK")
-        return call(label, request.SerializeToString(), answer)
+    def schedule_call(label: str, apply: Apply, param) -> Call:
+        request = pb.UpdateScheduleRequest(schedule=valid_schedule(next(versions)))
+        field = apply(request, param)
+        return call(label, request, Answer("status", "INVALID_ARGUMENT", field) if field else Answer("status", "OK"))
 
-    def topk_below(s, p):
-        i, v = p
-        s.topk_blocks[i % len(s.topk_blocks)] = v
-        return f"schedule.topk_blocks[{i % len(s.topk_blocks)}]"
-
-    def edges_not_increasing(s, i):
-        j = 1 + i % (len(s.edges) - 1)
-        s.edges[j] = s.edges[j - 1]
-        return "schedule"
-
-    mutations = [
-        ("valid", st.integers(-1, 64), lambda s, v: (s.topk_blocks.__setitem__(0, v), None)[1]),
-        ("schedule.topk_blocks:below -1", st.tuples(_index, st.integers(INT32[0], -2)), topk_below),
-        ("schedule.version:negative", st.integers(INT64[0], -1), lambda s, v: (setattr(s, "version", v), "schedule.version")[1]),
-        ("schedule.name:oversized", _oversized_id(), lambda s, v: (setattr(s, "name", v), "schedule.name")[1]),
-        ("schedule.notes:oversized", _oversized_text(), lambda s, v: (s.notes.append(v), f"schedule.notes[{len(s.notes) - 1}]")[1]),
-        ("schedule:bin count", st.booleans(), lambda s, more: (s.topk_blocks.append(1) if more else s.topk_blocks.pop(), "schedule")[1]),
-        ("schedule:edges not increasing", _index, edges_not_increasing),
-        ("schedule:edges not positive", st.tuples(_index, st.integers(INT32[0], 0)),
-         lambda s, p: (s.edges.__setitem__(p[0] % len(s.edges), p[1]), "schedule")[1]),
-        ("schedule:block_size/sink/recent out of range",
-         st.sampled_from(["block_size", "recent"]).flatmap(lambda f: st.tuples(st.just(f), st.integers(INT32[0], 0)))
-         | st.tuples(st.just("sink"), _negative32), lambda s, p: (setattr(s, *p), "schedule")[1]),
-    ]
-    missing = st.just(None).map(lambda _: call("schedule:missing", pb.UpdateScheduleRequest().SerializeToString(),
-                                               Answer("status", "INVALID_ARGUMENT", "schedule")))
-    return st.one_of(random_bytes, missing,
-                     *(param.map(lambda p, label=label, fn=fn: schedule_case(label, lambda s: fn(s, p), None))
-                       for label, param, fn in mutations))
+    return st.one_of(random_bytes, *(param.map(lambda p, label=label, apply=apply: schedule_call(label, apply, p))
+                                     for label, param, apply in _schedule_mutations()))
 
 
 # ---------------------------------------------------------------------- generation and sending
@@ -427,11 +479,11 @@ def cases(config: TransportConfig, n: int, random_seed: int, resume: Callable[[]
     ids, versions = itertools.count(), itertools.count(1)
     strategies = {
         ("StreamSamples", "payload"): _payloads(
-            "StreamSamples",
-            lambda i: valid_sample(i, "fz", vocab=config.vocab_size, tokens=1 + i % 24, top_k=i % (config.max_top_k + 1)),
-            _sample_mutations(config), ids),
+            "StreamSamples", lambda i, shape: valid_sample(i, "fz", vocab=config.vocab_size, tokens=shape[0], top_k=shape[1]),
+            st.tuples(st.integers(1, 24), st.integers(0, config.max_top_k)), _sample_mutations(config), ids),
         ("StreamSamples", "call"): _stream_calls("StreamSamples", config, ids),
-        ("StreamStats", "payload"): _payloads("StreamStats", lambda i: valid_report(i, "fz"), _report_mutations(), ids),
+        ("StreamStats", "payload"): _payloads(
+            "StreamStats", lambda i, variant: valid_report(i, f"fz{variant}"), st.integers(0, 10**6), _report_mutations(), ids),
         ("StreamStats", "call"): _stream_calls("StreamStats", config, ids),
         ("UpdateSchedule", "call"): _unary_calls("UpdateSchedule", config, versions, resume),
         ("Drain", "call"): _unary_calls("Drain", config, versions, resume),

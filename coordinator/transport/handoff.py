@@ -29,9 +29,12 @@ class HandoffQueue:
 
     def _take(self, max_items: int) -> list:
         taken = [self._items.popleft() for _ in range(min(max_items, len(self._items)))]
-        for _ in taken:
-            loop.call_soon(self._space.release)
+        loop.call_soon(self._release, len(taken))
         return taken
+
+    def _release(self, permits: int) -> None:
+        for _ in range(permits):
+            self._space.release()
 
     def get_batch(self, max_items: int, timeout: float | None = None) -> list:
         """Up to `max_items`: waits up to `timeout` for the first, then takes what is already queued."""
