@@ -344,3 +344,22 @@ def test_streams_beyond_max_streams_are_refused_at_once_and_others_go_on():
         with TrajectoryClient(server.address, cfg, CREDS) as client:
             assert client.send([trajectory(0)]).accepted == 1
         holds[1].set()
+
+
+def test_a_client_that_reads_no_replies_loses_its_stream_after_the_idle_timeout():
+    cfg = config(stream_idle_timeout_s=0.5)
+    with TrajectoryServer(cfg, CREDS) as server:
+        # A receive window of (almost) nothing: the server cannot even write the grant.
+        unread = CREDS.channel(server.address, [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1)])
+        hold = threading.Event()
+        call = open_stream(unread, hold)
+        deadline, opened = time.monotonic() + 10, False
+        while time.monotonic() < deadline and not (opened and server.stats()["streams_open"] == 0):
+            opened = opened or server.stats()["streams_open"] == 1
+            time.sleep(0.05)
+        assert opened and server.stats()["streams_open"] == 0 and server.stats()["streams_idle_closed"] == 1
+        call.cancel()
+        hold.set()
+        unread.close()
+        with TrajectoryClient(server.address, cfg, CREDS) as client:
+            assert client.send([trajectory(0)]).accepted == 1

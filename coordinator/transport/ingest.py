@@ -121,7 +121,7 @@ class AckedIngest:
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"open.client_id: has {len(first.open.client_id)} characters; at most {MAX_ID_CHARS} are allowed",
             )
-        await context.write(pb.StreamReply(grant=pb.StreamGrant(window=self.config.stream_window, server_id=self.server_id)))
+        await self._write(context, pb.StreamReply(grant=pb.StreamGrant(window=self.config.stream_window, server_id=self.server_id)))
         while (request := await self._read(context)) is not None:
             kind = request.WhichOneof("kind")
             if kind != self.payload:
@@ -129,7 +129,7 @@ class AckedIngest:
                     grpc.StatusCode.FAILED_PRECONDITION, f"kind: expected a {self.payload} after StreamOpen, got {kind}"
                 )
             ack = await self.ingest(getattr(request, self.payload))
-            await context.write(pb.StreamReply(ack=ack))
+            await self._write(context, pb.StreamReply(ack=ack))
 
     async def _read(self, context: grpc.aio.ServicerContext):
         """The next request; None at the end of the stream. Closes a stream idle for too long."""
@@ -148,6 +148,19 @@ class AckedIngest:
         if isinstance(request, Undecodable):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.describe())
         return request
+
+    async def _write(self, context: grpc.aio.ServicerContext, reply: pb.StreamReply) -> None:
+        """Send a reply; closes a stream whose client reads no reply for as long as an idle one."""
+        idle = self.config.stream_idle_timeout_s
+        try:
+            async with asyncio.timeout(idle):
+                await context.write(reply)
+        except TimeoutError:
+            self._count("streams_idle_closed")
+            await context.abort(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"stream stalled: the client read no reply for {idle:g} s (transport.stream_idle_timeout_s)",
+            )
 
     # ------------------------------------------------------------------ one message
 
