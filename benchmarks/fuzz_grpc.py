@@ -69,6 +69,8 @@ def main() -> None:
     print()
     rounds = " / ".join(["before"] + [f"after {r + 1}" for r in range(args.rounds)])
     print(format_table(["server", "alive at the end", f"RSS MB ({rounds})", f"threads ({rounds})"], server_rows))
+    print("threads: OS threads of the server process; they grow only to the bounded pools started on demand "
+          "(ingest_threads, the event loop's workers for control calls)")
     print()
     print(format_table(["valid traffic afterwards", "served", "sent"], [[k, *v] for k, v in after_traffic.items()]))
     print()

@@ -10,6 +10,7 @@ Usage (repo root): python benchmarks/grpc_many_clients.py [--tls off|job] [--str
 
 import argparse
 import statistics
+import sys
 import time
 
 from sparrow.coordinator.transport import JobCredentials, TransportConfig
@@ -48,7 +49,7 @@ def main() -> None:
                 f"{p50 / baseline:.2f}", f"{load.acks['ACK_STATUS_ACCEPTED'] / elapsed:.0f}", sum(load.errors.values()),
                 stats["threads"], f"{stats['rss_mb']:.0f}",
             ])
-            print(rows[-1], flush=True)
+            print(f"{streams} streams done", file=sys.stderr, flush=True)
         alive = server.alive
     print(f"\ntrajectory server, tls={args.tls}, {args.sends} valid sends per row, slow streams send every {args.period:g} s; "
           f"server alive at the end: {alive}")
@@ -57,6 +58,8 @@ def main() -> None:
          "stream errors", "server threads", "server RSS MB"],
         rows,
     ))
+    print("server threads: OS threads of the server process (gRPC core's pollers, the event loop, the consumer, and up "
+          f"to ingest_threads={cfg.ingest_threads} started on demand); none is tied to a stream")
 
 
 if __name__ == "__main__":
