@@ -22,7 +22,7 @@ from sparrow.protos import sparrow_v1_pb2 as pb
 
 from .config import TransportConfig
 from .handoff import HandoffQueue
-from .validate import MAX_ID_CHARS, InvalidMessage
+from .validate import InvalidMessage, validate_stream_open
 from .wire import Undecodable
 
 POLL_S = 0.05
@@ -116,11 +116,10 @@ class AckedIngest:
             return
         if first.WhichOneof("kind") != "open":
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "open: the first message of a stream must be StreamOpen")
-        if len(first.open.client_id) > MAX_ID_CHARS:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"open.client_id: has {len(first.open.client_id)} characters; at most {MAX_ID_CHARS} are allowed",
-            )
+        try:
+            validate_stream_open(first.open)
+        except InvalidMessage as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         await self._write(context, pb.StreamReply(grant=pb.StreamGrant(window=self.config.stream_window, server_id=self.server_id)))
         while (request := await self._read(context)) is not None:
             kind = request.WhichOneof("kind")

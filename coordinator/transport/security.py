@@ -21,7 +21,8 @@ from .config import WILDCARD_HOSTS, TransportConfig
 
 TOKEN_BYTES = 32
 MIN_TOKEN_CHARS = 16
-KEY = "transport.security"
+CONFIG_KEY = "transport.security"
+"""Where these settings live in a job config, for error messages."""
 
 
 class CredentialsError(ValueError):
@@ -29,10 +30,12 @@ class CredentialsError(ValueError):
 
 
 def node_names(host: str) -> list[str]:
-    """The names and addresses clients may dial a server bound to `host` at (a server certificate's SAN)."""
+    """The names and addresses clients may dial a server bound to `host` at (a server certificate's SAN):
+    with a wildcard host every interface address of the node (what Ray reports as the node IP), its host
+    name and localhost. No DNS lookup: a server starts as fast without a resolver."""
     if host not in WILDCARD_HOSTS:
         return ["localhost", "127.0.0.1", "::1"] if host == "localhost" else [host]
-    names = [socket.gethostname(), socket.getfqdn(), "localhost"]
+    names = [socket.gethostname(), "localhost"]
     for addresses in psutil.net_if_addrs().values():
         names += [a.address.split("%")[0] for a in addresses if a.family in (socket.AF_INET, socket.AF_INET6)]
     return list(dict.fromkeys(names))
@@ -41,7 +44,7 @@ def node_names(host: str) -> list[str]:
 def _read(key: str, path: str) -> bytes:
     file = Path(path)
     if not file.is_file():
-        raise CredentialsError(f"{KEY}.{key}={path!r}: no such file; give the path of a PEM file readable on the coordinator's node")
+        raise CredentialsError(f"{CONFIG_KEY}.{key}={path!r}: no such file; give a path readable on the coordinator's node")
     return file.read_bytes()
 
 
@@ -51,7 +54,7 @@ def _read_token(path: str | None) -> str:
     token = _read("token_file", path).decode(errors="replace").strip()
     if len(token) < MIN_TOKEN_CHARS or not token.isascii() or not token.isprintable() or " " in token:
         raise CredentialsError(
-            f"{KEY}.token_file={path!r}: the token must be at least {MIN_TOKEN_CHARS} printable ASCII characters "
+            f"{CONFIG_KEY}.token_file={path!r}: the token must be at least {MIN_TOKEN_CHARS} printable ASCII characters "
             "without spaces; write a random one, e.g. `openssl rand -hex 32 > token`, or remove token_file"
         )
     return token
@@ -69,7 +72,7 @@ def _read_files(security) -> tuple[bytes, bytes, bytes]:
             load(data)
         except (ValueError, TypeError) as exc:
             kind = "an unencrypted PEM private key" if name == "key_file" else "PEM certificates"
-            raise CredentialsError(f"{KEY}.{name}={path!r}: not {kind} ({exc})") from None
+            raise CredentialsError(f"{CONFIG_KEY}.{name}={path!r}: not {kind} ({exc})") from None
     return ca, cert, key
 
 

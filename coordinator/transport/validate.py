@@ -80,6 +80,10 @@ def _check_logprobs(values: np.ndarray, field: str) -> None:
         raise InvalidMessage(field, f"[{i}]={float(values[i])} must be a finite log-probability <= 0")
 
 
+def validate_stream_open(msg: pb.StreamOpen) -> None:
+    _check_text(msg.client_id, "open.client_id", MAX_ID_CHARS)
+
+
 def validate_sample(msg: pb.Sample, config: TransportConfig) -> None:
     """Shapes, id ranges, finiteness, versions and the finish reason of one sample."""
     _check_id(msg.sample_id, "sample_id")
