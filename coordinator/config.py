@@ -551,7 +551,7 @@ def merge(base: dict, top: dict) -> dict:
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> SparrowConfig:
     """The file's config (the embedded default when None) with `--set` overrides applied, validated."""
-    data = merge(BASE, read_config_file(path) if path else copy.deepcopy(EMBEDDED))
+    data = merge(copy.deepcopy(BASE), read_config_file(path) if path else copy.deepcopy(EMBEDDED))
     for assignment in overrides:
         set_override(data, assignment)
     origin = f"config {path}" if path else "config (embedded default)"

@@ -28,7 +28,7 @@ import ray
 from sparrow.acceptance import AlphaHistogram
 from sparrow.coordinator.controller import ControllerConfig, SparsityController, initial_schedule
 from sparrow.coordinator.metrics import SparrowMetrics, start_metrics_server
-from sparrow.coordinator.transport import ControlClient, MonitorServer
+from sparrow.coordinator.transport import ControlClient, JobCredentials, MonitorServer
 from sparrow.cost import CostModel, ModelShape, RolloutSpec, resolve_hardware
 from sparrow.schedule import SparsitySchedule
 
@@ -94,6 +94,7 @@ class TrainingJob:
 
     def start(self) -> None:
         cfg = self.config
+        self.credentials = JobCredentials.create(cfg.transport)
         self.model = resolve_model(cfg.model, self.log)
         self.vocab_size = json.loads((Path(self.model) / "config.json").read_text())["vocab_size"]
         self.cost_shape, self.cost_hardware = ModelShape.from_hf_config(self.model), resolve_hardware(cfg.run.cost_hardware)
@@ -104,20 +105,20 @@ class TrainingJob:
             self.metrics_server = start_metrics_server(self.metrics)
         self._extra_metrics()
         monitor_cfg = cfg.transport.model_copy(update={"port": cfg.transport.port + 1 if cfg.transport.port else 0})
-        self.monitor = MonitorServer(monitor_cfg, server_id="coordinator-monitor")
+        self.monitor = MonitorServer(monitor_cfg, self.credentials, server_id="coordinator-monitor")
         monitor_port = self.monitor.start()
         self.metrics.watch_transport("stats", self.monitor.stats)
-        self.rollouts = rollout_pool(cfg, self.model)  # engines load while the trainer ranks set up
+        self.rollouts = rollout_pool(cfg, self.model, self.credentials)  # engines load while the trainer ranks set up
         self.trainers = TrainerPool(cfg.trainer, self.model)
         transport = cfg.transport.model_copy(update={"vocab_size": self.vocab_size})
         self.trajectory_address = ray.get(self.trainers.rank0.start_ingest.remote(
-            transport.model_dump(mode="json"), f"{advertised_host(monitor_cfg.host)}:{monitor_port}"))
-        self.trajectory_control = ControlClient(self.trajectory_address, cfg.transport)
+            transport.model_dump(mode="json"), f"{advertised_host(monitor_cfg.host)}:{monitor_port}", self.credentials))
+        self.trajectory_control = ControlClient(self.trajectory_address, cfg.transport, self.credentials)
         self.trajectory_gauges = self.trajectory_control.health().gauges
         self.metrics.watch_transport("trajectory", lambda: self.trajectory_gauges)
         self.workers = self.rollouts.call("info")
         self.rollouts.call("connect", self.trajectory_address)
-        self.controls = [ControlClient(w["control_address"], cfg.transport) for w in self.workers]
+        self.controls = [ControlClient(w["control_address"], cfg.transport, self.credentials) for w in self.workers]
         self.channel = self._weights_channel()
         if self.channel == "collective":
             self._join_weight_group()

@@ -13,6 +13,8 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from sparrow.coordinator.transport import JobCredentials
+
 from .config import PoolConfig, SparrowConfig, TrainerSection
 
 ACTOR_ENV = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "RAY_DEDUP_LOGS": "0"}
@@ -72,13 +74,13 @@ class Pool:
         remove_placement_group(self.placement_group)
 
 
-def rollout_pool(config: SparrowConfig, model: str) -> Pool:
+def rollout_pool(config: SparrowConfig, model: str, credentials: JobCredentials) -> Pool:
     from .rollout_worker import RolloutWorker
 
     cls = ray.remote(concurrency_groups={"monitor": 1})(RolloutWorker)
     payload = config.worker_payload()
     pool = config.rollout.pool
-    return Pool("rollout", pool, cls, lambda i: (payload, model, i, pool.torch_threads))
+    return Pool("rollout", pool, cls, lambda i: (payload, model, i, pool.torch_threads, credentials))
 
 
 class TrainerPool(Pool):

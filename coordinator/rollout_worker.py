@@ -15,15 +15,12 @@ import os
 import queue
 import threading
 import time
-from concurrent import futures
 
-import grpc
 import ray
 import torch
 
 from sparrow.coordinator.metrics import SparrowMetrics, start_metrics_server
-from sparrow.coordinator.transport import ControlServicer, Health, ScheduleState, Trajectory, TrajectoryClient
-from sparrow.protos import sparrow_v1_pb2_grpc as pb_grpc
+from sparrow.coordinator.transport import ControlServer, Health, JobCredentials, ScheduleState, Trajectory, TrajectoryClient
 from sparrow.rollout_workers.api import RolloutEngine, RolloutRequest, SamplingParams
 from sparrow.schedule import SparsitySchedule
 
@@ -58,8 +55,9 @@ def advertised_host(bind_host: str) -> str:
 
 
 class RolloutWorker:
-    def __init__(self, config: dict, model: str, index: int, threads: int):
+    def __init__(self, config: dict, model: str, index: int, threads: int, credentials: JobCredentials):
         torch.set_num_threads(threads)
+        self.credentials = credentials
         self.config = SparrowConfig.model_validate(config)
         self.index, self.worker_id = index, f"rollout-{index}"
         self.engine = build_engine(self.config, model, index)
@@ -89,13 +87,9 @@ class RolloutWorker:
 
     # ------------------------------------------------------------------ set-up
 
-    def _start_control(self) -> grpc.Server:
-        transport = self.config.transport
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="control"),
-                             options=transport.grpc_options())
-        pb_grpc.add_ControlServiceServicer_to_server(ControlServicer(self), server)
-        self.control_port = server.add_insecure_port(f"{transport.host}:0")
-        server.start()
+    def _start_control(self) -> ControlServer:
+        server = ControlServer(self.config.transport.model_copy(update={"port": 0}), self.credentials, self)
+        self.control_port = server.start()
         return server
 
     def info(self) -> dict:
@@ -112,7 +106,7 @@ class RolloutWorker:
     def connect(self, trajectory_address: str) -> None:
         if self.client is not None:
             self.client.close()
-        self.client = TrajectoryClient(trajectory_address, self.config.transport, client_id=self.worker_id)
+        self.client = TrajectoryClient(trajectory_address, self.config.transport, self.credentials, client_id=self.worker_id)
 
     # ------------------------------------------------------------------ ControlService
 

@@ -22,7 +22,7 @@ import ray
 import torch
 
 from sparrow.acceptance import AlphaHistogram
-from sparrow.coordinator.transport import StatsClient, StatsRecord, TrajectoryServer, TransportConfig
+from sparrow.coordinator.transport import JobCredentials, StatsClient, StatsRecord, TrajectoryServer, TransportConfig
 from sparrow.trainer import TrainerRank, Trajectory, TrajectoryBatch
 
 from .rollout_worker import advertised_host
@@ -91,13 +91,13 @@ class TrainerHost(TrainerRank):
 
     # ------------------------------------------------------------------ ingest (rank 0)
 
-    def start_ingest(self, transport: dict, monitor_address: str) -> str:
+    def start_ingest(self, transport: dict, monitor_address: str, credentials: JobCredentials) -> str:
         """Serve trajectories; returns the address rollout workers send to."""
         config = TransportConfig.model_validate(transport)
-        self.server = TrajectoryServer(config, server_id=f"trainer-{self.rank}")
+        self.server = TrajectoryServer(config, credentials, server_id=f"trainer-{self.rank}")
         port = self.server.start()
         threading.Thread(target=self._drain_queue, name="ingest", daemon=True).start()
-        self.stats_client = StatsClient(monitor_address, config, client_id=f"trainer-{self.rank}")
+        self.stats_client = StatsClient(monitor_address, config, credentials, client_id=f"trainer-{self.rank}")
         return f"{advertised_host(config.host)}:{port}"
 
     def _drain_queue(self) -> None:

@@ -109,12 +109,12 @@ def test_sync_job_trains_every_sample_exactly_once_and_publishes_weights(ray_clu
         assert trained_first == sorted(_expected_ids(job, range(1)))
 
         # Forced duplicates: resending trained ids (with other content) is acknowledged DUPLICATE, never queued.
-        with TrajectoryClient(job.trajectory_address, config.transport, client_id="test") as client:
+        with TrajectoryClient(job.trajectory_address, config.transport, job.credentials, client_id="test") as client:
             report = client.send(_duplicate(i) for i in trained_first[:5])
         assert (report.accepted, report.duplicate, report.rejected) == (0, 5, [])
 
         # Forced retry: the trajectory server drains during step 2's rollouts; the worker backs off and resends.
-        with ControlClient(job.trajectory_address, config.transport) as control:
+        with ControlClient(job.trajectory_address, config.transport, job.credentials) as control:
             assert control.drain(0.0)[0]
         reopen = threading.Timer(1.0, lambda: ray.get(job.trainers.rank0.resume_ingest.remote()))
         reopen.start()

@@ -94,6 +94,18 @@ def test_schedule_with_wrong_bin_count_is_invalid():
     assert exc.value.field == "schedule"
 
 
+def test_schedule_name_and_notes_are_bounded():
+    msg = schedule_to_proto(load_schedule("qwen3-1.7b-0.86"))
+    msg.name = "n" * 100_000
+    with pytest.raises(InvalidMessage, match="schedule.name: has 100000 characters; at most 256 are allowed"):
+        schedule_from_proto(msg)
+    msg = schedule_to_proto(load_schedule("qwen3-1.7b-0.86"))
+    msg.notes.append("x" * 65_537)
+    with pytest.raises(InvalidMessage) as exc:
+        schedule_from_proto(msg)
+    assert exc.value.field == f"schedule.notes[{len(msg.notes) - 1}]"
+
+
 def corrupt(fn):
     msg = trajectory_to_proto(Trajectory.of(sample()))
     fn(msg)
@@ -116,6 +128,9 @@ CORRUPTIONS = {
     "top_ids": lambda m: m.top_ids.__setitem__(5, 1000),
     "top_logprobs": lambda m: m.top_logprobs.__setitem__(3, math.nan),
     "error": lambda m: setattr(m, "finish_reason", pb.FINISH_REASON_ERROR),
+    "worker_id": lambda m: setattr(m, "worker_id", "w" * 257),
+    "metadata": lambda m: m.metadata.__setitem__("", "x"),
+    "metadata[dataset]": lambda m: m.metadata.__setitem__("dataset", "x" * 65_537),
 }
 
 

@@ -11,6 +11,7 @@ import torch
 from sparrow.acceptance import AlphaHistogram
 from sparrow.coordinator.transport import (
     ControlClient,
+    JobCredentials,
     MonitorServer,
     RetryConfig,
     StatsClient,
@@ -44,6 +45,9 @@ def config(**kw) -> TransportConfig:
     return TransportConfig(port=kw.pop("port", 0), vocab_size=500, **kw)
 
 
+CREDS = JobCredentials.create(TransportConfig())
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -61,11 +65,11 @@ def drain_all(server, expected: int, delay: float = 0.0, timeout: float = 20.0) 
 
 
 def test_concurrent_senders_deliver_every_sample_exactly_once():
-    with TrajectoryServer(config()) as server:
+    with TrajectoryServer(config(), CREDS) as server:
         reports = {}
 
         def sender(w):
-            with TrajectoryClient(server.address, server.config, client_id=f"w{w}") as client:
+            with TrajectoryClient(server.address, server.config, CREDS, client_id=f"w{w}") as client:
                 reports[w] = client.send(trajectory(i, worker=f"w{w}") for i in range(40))
 
         threads = [threading.Thread(target=sender, args=(w,)) for w in range(4)]
@@ -82,11 +86,11 @@ def test_concurrent_senders_deliver_every_sample_exactly_once():
 
 def test_full_queue_makes_senders_wait_without_dropping():
     cfg = config(queue_capacity=4, stream_window=2)
-    with TrajectoryServer(cfg) as server:
+    with TrajectoryServer(cfg, CREDS) as server:
         done = []
 
         def sender(w):
-            with TrajectoryClient(server.address, cfg) as client:
+            with TrajectoryClient(server.address, cfg, CREDS) as client:
                 done.append(client.send(trajectory(i, worker=f"w{w}") for i in range(10)))
 
         threads = [threading.Thread(target=sender, args=(w,)) for w in range(3)]
@@ -113,7 +117,7 @@ def test_full_queue_makes_senders_wait_without_dropping():
 
 
 def test_resent_samples_are_accepted_once_and_acked_duplicate():
-    with TrajectoryServer(config()) as server, TrajectoryClient(server.address, server.config) as client:
+    with TrajectoryServer(config(), CREDS) as server, TrajectoryClient(server.address, server.config, CREDS) as client:
         first = client.send(trajectory(i) for i in range(5))
         again = client.send(trajectory(i) for i in range(3, 8))
         assert (first.accepted, first.duplicate) == (5, 0)
@@ -122,8 +126,8 @@ def test_resent_samples_are_accepted_once_and_acked_duplicate():
 
 
 def test_sample_whose_ack_was_lost_is_acked_duplicate_on_resend():
-    with TrajectoryServer(config()) as server:
-        channel = grpc.insecure_channel(server.address)
+    with TrajectoryServer(config(), CREDS) as server:
+        channel = CREDS.channel(server.address)
         sent = threading.Event()
 
         def requests():
@@ -138,14 +142,14 @@ def test_sample_whose_ack_was_lost_is_acked_duplicate_on_resend():
         call.cancel()  # the connection drops before the worker reads its ack
         sent.set()
         channel.close()
-        with TrajectoryClient(server.address, server.config) as client:
+        with TrajectoryClient(server.address, server.config, CREDS) as client:
             report = client.send([trajectory(0), trajectory(1)])
         assert (report.accepted, report.duplicate) == (1, 1)
         assert [t.sample_id for t in drain_all(server, 2, timeout=2)] == ["w0-p0#0", "w0-p0#1"]
 
 
 def test_invalid_samples_get_invalid_argument_naming_the_field_and_the_stream_goes_on():
-    with TrajectoryServer(config()) as server, TrajectoryClient(server.address, server.config) as client:
+    with TrajectoryServer(config(), CREDS) as server, TrajectoryClient(server.address, server.config, CREDS) as client:
         short = trajectory_to_proto(trajectory(1))
         del short.logprobs[-1]
         out_of_vocab = trajectory_to_proto(trajectory(2))
@@ -165,7 +169,7 @@ def test_invalid_samples_get_invalid_argument_naming_the_field_and_the_stream_go
 
 
 def test_stream_must_open_first():
-    with TrajectoryServer(config()) as server, grpc.insecure_channel(server.address) as channel:
+    with TrajectoryServer(config(), CREDS) as server, CREDS.channel(server.address) as channel:
         stub = pb_grpc.TrajectoryServiceStub(channel)
         with pytest.raises(grpc.RpcError) as exc:
             list(stub.StreamSamples(iter([pb.SampleStreamRequest(sample=trajectory_to_proto(trajectory(0)))])))
@@ -175,10 +179,10 @@ def test_stream_must_open_first():
 def test_client_retries_until_the_server_comes_up():
     port = free_port()
     cfg = config(port=port)
-    server = TrajectoryServer(cfg)
+    server = TrajectoryServer(cfg, CREDS)
     threading.Timer(0.4, server.start).start()
     try:
-        with TrajectoryClient(f"127.0.0.1:{port}", cfg) as client:
+        with TrajectoryClient(f"127.0.0.1:{port}", cfg, CREDS) as client:
             report = client.send(trajectory(i) for i in range(6))
         assert report.accepted == 6 and report.streams > 1
     finally:
@@ -189,12 +193,12 @@ def test_client_retries_until_the_server_comes_up():
 def test_server_restart_mid_send_loses_nothing():
     port = free_port()
     cfg = config(port=port, queue_capacity=2, stream_window=1)
-    first = TrajectoryServer(cfg)
+    first = TrajectoryServer(cfg, CREDS)
     first.start()
     result = {}
 
     def sender():
-        with TrajectoryClient(first.address, cfg) as client:
+        with TrajectoryClient(first.address, cfg, CREDS) as client:
             result["report"] = client.send(trajectory(i) for i in range(20))
 
     thread = threading.Thread(target=sender)
@@ -202,7 +206,7 @@ def test_server_restart_mid_send_loses_nothing():
     got = drain_all(first, 5, delay=0.02)
     first.stop(grace=0)  # samples queued but unconsumed die with this server; the sender resends the unacked
     leftover = drain_all(first, 2, timeout=0.3)
-    second = TrajectoryServer(cfg)
+    second = TrajectoryServer(cfg, CREDS)
     second.start()
     got2, deadline = [], time.monotonic() + 20
     try:
@@ -218,11 +222,11 @@ def test_server_restart_mid_send_loses_nothing():
 
 
 def test_drain_refuses_new_samples_until_resumed():
-    with TrajectoryServer(config()) as server, ControlClient(server.address, server.config) as control:
+    with TrajectoryServer(config(), CREDS) as server, ControlClient(server.address, server.config, CREDS) as control:
         assert control.drain(timeout_s=0.0) == (True, 0)
         assert control.health().status == "draining"
         threading.Timer(0.3, server.resume).start()
-        with TrajectoryClient(server.address, server.config) as client:
+        with TrajectoryClient(server.address, server.config, CREDS) as client:
             report = client.send(trajectory(i) for i in range(4))
         assert report.accepted == 4 and report.streams > 1
         assert server.stats()["unavailable"] >= 1
@@ -231,7 +235,7 @@ def test_drain_refuses_new_samples_until_resumed():
 
 def test_drain_gives_up_after_attempts_with_a_clear_error():
     cfg = config(retry=RetryConfig(max_attempts=3, initial_backoff_s=0.01, max_backoff_s=0.01))
-    with TrajectoryServer(cfg) as server, TrajectoryClient(server.address, cfg) as client:
+    with TrajectoryServer(cfg, CREDS) as server, TrajectoryClient(server.address, cfg, CREDS) as client:
         server.drain(0.0)
         with pytest.raises(TransportError, match="gave up after 3 failed streams .*draining"):
             client.send([trajectory(0)])
@@ -239,8 +243,8 @@ def test_drain_gives_up_after_attempts_with_a_clear_error():
 
 def test_control_schedule_updates_apply_in_version_order_and_bad_ones_are_invalid():
     applied = []
-    server = TrajectoryServer(config(), on_schedule=applied.append)
-    with server, ControlClient(server.address, server.config) as control:
+    server = TrajectoryServer(config(), CREDS, on_schedule=applied.append)
+    with server, ControlClient(server.address, server.config, CREDS) as control:
         base = load_schedule("qwen3-1.7b-0.86")
         assert control.update_schedule(base.with_topk(base.topk_blocks, version=3)) == (True, 3)
         assert control.update_schedule(base.with_topk(base.topk_blocks, version=3)) == (True, 3)  # resend
@@ -268,7 +272,7 @@ def test_stats_stream_reaches_the_monitor_and_rejects_bad_histograms():
         return StatsRecord(f"t0-step{i}", "t0", i, i, 1, h, None, {"loss": 0.1 * i})
 
     reports = [report(i) for i in range(3)]
-    with MonitorServer(config()) as monitor, StatsClient(monitor.address, monitor.config) as client:
+    with MonitorServer(config(), CREDS) as monitor, StatsClient(monitor.address, monitor.config, CREDS) as client:
         assert client.send(reports).accepted == 3
         assert client.send(reports[:1]).duplicate == 1
         from sparrow.coordinator.transport import stats_to_proto
@@ -283,3 +287,79 @@ def test_stats_stream_reaches_the_monitor_and_rejects_bad_histograms():
     expected = reports[0].alpha.merge(reports[1].alpha).merge(reports[2].alpha)
     assert torch.equal(merged.counts, expected.counts)
     assert got[2].metrics == {"loss": pytest.approx(0.2)}
+
+
+def open_stream(channel: grpc.Channel, hold: threading.Event):
+    """A raw stream that opens and then sends nothing until `hold` is set; returns its reply iterator."""
+
+    def requests():
+        yield pb.SampleStreamRequest(open=pb.StreamOpen(client_id="idle"))
+        hold.wait(30)
+
+    return pb_grpc.TrajectoryServiceStub(channel).StreamSamples(requests())
+
+
+def test_idle_stream_is_closed_naming_the_timeout_and_a_pausing_sender_still_delivers():
+    cfg = config(stream_idle_timeout_s=0.5)
+    with TrajectoryServer(cfg, CREDS) as server, CREDS.channel(server.address) as channel:
+        hold = threading.Event()
+        replies = open_stream(channel, hold)
+        start = time.monotonic()
+        assert next(replies).grant.window == cfg.stream_window
+        with pytest.raises(grpc.RpcError) as exc:
+            next(replies)
+        hold.set()
+        assert 0.4 < time.monotonic() - start < 5
+        assert exc.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "nothing received for 0.5 s (transport.stream_idle_timeout_s)" in exc.value.details()
+        assert server.stats()["streams_idle_closed"] == 1
+
+        def pausing():  # a rollout worker whose next group takes longer than the idle timeout
+            yield trajectory(0)
+            time.sleep(1.2)
+            yield trajectory(1)
+
+        with TrajectoryClient(server.address, cfg, CREDS) as client:
+            report = client.send(pausing())
+        assert report.accepted == 2 and report.streams == 2
+        assert [t.sample_id for t in drain_all(server, 2, timeout=2)] == ["w0-p0#0", "w0-p0#1"]
+
+
+def test_streams_beyond_max_streams_are_refused_at_once_and_others_go_on():
+    cfg = config(max_streams=2, stream_idle_timeout_s=30)
+    with TrajectoryServer(cfg, CREDS) as server, CREDS.channel(server.address) as channel:
+        holds = [threading.Event(), threading.Event()]
+        held = [open_stream(channel, hold) for hold in holds]
+        assert all(next(replies).HasField("grant") for replies in held)
+        assert server.stats()["streams_open"] == 2
+        start = time.monotonic()
+        with pytest.raises(grpc.RpcError) as exc:
+            next(open_stream(channel, threading.Event()))
+        assert time.monotonic() - start < 2
+        assert exc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "2 streams are open on this server (transport.max_streams=2)" in exc.value.details()
+        with ControlClient(server.address, cfg, CREDS) as control:  # unary calls are not streams
+            assert control.health().gauges["streams_refused"] == 1
+        holds[0].set()  # one idle stream ends: a sender gets its slot (it retries RESOURCE_EXHAUSTED)
+        with TrajectoryClient(server.address, cfg, CREDS) as client:
+            assert client.send([trajectory(0)]).accepted == 1
+        holds[1].set()
+
+
+def test_a_client_that_reads_no_replies_loses_its_stream_after_the_idle_timeout():
+    cfg = config(stream_idle_timeout_s=0.5)
+    with TrajectoryServer(cfg, CREDS) as server:
+        # A receive window of (almost) nothing: the server cannot even write the grant.
+        unread = CREDS.channel(server.address, [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1)])
+        hold = threading.Event()
+        call = open_stream(unread, hold)
+        deadline, opened = time.monotonic() + 10, False
+        while time.monotonic() < deadline and not (opened and server.stats()["streams_open"] == 0):
+            opened = opened or server.stats()["streams_open"] == 1
+            time.sleep(0.05)
+        assert opened and server.stats()["streams_open"] == 0 and server.stats()["streams_idle_closed"] == 1
+        call.cancel()
+        hold.set()
+        unread.close()
+        with TrajectoryClient(server.address, cfg, CREDS) as client:
+            assert client.send([trajectory(0)]).accepted == 1

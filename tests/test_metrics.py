@@ -17,7 +17,7 @@ from pydantic import ValidationError
 from sparrow.acceptance import AlphaHistogram
 from sparrow.coordinator.controller import ControllerConfig, PowerLawResponse, Simulator, SparsityController
 from sparrow.coordinator.metrics import MetricsConfig, SparrowMetrics, start_metrics_server
-from sparrow.coordinator.transport import Trajectory, TrajectoryClient, TrajectoryServer, TransportConfig
+from sparrow.coordinator.transport import JobCredentials, Trajectory, TrajectoryClient, TrajectoryServer, TransportConfig
 from sparrow.cost import CostModel, resolve_hardware, resolve_model
 from sparrow.rollout_workers.api import RolloutSample
 from sparrow.schedule import load_schedule
@@ -66,9 +66,10 @@ def test_scrape_finds_every_family_with_the_recorded_values():
     metrics.weight_publication.labels(pool="trainer").observe(1.5)
     metrics.policy_version.labels(worker="w0", pool="rollout").set(3)
 
-    with TrajectoryServer(TransportConfig(port=0, queue_capacity=10)) as transport:
+    credentials = JobCredentials.create(TransportConfig())
+    with TrajectoryServer(TransportConfig(port=0, queue_capacity=10), credentials) as transport:
         metrics.watch_transport("trajectory", transport.stats)
-        with TrajectoryClient(transport.address, transport.config) as client:
+        with TrajectoryClient(transport.address, transport.config, credentials) as client:
             client.send([trajectory(7, 5), trajectory(7, 5)])
         server = start_metrics_server(metrics)
         try:

@@ -2,7 +2,7 @@
 control coordinator → components. See docs/grpc_api.md."""
 
 from .client import ControlClient, Rejection, SendReport, StatsClient, TrajectoryClient, TransportError
-from .config import RetryConfig, TransportConfig
+from .config import RetryConfig, SecurityConfig, TransportConfig
 from .control import ControlHandler, ControlServicer, Health, ScheduleState
 from .convert import (
     StatsRecord,
@@ -16,12 +16,13 @@ from .convert import (
     trajectory_from_proto,
     trajectory_to_proto,
 )
-from .servers import MonitorServer, TrajectoryServer
+from .security import CredentialsError, JobCredentials
+from .servers import ControlServer, MonitorServer, TrajectoryServer
 from .validate import InvalidMessage, validate_histogram, validate_sample, validate_schedule, validate_stats_report
 
 __all__ = [
-    "ControlClient", "ControlHandler", "ControlServicer", "Health", "InvalidMessage", "MonitorServer", "Rejection",
-    "RetryConfig", "ScheduleState", "SendReport", "StatsClient", "StatsRecord", "Trajectory", "TrajectoryClient",
+    "ControlClient", "ControlHandler", "ControlServer", "ControlServicer", "CredentialsError", "Health", "InvalidMessage",
+    "JobCredentials", "MonitorServer", "Rejection", "RetryConfig", "ScheduleState", "SecurityConfig", "SendReport", "StatsClient", "StatsRecord", "Trajectory", "TrajectoryClient",
     "TrajectoryServer", "TransportConfig", "TransportError", "histogram_from_proto", "histogram_to_proto",
     "schedule_from_proto", "schedule_to_proto", "stats_from_proto", "stats_to_proto", "trajectory_from_proto",
     "trajectory_to_proto", "validate_histogram", "validate_sample", "validate_schedule", "validate_stats_report",

@@ -20,6 +20,7 @@ from sparrow.schedule import SparsitySchedule
 from .config import TransportConfig
 from .control import Health
 from .convert import StatsRecord, Trajectory, schedule_to_proto, stats_to_proto, trajectory_to_proto
+from .security import JobCredentials
 
 RETRYABLE = {
     grpc.StatusCode.UNAVAILABLE,
@@ -148,9 +149,11 @@ class _AckedSender:
 
 
 class _Client:
-    def __init__(self, address: str, config: TransportConfig | None):
-        self.config = config or TransportConfig()
-        self.channel = grpc.insecure_channel(address, options=self.config.grpc_options())
+    """A channel that presents the job's token (over TLS when the job uses it)."""
+
+    def __init__(self, address: str, config: TransportConfig, credentials: JobCredentials):
+        self.config = config
+        self.channel = credentials.channel(address, config.grpc_options())
 
     def close(self) -> None:
         self.channel.close()
@@ -165,8 +168,8 @@ class _Client:
 class TrajectoryClient(_Client):
     """A rollout worker's connection to a TrajectoryServer."""
 
-    def __init__(self, address: str, config: TransportConfig | None = None, client_id: str = "worker"):
-        super().__init__(address, config)
+    def __init__(self, address: str, config: TransportConfig, credentials: JobCredentials, client_id: str = "worker"):
+        super().__init__(address, config, credentials)
         self._sender = _AckedSender(
             pb_grpc.TrajectoryServiceStub(self.channel).StreamSamples,
             open_request=pb.SampleStreamRequest(open=pb.StreamOpen(client_id=client_id)),
@@ -183,8 +186,8 @@ class TrajectoryClient(_Client):
 class StatsClient(_Client):
     """A trainer's connection to the coordinator's MonitorServer."""
 
-    def __init__(self, address: str, config: TransportConfig | None = None, client_id: str = "trainer"):
-        super().__init__(address, config)
+    def __init__(self, address: str, config: TransportConfig, credentials: JobCredentials, client_id: str = "trainer"):
+        super().__init__(address, config, credentials)
         self._sender = _AckedSender(
             pb_grpc.MonitorServiceStub(self.channel).StreamStats,
             open_request=pb.StatsStreamRequest(open=pb.StreamOpen(client_id=client_id)),
@@ -200,8 +203,8 @@ class StatsClient(_Client):
 class ControlClient(_Client):
     """The coordinator's handle on one component's ControlService (unary calls, retried on UNAVAILABLE)."""
 
-    def __init__(self, address: str, config: TransportConfig | None = None, timeout_s: float = 10.0):
-        super().__init__(address, config)
+    def __init__(self, address: str, config: TransportConfig, credentials: JobCredentials, timeout_s: float = 10.0):
+        super().__init__(address, config, credentials)
         self._stub = pb_grpc.ControlServiceStub(self.channel)
         self._timeout_s = timeout_s
 

@@ -1,9 +1,11 @@
 """ControlService: schedule updates, drain and health, served by every component.
 
-A component implements `ControlHandler`; `ControlServicer` adapts it to gRPC and turns bad requests
-into INVALID_ARGUMENT naming the field.
+A component implements `ControlHandler`; `ControlServicer` adapts it to gRPC (grpc.aio) and turns bad
+requests into INVALID_ARGUMENT naming the field. Handler methods run in a worker thread: they may
+block (a drain waits for pending work) and must not stall the transport loop.
 """
 
+import asyncio
 import math
 import threading
 from collections.abc import Callable
@@ -13,9 +15,9 @@ from typing import Protocol
 import grpc
 
 from sparrow.protos import sparrow_v1_pb2 as pb
-from sparrow.protos import sparrow_v1_pb2_grpc as pb_grpc
 from sparrow.schedule import SparsitySchedule
 
+from . import wire
 from .convert import schedule_from_proto
 from .validate import InvalidMessage
 
@@ -84,25 +86,43 @@ class ScheduleState:
             return True, schedule.version
 
 
-class ControlServicer(pb_grpc.ControlServiceServicer):
+class ControlServicer:
     def __init__(self, handler: ControlHandler):
         self.handler = handler
 
-    def UpdateSchedule(self, request: pb.UpdateScheduleRequest, context: grpc.ServicerContext) -> pb.UpdateScheduleReply:
+    def service(self) -> grpc.GenericRpcHandler:
+        return wire.service(pb.DESCRIPTOR.services_by_name["ControlService"].full_name, {
+            "UpdateSchedule": wire.unary_unary(self.UpdateSchedule, pb.UpdateScheduleRequest, pb.UpdateScheduleReply),
+            "Drain": wire.unary_unary(self.Drain, pb.DrainRequest, pb.DrainReply),
+            "Health": wire.unary_unary(self.Health, pb.HealthRequest, pb.HealthReply),
+        })
+
+    @staticmethod
+    async def _decoded(request, context: grpc.aio.ServicerContext):
+        if isinstance(request, wire.Undecodable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.describe())
+        return request
+
+    async def UpdateSchedule(self, request, context: grpc.aio.ServicerContext) -> pb.UpdateScheduleReply:
+        request = await self._decoded(request, context)
         if not request.HasField("schedule"):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "schedule: missing")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "schedule: missing")
         try:
             schedule = schedule_from_proto(request.schedule)
         except InvalidMessage as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        applied, version = self.handler.update_schedule(schedule)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        applied, version = await asyncio.to_thread(self.handler.update_schedule, schedule)
         return pb.UpdateScheduleReply(applied=applied, current_version=version)
 
-    def Drain(self, request: pb.DrainRequest, context: grpc.ServicerContext) -> pb.DrainReply:
+    async def Drain(self, request, context: grpc.aio.ServicerContext) -> pb.DrainReply:
+        request = await self._decoded(request, context)
         if not (math.isfinite(request.timeout_s) and request.timeout_s >= 0):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"timeout_s: ={request.timeout_s} must be a finite number >= 0")
-        drained, pending = self.handler.drain(request.timeout_s)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"timeout_s: ={request.timeout_s} must be a finite number >= 0")
+        remaining = context.time_remaining()  # no use waiting past the caller's deadline
+        timeout_s = request.timeout_s if remaining is None else min(request.timeout_s, max(remaining, 0.0))
+        drained, pending = await asyncio.to_thread(self.handler.drain, timeout_s)
         return pb.DrainReply(drained=drained, pending=pending)
 
-    def Health(self, request: pb.HealthRequest, context: grpc.ServicerContext) -> pb.HealthReply:
-        return self.handler.health().to_proto()
+    async def Health(self, request, context: grpc.aio.ServicerContext) -> pb.HealthReply:
+        await self._decoded(request, context)
+        return (await asyncio.to_thread(self.handler.health)).to_proto()

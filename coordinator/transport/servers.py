@@ -1,60 +1,74 @@
-"""The two ingest servers: trajectories (rollout workers → trainer pool) and statistics
-(trainers → coordinator monitor). Each also serves ControlService for its own component."""
+"""The gRPC servers: trajectories (rollout workers → trainer pool), statistics (trainers → coordinator
+monitor), and ControlService alone (rollout workers). Both ingest servers also serve ControlService.
+
+Every server is a grpc.aio server on the process's transport loop (`loop.py`) behind the job token
+(`auth.TokenCheck`) and, when the job uses TLS, a certificate for the addresses it is dialled at.
+Its API stays synchronous: `start() -> port`, `stop()`, `get`, `get_batch`, `stats()`.
+"""
 
 from collections.abc import Callable
-from concurrent import futures
 
 import grpc
 
-from sparrow.protos import sparrow_v1_pb2_grpc as pb_grpc
+from sparrow.protos import sparrow_v1_pb2 as pb
 from sparrow.schedule import SparsitySchedule
 
+from . import loop, wire
+from .auth import TokenCheck
 from .config import TransportConfig
-from .control import ControlServicer, Health, ScheduleState
+from .control import ControlHandler, ControlServicer, Health, ScheduleState
 from .convert import stats_from_proto, trajectory_from_proto
 from .ingest import AckedIngest
+from .security import JobCredentials
 from .validate import validate_sample, validate_stats_report
 
 
-class _IngestServer:
-    """A gRPC server around one AckedIngest, plus ControlService (drain, health, schedule)."""
+class _GrpcServer:
+    """A grpc.aio server bound to `config.address`, refusing calls without the job token."""
 
     component = ""
 
-    def __init__(self, config: TransportConfig, ingest: AckedIngest, on_schedule: Callable[[SparsitySchedule], None] | None):
-        self.config = config
-        self.ingest = ingest
-        self.schedule_state = ScheduleState(on_schedule)
+    def __init__(self, config: TransportConfig, credentials: JobCredentials):
+        self.config, self.credentials = config, credentials
         self.port: int | None = None
-        self._server: grpc.Server | None = None
+        self.unauthenticated = 0
+        self._server: grpc.aio.Server | None = None
 
-    def _register(self, server: grpc.Server) -> None:
+    def _services(self) -> list[grpc.GenericRpcHandler]:
         raise NotImplementedError
+
+    def _refused(self) -> None:
+        self.unauthenticated += 1
 
     def start(self) -> int:
         """Bind and serve; returns the port (useful with port 0)."""
-        server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=self.config.max_workers, thread_name_prefix=self.component),
-            options=self.config.grpc_options(),
+        tls = self.credentials.server_credentials(self.config.host)
+        self._server, self.port = loop.run(self._start(tls))
+        return self.port
+
+    async def _start(self, tls: grpc.ServerCredentials | None) -> tuple[grpc.aio.Server, int]:
+        server = grpc.aio.server(
+            interceptors=[TokenCheck(self.credentials.token, self._refused)], options=self.config.server_options()
         )
-        self._register(server)
-        pb_grpc.add_ControlServiceServicer_to_server(ControlServicer(self), server)
-        port = server.add_insecure_port(self.config.address)
+        server.add_generic_rpc_handlers(self._services())
+        address = self.config.address
+        try:
+            port = server.add_secure_port(address, tls) if tls is not None else server.add_insecure_port(address)
+        except RuntimeError:
+            port = 0
         if port == 0:
-            raise OSError(f"{self.component}: cannot bind {self.config.address}; pick another transport.port")
-        server.start()
-        self._server, self.port = server, port
-        return port
+            raise OSError(f"{self.component}: cannot bind {address}; pick another transport.port")
+        await server.start()
+        return server, port
 
     @property
     def address(self) -> str:
         return f"{self.config.host}:{self.port}"
 
     def stop(self, grace: float | None = 1.0) -> None:
-        """Stop serving; handlers blocked on a full queue give up (their senders resend elsewhere)."""
-        self.ingest.stopping.set()
+        """Stop serving; calls still running after `grace` seconds are cancelled (senders resend elsewhere)."""
         if self._server is not None:
-            self._server.stop(grace).wait()
+            loop.run(self._server.stop(grace))
             self._server = None
 
     def __enter__(self):
@@ -63,6 +77,50 @@ class _IngestServer:
 
     def __exit__(self, *exc):
         self.stop(grace=0)
+
+
+class ControlServer(_GrpcServer):
+    """ControlService alone, for a component that receives no stream (a rollout worker)."""
+
+    component = "control"
+
+    def __init__(self, config: TransportConfig, credentials: JobCredentials, handler: ControlHandler):
+        super().__init__(config, credentials)
+        self.handler = handler
+
+    def _services(self) -> list[grpc.GenericRpcHandler]:
+        return [ControlServicer(self.handler).service()]
+
+
+class _IngestServer(_GrpcServer):
+    """A server around one AckedIngest, plus ControlService (drain, health, schedule)."""
+
+    service_name = ""
+    method = ""
+    request_type: type = type(None)
+
+    def __init__(self, config: TransportConfig, credentials: JobCredentials, ingest: AckedIngest,
+                 on_schedule: Callable[[SparsitySchedule], None] | None):
+        super().__init__(config, credentials)
+        self.ingest = ingest
+        self.schedule_state = ScheduleState(on_schedule)
+
+    def _services(self) -> list[grpc.GenericRpcHandler]:
+        stream = wire.stream_stream(self.ingest.serve, self.request_type, pb.StreamReply)
+        return [wire.service(self.service_name, {self.method: stream}), ControlServicer(self).service()]
+
+    def start(self) -> int:
+        self.ingest.open()
+        try:
+            return super().start()
+        except BaseException:
+            self.ingest.close()
+            raise
+
+    def stop(self, grace: float | None = 1.0) -> None:
+        """Stop serving; handlers still waiting on a full queue after `grace` give up (their senders resend)."""
+        super().stop(grace)
+        self.ingest.close()
 
     def get(self, timeout: float | None = None):
         return self.ingest.get(timeout)
@@ -75,7 +133,7 @@ class _IngestServer:
         return self.ingest.queue.qsize()
 
     def stats(self) -> dict[str, float]:
-        return self.ingest.stats()
+        return {**self.ingest.stats(), "unauthenticated": float(self.unauthenticated)}
 
     @property
     def schedule(self) -> SparsitySchedule | None:
@@ -103,47 +161,39 @@ class TrajectoryServer(_IngestServer):
     """Trainer-pool endpoint; `get` / `get_batch` return `Trajectory` objects in arrival order."""
 
     component = "trajectory-server"
+    service_name = pb.DESCRIPTOR.services_by_name["TrajectoryService"].full_name
+    method = "StreamSamples"
+    request_type = pb.SampleStreamRequest
 
-    def __init__(self, config: TransportConfig, server_id: str = "trajectory-server",
+    def __init__(self, config: TransportConfig, credentials: JobCredentials, server_id: str = "trajectory-server",
                  on_schedule: Callable[[SparsitySchedule], None] | None = None):
         ingest = AckedIngest(
             payload="sample",
             id_field="sample_id",
             validate=lambda msg: validate_sample(msg, config),
             convert=trajectory_from_proto,
-            capacity=config.queue_capacity,
-            dedupe_window=config.dedupe_window,
-            window=config.stream_window,
+            config=config,
             server_id=server_id,
         )
-        super().__init__(config, ingest, on_schedule)
-
-    def _register(self, server: grpc.Server) -> None:
-        servicer = pb_grpc.TrajectoryServiceServicer()
-        servicer.StreamSamples = self.ingest.serve
-        pb_grpc.add_TrajectoryServiceServicer_to_server(servicer, server)
+        super().__init__(config, credentials, ingest, on_schedule)
 
 
 class MonitorServer(_IngestServer):
     """Coordinator endpoint for dense-recompute statistics; `get` / `get_batch` return `StatsRecord`s."""
 
     component = "monitor"
+    service_name = pb.DESCRIPTOR.services_by_name["MonitorService"].full_name
+    method = "StreamStats"
+    request_type = pb.StatsStreamRequest
 
-    def __init__(self, config: TransportConfig, server_id: str = "monitor",
+    def __init__(self, config: TransportConfig, credentials: JobCredentials, server_id: str = "monitor",
                  on_schedule: Callable[[SparsitySchedule], None] | None = None):
         ingest = AckedIngest(
             payload="report",
             id_field="report_id",
             validate=validate_stats_report,
             convert=stats_from_proto,
-            capacity=config.queue_capacity,
-            dedupe_window=config.dedupe_window,
-            window=config.stream_window,
+            config=config,
             server_id=server_id,
         )
-        super().__init__(config, ingest, on_schedule)
-
-    def _register(self, server: grpc.Server) -> None:
-        servicer = pb_grpc.MonitorServiceServicer()
-        servicer.StreamStats = self.ingest.serve
-        pb_grpc.add_MonitorServiceServicer_to_server(servicer, server)
+        super().__init__(config, credentials, ingest, on_schedule)

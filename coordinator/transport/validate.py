@@ -15,6 +15,9 @@ from .config import TransportConfig
 LOGPROB_TOLERANCE = 1e-3
 """Largest log-probability accepted: > 0 is impossible, tiny positives are float rounding."""
 MAX_ID_CHARS = 256
+"""Longest id or name accepted (sample, prompt, group, worker, report, trainer ids; metadata keys)."""
+MAX_TEXT_CHARS = 65_536
+"""Longest free text accepted (an error message, a metadata value): a bound, since answers may quote it."""
 MAX_HISTOGRAM_BINS = 4096
 MAX_HISTOGRAM_RESOLUTION = 100_000
 
@@ -39,7 +42,17 @@ def _array(values, dtype) -> np.ndarray:
 
 def _check_id(value: str, field: str) -> None:
     _check(bool(value), field, "must be a non-empty string")
-    _check(len(value) <= MAX_ID_CHARS, field, f"has {len(value)} characters; at most {MAX_ID_CHARS} are allowed")
+    _check_text(value, field, MAX_ID_CHARS)
+
+
+def _check_metadata(metadata) -> None:
+    for key, value in metadata.items():
+        _check(0 < len(key) <= MAX_ID_CHARS, "metadata", f"keys must have 1 to {MAX_ID_CHARS} characters (one has {len(key)})")
+        _check_text(value, f"metadata[{key}]", MAX_TEXT_CHARS)
+
+
+def _check_text(value: str, field: str, limit: int) -> None:
+    _check(len(value) <= limit, field, f"has {len(value)} characters; at most {limit} are allowed")
 
 
 def _check_version(value: int, field: str) -> None:
@@ -67,11 +80,18 @@ def _check_logprobs(values: np.ndarray, field: str) -> None:
         raise InvalidMessage(field, f"[{i}]={float(values[i])} must be a finite log-probability <= 0")
 
 
+def validate_stream_open(msg: pb.StreamOpen) -> None:
+    _check_text(msg.client_id, "open.client_id", MAX_ID_CHARS)
+
+
 def validate_sample(msg: pb.Sample, config: TransportConfig) -> None:
     """Shapes, id ranges, finiteness, versions and the finish reason of one sample."""
     _check_id(msg.sample_id, "sample_id")
     _check_id(msg.prompt_id, "prompt_id")
     _check_id(msg.group_id, "group_id")
+    _check_text(msg.worker_id, "worker_id", MAX_ID_CHARS)
+    _check_text(msg.error, "error", MAX_TEXT_CHARS)
+    _check_metadata(msg.metadata)
     _check(msg.sample_index >= 0, "sample_index", f"={msg.sample_index} must be >= 0")
     _check_version(msg.policy_version, "policy_version")
     _check_version(msg.schedule_version, "schedule_version")
@@ -172,12 +192,16 @@ def validate_stats_report(msg: pb.StatsReport) -> None:
             "counts per length bin differ from alpha's; both bounds must cover the same tokens",
         )
     for key, value in msg.metrics.items():
-        _check(bool(key), "metrics", "keys must be non-empty")
+        _check(0 < len(key) <= MAX_ID_CHARS, "metrics", f"keys must have 1 to {MAX_ID_CHARS} characters (one has {len(key)})")
         _check(math.isfinite(value), f"metrics[{key}]", f"={value} must be finite")
 
 
 def validate_schedule(msg: pb.Schedule) -> None:
     """Wire-level checks; SparsitySchedule's own validation runs on conversion."""
+    _check_text(msg.name, "schedule.name", MAX_ID_CHARS)
+    _check_text(msg.source, "schedule.source", MAX_TEXT_CHARS)
+    for i, note in enumerate(msg.notes):
+        _check_text(note, f"schedule.notes[{i}]", MAX_TEXT_CHARS)
     for i, v in enumerate(msg.topk_blocks):
         _check(v >= -1, f"schedule.topk_blocks[{i}]", f"={v} must be >= 0, or -1 for a dense bin")
     _check_version(msg.version, "schedule.version")

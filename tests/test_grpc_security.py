@@ -1,0 +1,213 @@
+"""The job token and TLS on real gRPC servers and clients (127.0.0.1), and the security config rules."""
+
+import dataclasses
+import pickle
+import socket
+
+import grpc
+import psutil
+import pytest
+import torch
+from pydantic import ValidationError
+
+from sparrow.coordinator.config import ConfigError, load_config
+from sparrow.coordinator.transport import (
+    ControlClient,
+    CredentialsError,
+    JobCredentials,
+    MonitorServer,
+    RetryConfig,
+    Trajectory,
+    TrajectoryClient,
+    TrajectoryServer,
+    TransportConfig,
+    TransportError,
+    schedule_to_proto,
+    trajectory_to_proto,
+)
+from sparrow.coordinator.transport.pki import issue, new_ca
+from sparrow.protos import sparrow_v1_pb2 as pb
+from sparrow.protos import sparrow_v1_pb2_grpc as pb_grpc
+from sparrow.rollout_workers.api import RolloutSample
+from sparrow.schedule import load_schedule
+
+
+def trajectory(i: int) -> Trajectory:
+    g = torch.Generator().manual_seed(i)
+    s = RolloutSample(
+        request_id=f"p{i // 4}", sample_index=i % 4, prompt_token_ids=[1, 2, 3],
+        token_ids=torch.randint(0, 500, (8,), generator=g), logprobs=-torch.rand(8, generator=g),
+        top_ids=torch.zeros(8, 0, dtype=torch.long), top_logprobs=torch.zeros(8, 0),
+        blocks_attended=torch.full((8,), 2, dtype=torch.int32), finish_reason="stop", policy_version=1, schedule_version=0,
+    )
+    return Trajectory.of(s, reward=1.0, worker_id="w0")
+
+
+def config(**security) -> TransportConfig:
+    retry = RetryConfig(max_attempts=2, initial_backoff_s=0.01, max_backoff_s=0.01)
+    return TransportConfig(port=0, vocab_size=500, retry=retry, security=security)
+
+
+def refused(call) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as exc:
+        call()
+    return exc.value
+
+
+def every_rpc(channel: grpc.Channel) -> dict:
+    """One call of each RPC on `channel`, as thunks."""
+    samples = pb_grpc.TrajectoryServiceStub(channel)
+    control = pb_grpc.ControlServiceStub(channel)
+    opening = [pb.SampleStreamRequest(open=pb.StreamOpen(client_id="x")),
+               pb.SampleStreamRequest(sample=trajectory_to_proto(trajectory(50)))]
+    schedule = schedule_to_proto(load_schedule("qwen3-1.7b-0.86").with_topk(load_schedule("qwen3-1.7b-0.86").topk_blocks, version=9))
+    return {
+        "StreamSamples": lambda: list(samples.StreamSamples(iter(opening), timeout=5)),
+        "UpdateSchedule": lambda: control.UpdateSchedule(pb.UpdateScheduleRequest(schedule=schedule), timeout=5),
+        "Drain": lambda: control.Drain(pb.DrainRequest(timeout_s=0), timeout=5),
+        "Health": lambda: control.Health(pb.HealthRequest(), timeout=5),
+    }
+
+
+@pytest.mark.parametrize("tls", ["off", "job"])
+def test_calls_without_the_job_token_are_unauthenticated_and_the_server_keeps_serving(tls):
+    cfg = config(tls=tls)
+    creds = JobCredentials.create(cfg)
+    impostor = dataclasses.replace(creds, token="not-the-job-token-" + "x" * 20)
+    bare = grpc.insecure_channel if tls == "off" else lambda a: grpc.secure_channel(a, grpc.ssl_channel_credentials(creds.ca_pem))
+    with TrajectoryServer(cfg, creds) as server:
+        with bare(server.address) as no_token, impostor.channel(server.address) as wrong_token:
+            for channel, reason in ((no_token, "missing 'authorization' metadata"), (wrong_token, "not this job's token")):
+                for rpc, call in every_rpc(channel).items():
+                    error = refused(call)
+                    assert (rpc, error.code()) == (rpc, grpc.StatusCode.UNAUTHENTICATED) and reason in error.details()
+        assert server.stats()["unauthenticated"] == 8
+        # Nothing the refused calls asked for happened: no sample queued, no schedule, no drain.
+        assert (server.queue_depth, server.schedule, server.health().status) == (0, None, "serving")
+        with TrajectoryClient(server.address, cfg, creds) as client:
+            assert client.send([trajectory(1), trajectory(2)]).accepted == 2
+        with ControlClient(server.address, cfg, creds) as control:
+            assert control.health().status == "serving"
+        with TrajectoryClient(server.address, cfg, impostor) as client, pytest.raises(TransportError, match="UNAUTHENTICATED"):
+            client.send([trajectory(3)])  # not retried: a wrong token stays wrong
+        assert [t.sample_id for t in server.get_batch(10, timeout=2)] == ["p0#1", "p0#2"]
+
+
+def test_plaintext_and_untrusting_clients_cannot_talk_to_a_tls_server():
+    cfg = config(tls="job")
+    creds = JobCredentials.create(cfg)
+    plaintext = JobCredentials(token=creds.token)
+    other_ca = dataclasses.replace(creds, ca_pem=new_ca("another CA")[0])
+    with TrajectoryServer(cfg, creds) as server:
+        for stranger in (plaintext, other_ca):
+            with TrajectoryClient(server.address, cfg, stranger) as client, pytest.raises(TransportError, match="UNAVAILABLE"):
+                client.send([trajectory(0)])
+        with TrajectoryClient(server.address, cfg, creds) as client:
+            assert client.send([trajectory(0)]).accepted == 1
+        assert server.stats()["accepted"] == 1
+
+
+def test_mutual_tls_refuses_a_client_certificate_not_signed_by_the_job_ca():
+    cfg = config(tls="job", client_auth=True)
+    creds = JobCredentials.create(cfg)
+    ca, ca_key = new_ca("another CA")
+    forged = dataclasses.replace(creds, client_identity=issue(ca, ca_key, "intruder", server=False, client=True))
+    no_cert = dataclasses.replace(creds, client_identity=None)
+    with MonitorServer(cfg, creds) as server:
+        for stranger in (forged, no_cert):
+            with ControlClient(server.address, cfg, stranger, timeout_s=5) as control, pytest.raises(TransportError, match="UNAVAILABLE"):
+                control.health()
+        with ControlClient(server.address, cfg, creds) as control:
+            assert control.health().component == "monitor"
+
+
+def test_files_mode_serves_with_certificates_read_from_disk(tmp_path):
+    ca, ca_key = new_ca("site CA")
+    cert, key = issue(ca, ca_key, "trainer-0", ["127.0.0.1", "localhost"], server=True, client=True)
+    for name, data in (("ca.pem", ca), ("cert.pem", cert), ("key.pem", key)):
+        (tmp_path / name).write_bytes(data)
+    (tmp_path / "token").write_text("0123456789abcdef0123456789abcdef\n")
+    cfg = config(tls="files", cert_file=str(tmp_path / "cert.pem"), key_file=str(tmp_path / "key.pem"),
+                 ca_file=str(tmp_path / "ca.pem"), client_auth=True, token_file=str(tmp_path / "token"))
+    creds = JobCredentials.create(cfg)
+    assert creds.token == "0123456789abcdef0123456789abcdef" and creds.ca_key_pem is None
+    with TrajectoryServer(cfg, creds) as server, TrajectoryClient(server.address, cfg, creds) as client:
+        assert client.send([trajectory(0), trajectory(1)]).accepted == 2
+    with TrajectoryServer(cfg, creds) as server:
+        with TrajectoryClient(server.address, cfg, dataclasses.replace(creds, client_identity=None)) as client:
+            with pytest.raises(TransportError, match="UNAVAILABLE"):
+                client.send([trajectory(0)])
+
+
+def test_a_server_on_all_interfaces_is_trusted_at_every_address_of_its_node():
+    cfg = TransportConfig(host="0.0.0.0", port=0, vocab_size=500)
+    assert cfg.tls_mode == "job"
+    creds = JobCredentials.create(cfg)
+    addresses = ["127.0.0.1"] + [a.address for nic in psutil.net_if_addrs().values() for a in nic
+                                 if a.family == socket.AF_INET and not a.address.startswith("127.")][:1]
+    with TrajectoryServer(cfg, creds) as server:
+        for i, host in enumerate(addresses):  # what clients on this node and on others dial
+            with TrajectoryClient(f"{host}:{server.port}", cfg, creds) as client:
+                assert client.send([trajectory(i)]).accepted == 1
+
+
+def test_credentials_survive_pickling_and_never_print_their_secrets():
+    cfg = config(tls="job", client_auth=True)
+    creds = JobCredentials.create(cfg)
+    copy = pickle.loads(pickle.dumps(creds))  # as handed to a Ray actor
+    assert copy == creds
+    assert creds.token not in repr(creds) and "BEGIN" not in repr(creds)
+    assert repr(creds) == f"JobCredentials(tls='job', client_auth=True, token=<{len(creds.token)} chars>)"
+    with TrajectoryServer(cfg, copy) as server, TrajectoryClient(server.address, cfg, creds) as client:
+        assert client.send([trajectory(0)]).accepted == 1
+
+
+def test_auto_tls_is_off_on_loopback_and_job_credentials_elsewhere():
+    assert TransportConfig(host="127.0.0.1").tls_mode == "off"
+    assert TransportConfig(host="localhost").tls_mode == "off"
+    assert TransportConfig(host="0.0.0.0").tls_mode == "job"
+    assert TransportConfig(host="10.1.2.3").tls_mode == "job"
+    assert TransportConfig(host="0.0.0.0", security={"tls": "off", "allow_insecure": True}).tls_mode == "off"
+    assert TransportConfig(host="127.0.0.1", security={"tls": "job"}).tls_mode == "job"
+
+
+@pytest.mark.parametrize("transport, expected", [
+    ({"host": "0.0.0.0", "security": {"tls": "off"}},
+     "security.tls='off' with host='0.0.0.0' (not loopback) would carry samples and the job token in plaintext"),
+    ({"security": {"tls": "files", "cert_file": "c.pem"}},
+     "tls='files' needs cert_file, key_file and ca_file (PEM paths); set key_file, ca_file"),
+    ({"security": {"tls": "job", "ca_file": "ca.pem"}}, "ca_file='ca.pem' is read only with tls='files' (tls='job')"),
+    ({"security": {"client_auth": True}},
+     "security.client_auth=true needs TLS (client certificates are checked in the TLS handshake) but security.tls='auto' "
+     "with host='127.0.0.1' is plaintext; set security.tls: job or files"),
+    ({"security": {"tls": "ssl"}}, "Input should be 'auto', 'off', 'job' or 'files'"),
+    ({"security": {"tokenfile": "t"}}, "Extra inputs are not permitted"),
+])
+def test_security_rules_name_the_key_the_value_and_the_fix(transport, expected):
+    with pytest.raises(ValidationError) as exc:
+        TransportConfig.model_validate(transport)
+    assert expected in str(exc.value)
+
+
+def test_security_errors_in_a_job_config_carry_the_dotted_path():
+    with pytest.raises(ConfigError) as exc:
+        load_config(None, ["transport.host=0.0.0.0", "transport.security.tls=off"])
+    assert "transport: security.tls='off' with host='0.0.0.0'" in str(exc.value) and "allow_insecure" in str(exc.value)
+    with pytest.raises(ConfigError) as exc:
+        load_config(None, ["transport.security.tlss=job"])
+    assert "transport.security.tlss: unknown key; did you mean 'transport.security.tls'?" in str(exc.value)
+    insecure = load_config(None, ["transport.host=0.0.0.0", "transport.security.tls=off", "transport.security.allow_insecure=true"])
+    assert insecure.transport.tls_mode == "off"
+
+
+def test_unreadable_security_files_fail_at_job_start_naming_the_key(tmp_path):
+    (tmp_path / "bad.pem").write_text("not a certificate")
+    (tmp_path / "short").write_text("abc")
+    files = {"tls": "files", "cert_file": str(tmp_path / "missing.pem"), "key_file": str(tmp_path / "bad.pem"),
+             "ca_file": str(tmp_path / "bad.pem")}
+    with pytest.raises(CredentialsError, match=r"transport.security.cert_file='.*missing.pem': no such file"):
+        JobCredentials.create(config(**files))
+    with pytest.raises(CredentialsError, match=r"transport.security.ca_file='.*bad.pem': not PEM certificates"):
+        JobCredentials.create(config(**{**files, "cert_file": str(tmp_path / "bad.pem")}))
+    with pytest.raises(CredentialsError, match=r"token_file='.*short': the token must be at least 16 printable ASCII"):
+        JobCredentials.create(config(token_file=str(tmp_path / "short")))
