@@ -117,7 +117,7 @@ def test_rollout_worker_scores_with_the_function_and_survives_its_failures(tiny_
     from transformers import AutoTokenizer
 
     from sparrow.coordinator.rollout_worker import RolloutWorker
-    from sparrow.coordinator.transport import TrajectoryServer
+    from sparrow.coordinator.transport import JobCredentials, TrajectoryServer
 
     config = load_config(overrides=[
         f"model={tiny_qwen3}", "reward.function=reward_functions:flaky", "reward.on_error=-2", "metrics.enabled=false",
@@ -126,9 +126,10 @@ def test_rollout_worker_scores_with_the_function_and_survives_its_failures(tiny_
     ])
     records = PromptSource(config.data, seed=0).batch(0, 2)
     threads = torch.get_num_threads()
-    worker = RolloutWorker(config.worker_payload(), str(tiny_qwen3), 0, threads)
+    credentials = JobCredentials.create(config.transport)
+    worker = RolloutWorker(config.worker_payload(), str(tiny_qwen3), 0, threads, credentials)
     try:
-        with TrajectoryServer(config.transport) as server:
+        with TrajectoryServer(config.transport, credentials) as server:
             worker.connect(server.address)
             worker.update_schedule(config.schedule_template())  # as the driver does at start
             report = worker.generate(0, records)
