@@ -1,5 +1,6 @@
 """Fuzz every RPC with hypothesis-generated malformed messages (sparrow.coordinator.transport.fuzz) against
-a trajectory and a monitor server in child processes; prints tables last.
+a trajectory server, a monitor server and a coordinator-like control server (ResizePool) in child
+processes; prints tables last.
 
 Checked: every message gets the answer its mutation calls for (field mutations: INVALID_ARGUMENT naming
 the field, in the ack of a stream or the status of a unary call; protocol mutations: the status the
@@ -33,10 +34,11 @@ def main() -> None:
 
     config = fuzz_config(security={"tls": args.tls})
     credentials = JobCredentials.create(config)
-    with ServerProcess(config, credentials) as trajectory, ServerProcess(config, credentials, "monitor") as monitor:
-        targets = FuzzTargets(trajectory.address, monitor.address, trajectory.resume)
+    with ServerProcess(config, credentials) as trajectory, ServerProcess(config, credentials, "monitor") as monitor, \
+            ServerProcess(config, credentials, "control") as control:
+        targets = FuzzTargets(trajectory.address, monitor.address, trajectory.resume, control.address)
         valid_traffic(targets, config, credentials, "before", schedule_version=10**9)
-        servers = {"trajectory": trajectory, "monitor": monitor}
+        servers = {"trajectory": trajectory, "monitor": monitor, "control": control}
         readings = [{kind: server.stats() for kind, server in servers.items()}]
         report, generate_s, send_s = FuzzReport(), 0.0, 0.0
         for r in range(args.rounds):

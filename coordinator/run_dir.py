@@ -10,6 +10,7 @@
     RUN_DIR/tensorboard/                TensorBoard event files (run.loggers has 'tensorboard')
     RUN_DIR/wandb/offline-run-*/        the W&B run (run.loggers has 'wandb', run.wandb.mode offline)
     RUN_DIR/report/                     report.md and PNG plots
+    RUN_DIR/control/                    while the job runs: how `sparrow pool` reaches it (transport/endpoint.py)
 """
 
 import json

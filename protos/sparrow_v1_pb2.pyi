@@ -234,8 +234,24 @@ class HealthRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class PoolStatus(_message.Message):
+    __slots__ = ("pool", "target", "serving", "joining", "retiring", "resizable")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    SERVING_FIELD_NUMBER: _ClassVar[int]
+    JOINING_FIELD_NUMBER: _ClassVar[int]
+    RETIRING_FIELD_NUMBER: _ClassVar[int]
+    RESIZABLE_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    target: int
+    serving: int
+    joining: int
+    retiring: int
+    resizable: bool
+    def __init__(self, pool: _Optional[str] = ..., target: _Optional[int] = ..., serving: _Optional[int] = ..., joining: _Optional[int] = ..., retiring: _Optional[int] = ..., resizable: _Optional[bool] = ...) -> None: ...
+
 class HealthReply(_message.Message):
-    __slots__ = ("status", "component", "schedule_version", "policy_version", "gauges")
+    __slots__ = ("status", "component", "schedule_version", "policy_version", "gauges", "pools")
     class GaugesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -248,9 +264,29 @@ class HealthReply(_message.Message):
     SCHEDULE_VERSION_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     GAUGES_FIELD_NUMBER: _ClassVar[int]
+    POOLS_FIELD_NUMBER: _ClassVar[int]
     status: ServingStatus
     component: str
     schedule_version: int
     policy_version: int
     gauges: _containers.ScalarMap[str, float]
-    def __init__(self, status: _Optional[_Union[ServingStatus, str]] = ..., component: _Optional[str] = ..., schedule_version: _Optional[int] = ..., policy_version: _Optional[int] = ..., gauges: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    pools: _containers.RepeatedCompositeFieldContainer[PoolStatus]
+    def __init__(self, status: _Optional[_Union[ServingStatus, str]] = ..., component: _Optional[str] = ..., schedule_version: _Optional[int] = ..., policy_version: _Optional[int] = ..., gauges: _Optional[_Mapping[str, float]] = ..., pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ...) -> None: ...
+
+class ResizePoolRequest(_message.Message):
+    __slots__ = ("pool", "size")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    size: int
+    def __init__(self, pool: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
+
+class ResizePoolReply(_message.Message):
+    __slots__ = ("accepted", "size", "message")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    size: int
+    message: str
+    def __init__(self, accepted: _Optional[bool] = ..., size: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...

@@ -195,6 +195,11 @@ class ControlServiceStub:
                 request_serializer=sparrow__v1__pb2.HealthRequest.SerializeToString,
                 response_deserializer=sparrow__v1__pb2.HealthReply.FromString,
                 _registered_method=True)
+        self.ResizePool = channel.unary_unary(
+                '/sparrow.v1.ControlService/ResizePool',
+                request_serializer=sparrow__v1__pb2.ResizePoolRequest.SerializeToString,
+                response_deserializer=sparrow__v1__pb2.ResizePoolReply.FromString,
+                _registered_method=True)
 
 
 class ControlServiceServicer:
@@ -218,6 +223,13 @@ class ControlServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ResizePool(self, request, context):
+        """Set a pool's target size; the coordinator grows or shrinks it while the job runs.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControlServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -235,6 +247,11 @@ def add_ControlServiceServicer_to_server(servicer, server):
                     servicer.Health,
                     request_deserializer=sparrow__v1__pb2.HealthRequest.FromString,
                     response_serializer=sparrow__v1__pb2.HealthReply.SerializeToString,
+            ),
+            'ResizePool': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResizePool,
+                    request_deserializer=sparrow__v1__pb2.ResizePoolRequest.FromString,
+                    response_serializer=sparrow__v1__pb2.ResizePoolReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -318,6 +335,33 @@ class ControlService:
             '/sparrow.v1.ControlService/Health',
             sparrow__v1__pb2.HealthRequest.SerializeToString,
             sparrow__v1__pb2.HealthReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResizePool(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sparrow.v1.ControlService/ResizePool',
+            sparrow__v1__pb2.ResizePoolRequest.SerializeToString,
+            sparrow__v1__pb2.ResizePoolReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -24,7 +24,8 @@ print(json.dumps(sorted(m for m in {heavy} if m in sys.modules)))
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["--version"], ["schedule", "list"], ["schedule", "show", "qwen3-4b-0.86"],
-                                  ["train", "--help"], ["generate", "--help"], ["calibrate", "--help"]], ids=" ".join)
+                                  ["train", "--help"], ["generate", "--help"], ["calibrate", "--help"],
+                                  ["pool", "--help"], ["pool", "resize", "--help"], ["pool", "status", "--help"]], ids=" ".join)
 def test_light_commands_import_no_heavy_module(argv):
     code = LOADED_AFTER.format(heavy=HEAVY)
     out = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, check=True)
@@ -48,7 +49,8 @@ def test_help_lists_every_subcommand(capsys):
 
 @pytest.mark.parametrize("argv", [[name] for name in SUBCOMMANDS]
                          + [["schedule", a] for a in ("list", "show", "budget")]
-                         + [["bench", a] for a in ("rollout", "kernels", "decode-step", "rollout-paper", "trainer")],
+                         + [["bench", a] for a in ("rollout", "kernels", "decode-step", "rollout-paper", "trainer")]
+                         + [["pool", a] for a in ("resize", "status")],
                          ids=" ".join)
 def test_every_subcommand_help_works(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:

@@ -110,14 +110,20 @@ def test_one_image_and_the_pinned_ray_version_everywhere(objs):
 def test_job_config_validates_and_joins_the_cluster(objs, tmp_path):
     config = job_config(objs)
     assert config["run"]["ray"]["address"] == "auto" and config["transport"]["host"] == "0.0.0.0"
-    # transport.security arrives with the TLS work; until the schema has it, validate the rest.
-    from sparrow.coordinator.transport.config import TransportConfig
-    if "security" not in TransportConfig.model_fields:
-        config["transport"].pop("security")
     path = tmp_path / "job.yaml"
-    path.write_text(yaml.safe_dump(config))
+    path.write_text(objs["ConfigMap"]["data"]["job.yaml"])  # the whole YAML as the head pod reads it
     loaded = load_config(path)
     assert loaded.rollout.pool.node_label == "rollout_node" and loaded.trainer.pool.node_label == "trainer_node"
+    security = loaded.transport.security
+    assert (loaded.transport.tls_mode, security.client_auth, security.cert_file) == ("files", True, "/etc/sparrow/tls/tls.crt")
+
+
+def test_clients_verify_the_name_that_the_deploy_guides_certificate_carries(objs):
+    """Pods are dialled at IPs assigned at start; the tls=files certificate made by docs/deploy.md's
+    openssl commands names server_name instead, and the job config verifies that same name."""
+    server_name = job_config(objs)["transport"]["security"]["server_name"]
+    doc = (ROOT / "docs" / "deploy.md").read_text()
+    assert f"subjectAltName=DNS:{server_name}\\n" in doc
 
 
 def test_tls_files_come_from_the_secret_mounted_in_every_pod(objs):

@@ -2,7 +2,10 @@
 
 import dataclasses
 import pickle
+import shutil
 import socket
+import subprocess
+from pathlib import Path
 
 import grpc
 import psutil
@@ -121,14 +124,19 @@ def test_mutual_tls_refuses_a_client_certificate_not_signed_by_the_job_ca():
             assert control.health().component == "monitor"
 
 
-def test_files_mode_serves_with_certificates_read_from_disk(tmp_path):
+def write_files(tmp_path, names: list[str], client: bool = True) -> dict:
+    """A site CA and one certificate for `names` on disk; the tls=files settings that read them."""
     ca, ca_key = new_ca("site CA")
-    cert, key = issue(ca, ca_key, "trainer-0", ["127.0.0.1", "localhost"], server=True, client=True)
+    cert, key = issue(ca, ca_key, "sparrow", names, server=True, client=client)
     for name, data in (("ca.pem", ca), ("cert.pem", cert), ("key.pem", key)):
         (tmp_path / name).write_bytes(data)
+    return {"tls": "files", "cert_file": str(tmp_path / "cert.pem"), "key_file": str(tmp_path / "key.pem"),
+            "ca_file": str(tmp_path / "ca.pem")}
+
+
+def test_files_mode_serves_with_certificates_read_from_disk(tmp_path):
     (tmp_path / "token").write_text("0123456789abcdef0123456789abcdef\n")
-    cfg = config(tls="files", cert_file=str(tmp_path / "cert.pem"), key_file=str(tmp_path / "key.pem"),
-                 ca_file=str(tmp_path / "ca.pem"), client_auth=True, token_file=str(tmp_path / "token"))
+    cfg = config(**write_files(tmp_path, ["sparrow-transport"]), client_auth=True, token_file=str(tmp_path / "token"))
     creds = JobCredentials.create(cfg)
     assert creds.token == "0123456789abcdef0123456789abcdef" and creds.ca_key_pem is None
     with TrajectoryServer(cfg, creds) as server, TrajectoryClient(server.address, cfg, creds) as client:
@@ -137,6 +145,82 @@ def test_files_mode_serves_with_certificates_read_from_disk(tmp_path):
         with TrajectoryClient(server.address, cfg, dataclasses.replace(creds, client_identity=None)) as client:
             with pytest.raises(TransportError, match="UNAVAILABLE"):
                 client.send([trajectory(0)])
+
+
+def test_files_mode_clients_verify_the_server_name_not_the_pod_ip_they_dial(tmp_path):
+    """Kubernetes: one certificate made in advance for every server, which cannot name pod IPs assigned at
+    start; it names server_name only, and a client dialling an IP verifies that name."""
+    cfg = config(**write_files(tmp_path, ["sparrow-transport"]))
+    creds = JobCredentials.create(cfg)
+    assert (creds.server_name, creds.verify_server_name) == ("sparrow-transport", True)
+    with TrajectoryServer(cfg, creds) as server:
+        assert server.address.startswith("127.0.0.1:")
+        with TrajectoryClient(f"127.0.0.1:{server.port}", cfg, creds) as client:
+            assert client.send([trajectory(0)]).accepted == 1
+        with ControlClient(f"127.0.0.1:{server.port}", cfg, creds) as control:
+            assert control.health().status == "serving"
+        # The name is what is checked: verifying the dialled IP (which the certificate lacks) fails the handshake.
+        by_address = dataclasses.replace(creds, verify_server_name=False)
+        with TrajectoryClient(f"127.0.0.1:{server.port}", cfg, by_address) as client, pytest.raises(TransportError, match="UNAVAILABLE"):
+            client.send([trajectory(1)])
+    # Another server_name configured (e.g. a wildcard certificate's domain): the same files work for it.
+    wildcard = tmp_path / "wild"
+    wildcard.mkdir()
+    cfg = config(**write_files(wildcard, ["*.sparrow.svc"]), server_name="transport.sparrow.svc")
+    creds = JobCredentials.create(cfg)
+    with TrajectoryServer(cfg, creds) as server, TrajectoryClient(f"127.0.0.1:{server.port}", cfg, creds) as client:
+        assert client.send([trajectory(2)]).accepted == 1
+
+
+def test_files_mode_refuses_a_certificate_without_the_server_name_at_job_start(tmp_path):
+    cfg = config(**write_files(tmp_path, ["127.0.0.1", "trainer-0.example"]))
+    with pytest.raises(CredentialsError) as exc:
+        JobCredentials.create(cfg)
+    message = str(exc.value)
+    assert f"transport.security.cert_file='{tmp_path / 'cert.pem'}' names trainer-0.example but not " \
+           "server_name='sparrow-transport'" in message
+    assert "reissue the certificate with subjectAltName=DNS:sparrow-transport" in message
+    assert "or set transport.security.server_name to one of its names" in message
+    # Set to a name it lists, the same files are accepted.
+    assert JobCredentials.create(config(**write_files(tmp_path, ["trainer-0.example"]), server_name="trainer-0.example")).tls
+
+
+def test_job_mode_certificates_name_the_node_and_the_server_name():
+    """tls=job keeps per-server SANs (in-job clients verify the address they dial) and adds server_name,
+    which the `sparrow pool` client verifies (it may dial through a port-forward)."""
+    cfg = config(tls="job")
+    creds = JobCredentials.create(cfg)
+    assert not creds.verify_server_name
+    with TrajectoryServer(cfg, creds) as server:
+        with TrajectoryClient(server.address, cfg, creds) as client:
+            assert client.send([trajectory(0)]).accepted == 1
+        by_name = dataclasses.replace(creds, verify_server_name=True)
+        with ControlClient(f"localhost:{server.port}", cfg, by_name) as control:
+            assert control.health().status == "serving"
+        wrong = dataclasses.replace(creds, verify_server_name=True, server_name="not-sparrow")
+        with ControlClient(server.address, cfg, wrong, timeout_s=5) as control, pytest.raises(TransportError, match="UNAVAILABLE"):
+            control.health()
+
+
+DEPLOY_DOC = Path(__file__).resolve().parents[1] / "docs" / "deploy.md"
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="no openssl on PATH")
+def test_the_deploy_guides_openssl_commands_make_files_a_pod_ip_client_accepts(tmp_path):
+    """docs/deploy.md's commands, run as written (but kubectl), give tls=files material that works with the
+    default server_name while the client dials an IP."""
+    section = DEPLOY_DOC.read_text().split("### 3. The TLS material")[1]
+    block = section.split("```bash\n")[1].split("```")[0]
+    script = "\n".join(line for line in block.replace("\\\n", " ").splitlines() if not line.startswith("kubectl"))
+    assert "subjectAltName=DNS:sparrow-transport" in script
+    subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=tmp_path, check=True, capture_output=True)
+    tls = tmp_path / "tls"
+    cfg = config(tls="files", cert_file=str(tls / "tls.crt"), key_file=str(tls / "tls.key"), ca_file=str(tls / "ca.crt"),
+                 token_file=str(tls / "token"), client_auth=True)
+    assert cfg.security.server_name == "sparrow-transport"
+    creds = JobCredentials.create(cfg)
+    with TrajectoryServer(cfg, creds) as server, TrajectoryClient(f"127.0.0.1:{server.port}", cfg, creds) as client:
+        assert client.send([trajectory(0)]).accepted == 1
 
 
 def test_a_server_on_all_interfaces_is_trusted_at_every_address_of_its_node():
@@ -182,6 +266,8 @@ def test_auto_tls_is_off_on_loopback_and_job_credentials_elsewhere():
      "with host='127.0.0.1' is plaintext; set security.tls: job or files"),
     ({"security": {"tls": "ssl"}}, "Input should be 'auto', 'off', 'job' or 'files'"),
     ({"security": {"tokenfile": "t"}}, "Extra inputs are not permitted"),
+    ({"security": {"server_name": "10.0.0.7"}}, "server_name='10.0.0.7' is an IP address; give a DNS name"),
+    ({"security": {"server_name": "sparrow_transport"}}, "server_name='sparrow_transport' is not a DNS name"),
 ])
 def test_security_rules_name_the_key_the_value_and_the_fix(transport, expected):
     with pytest.raises(ValidationError) as exc:

@@ -3,13 +3,18 @@
 `send()` keeps at most the granted window of messages in flight, matches the in-order acks, and on a
 broken stream reopens one (exponential backoff) and resends whatever was not acknowledged. Resends
 are safe because the server de-duplicates by id: a sample whose ack was lost is acked DUPLICATE.
+
+The conversions (torch) load on a client's first send, so `ControlClient` alone (`sparrow pool`) starts fast.
 """
+
+from __future__ import annotations
 
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -19,8 +24,10 @@ from sparrow.schedule import SparsitySchedule
 
 from .config import TransportConfig
 from .control import Health
-from .convert import StatsRecord, Trajectory, schedule_to_proto, stats_to_proto, trajectory_to_proto
 from .security import JobCredentials
+
+if TYPE_CHECKING:
+    from .convert import StatsRecord, Trajectory
 
 RETRYABLE = {
     grpc.StatusCode.UNAVAILABLE,
@@ -33,7 +40,12 @@ POLL_S = 0.05
 
 
 class TransportError(RuntimeError):
-    """A send or call that failed for good (non-retryable status, or retries exhausted)."""
+    """A send or call that failed for good (non-retryable status, or retries exhausted); `code` is the
+    gRPC status of the last failure, when there was one."""
+
+    def __init__(self, message: str, code: grpc.StatusCode | None = None, details: str = ""):
+        super().__init__(message)
+        self.code, self.details = code, details
 
 
 @dataclass
@@ -119,7 +131,7 @@ class _AckedSender:
                 error = f"stream ended with {len(s.in_flight)} messages unacknowledged"
         except grpc.RpcError as exc:
             if exc.code() not in RETRYABLE:
-                raise TransportError(f"{exc.code().name}: {exc.details()}") from None
+                raise TransportError(f"{exc.code().name}: {exc.details()}", exc.code(), exc.details() or "") from None
             error = f"{exc.code().name}: {exc.details()}"
         finally:
             with s.cond:
@@ -180,6 +192,8 @@ class TrajectoryClient(_Client):
 
     def send(self, trajectories: Iterable[Trajectory | pb.Sample]) -> SendReport:
         """Send and wait for every ack. Invalid samples come back in `report.rejected`, not retried."""
+        from .convert import trajectory_to_proto
+
         return self._sender.send(t if isinstance(t, pb.Sample) else trajectory_to_proto(t) for t in trajectories)
 
 
@@ -197,6 +211,8 @@ class StatsClient(_Client):
         )
 
     def send(self, reports: Iterable[StatsRecord | pb.StatsReport]) -> SendReport:
+        from .convert import stats_to_proto
+
         return self._sender.send(r if isinstance(r, pb.StatsReport) else stats_to_proto(r) for r in reports)
 
 
@@ -215,11 +231,13 @@ class ControlClient(_Client):
                 return method(request, timeout=timeout_s)
             except grpc.RpcError as exc:
                 if exc.code() != grpc.StatusCode.UNAVAILABLE or attempt == retry.max_attempts:
-                    raise TransportError(f"{exc.code().name}: {exc.details()}") from None
+                    raise TransportError(f"{exc.code().name}: {exc.details()}", exc.code(), exc.details() or "") from None
             time.sleep(backoff)
             backoff = min(2 * backoff, retry.max_backoff_s)
 
     def update_schedule(self, schedule: SparsitySchedule) -> tuple[bool, int]:
+        from .convert import schedule_to_proto
+
         reply = self._call(self._stub.UpdateSchedule, pb.UpdateScheduleRequest(schedule=schedule_to_proto(schedule)), self._timeout_s)
         return reply.applied, reply.current_version
 
@@ -229,3 +247,9 @@ class ControlClient(_Client):
 
     def health(self) -> Health:
         return Health.from_proto(self._call(self._stub.Health, pb.HealthRequest(), self._timeout_s))
+
+    def resize_pool(self, pool: str, size: int) -> tuple[bool, int, str]:
+        """Ask the coordinator to resize `pool` to `size` workers; returns (accepted, target in force, message).
+        Safe to retry (it sets a target); INVALID_ARGUMENT / UNIMPLEMENTED raise TransportError with `code`."""
+        reply = self._call(self._stub.ResizePool, pb.ResizePoolRequest(pool=pool, size=size), self._timeout_s)
+        return reply.accepted, reply.size, reply.message

@@ -1,12 +1,17 @@
 """Settings of the gRPC transport (servers and clients)."""
 
 import ipaddress
+import re
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 """Bind addresses that mean "every interface of this node"."""
+DEFAULT_SERVER_NAME = "sparrow-transport"
+"""The DNS name every server certificate carries (docs/deploy.md makes the tls=files certificate with it)."""
+_DNS_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+_DNS_NAME = re.compile(rf"{_DNS_LABEL}(?:\.{_DNS_LABEL})*")
 
 
 def is_loopback(host: str) -> bool:
@@ -52,12 +57,35 @@ class SecurityConfig(BaseModel):
     client_auth: bool = Field(False, description="mutual TLS: servers accept only clients with a certificate of the job CA")
     token_file: str | None = Field(None, description="file holding the job's bearer token; None = generated per job")
     allow_insecure: bool = Field(False, description="allow tls=off on a non-loopback host (plaintext on the network)")
+    server_name: str = Field(
+        DEFAULT_SERVER_NAME, description="DNS name in every server certificate; with tls=files clients verify it instead "
+        "of the address they dial (pod IPs are unknown in advance), so cert_file must list it (subjectAltName DNS)",
+    )
 
     @field_validator("tls", mode="before")
     @classmethod
     def _yaml_off(cls, value):
         """YAML reads an unquoted `tls: off` as false."""
         return "off" if value is False else value
+
+    @field_validator("server_name")
+    @classmethod
+    def _dns_name(cls, value: str) -> str:
+        try:
+            ipaddress.ip_address(value)
+        except ValueError:
+            pass
+        else:
+            raise ValueError(
+                f"server_name={value!r} is an IP address; give a DNS name (any fixed name, e.g. "
+                f"{DEFAULT_SERVER_NAME!r}) that the certificate lists as subjectAltName DNS:<name>"
+            )
+        if len(value) > 253 or not _DNS_NAME.fullmatch(value):
+            raise ValueError(
+                f"server_name={value!r} is not a DNS name (labels of letters, digits and inner hyphens, joined by "
+                f"dots, at most 253 characters); e.g. {DEFAULT_SERVER_NAME!r}"
+            )
+        return value
 
     @model_validator(mode="after")
     def _files(self):

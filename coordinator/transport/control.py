@@ -1,8 +1,12 @@
-"""ControlService: schedule updates, drain and health, served by every component.
+"""ControlService: schedule updates, drain and health, served by every component; pool resizes,
+served by the coordinator.
 
 A component implements `ControlHandler`; `ControlServicer` adapts it to gRPC (grpc.aio) and turns bad
 requests into INVALID_ARGUMENT naming the field. Handler methods run in a worker thread: they may
-block (a drain waits for pending work) and must not stall the transport loop.
+block (a drain waits for pending work) and must not stall the transport loop. A handler without
+`resize_pool`, or whose method raises NotImplementedError, answers that RPC with UNIMPLEMENTED.
+
+No torch here (schedules are converted on demand), so the `sparrow pool` client starts fast.
 """
 
 import asyncio
@@ -18,8 +22,7 @@ from sparrow.protos import sparrow_v1_pb2 as pb
 from sparrow.schedule import SparsitySchedule
 
 from . import wire
-from .convert import schedule_from_proto
-from .validate import InvalidMessage
+from .validate import InvalidMessage, validate_resize_pool
 
 SERVING_STATUS = {
     "serving": pb.SERVING_STATUS_SERVING,
@@ -29,12 +32,34 @@ SERVING_STATUS = {
 
 
 @dataclass
+class PoolStatus:
+    """One worker pool as the coordinator reports it in `Health.pools`."""
+
+    pool: str
+    target: int
+    serving: int
+    joining: int = 0
+    retiring: int = 0
+    resizable: bool = False
+
+    def to_proto(self) -> pb.PoolStatus:
+        return pb.PoolStatus(pool=self.pool, target=self.target, serving=self.serving, joining=self.joining,
+                             retiring=self.retiring, resizable=self.resizable)
+
+    @classmethod
+    def from_proto(cls, msg: pb.PoolStatus) -> "PoolStatus":
+        return cls(msg.pool, msg.target, msg.serving, msg.joining, msg.retiring, msg.resizable)
+
+
+@dataclass
 class Health:
     status: str
     component: str
     schedule_version: int = 0
     policy_version: int = 0
     gauges: dict[str, float] = field(default_factory=dict)
+    pools: list[PoolStatus] = field(default_factory=list)
+    """The coordinator's pools; empty for other components."""
 
     def to_proto(self) -> pb.HealthReply:
         return pb.HealthReply(
@@ -43,12 +68,14 @@ class Health:
             schedule_version=self.schedule_version,
             policy_version=self.policy_version,
             gauges=self.gauges,
+            pools=[p.to_proto() for p in self.pools],
         )
 
     @classmethod
     def from_proto(cls, msg: pb.HealthReply) -> "Health":
         status = {v: k for k, v in SERVING_STATUS.items()}.get(msg.status, "not_serving")
-        return cls(status, msg.component, msg.schedule_version, msg.policy_version, dict(msg.gauges))
+        return cls(status, msg.component, msg.schedule_version, msg.policy_version, dict(msg.gauges),
+                   [PoolStatus.from_proto(p) for p in msg.pools])
 
 
 class ControlHandler(Protocol):
@@ -59,6 +86,31 @@ class ControlHandler(Protocol):
         """Stop taking new work, wait up to `timeout_s` for pending work; returns (drained, pending)."""
 
     def health(self) -> Health: ...
+
+    def resize_pool(self, pool: str, size: int) -> tuple[bool, int, str]:
+        """Optional (the coordinator's): set `pool`'s target size; returns (accepted, target in force, message).
+
+        Called with a validated request (`pool` is "rollout", 1 <= size <= MAX_POOL_SIZE) on a worker
+        thread while the job runs, so it records the target and returns at once; the job applies it.
+        (False, current target, why) refuses a valid request. Components without it answer UNIMPLEMENTED."""
+
+
+class ResizeRequests:
+    """Thread-safe mailbox between `resize_pool` (transport threads) and the loop that applies sizes:
+    the latest target asked for per pool; `take()` hands each over once."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._pending: dict[str, int] = {}
+
+    def put(self, pool: str, size: int) -> None:
+        with self._lock:
+            self._pending[pool] = size
+
+    def take(self, pool: str) -> int | None:
+        """The size asked for since the last take (the latest of several), or None."""
+        with self._lock:
+            return self._pending.pop(pool, None)
 
 
 class ScheduleState:
@@ -86,6 +138,14 @@ class ScheduleState:
             return True, schedule.version
 
 
+def _unimplemented(what: str, handler) -> str:
+    name = getattr(handler, "component", None) or type(handler).__name__
+    if what == "ResizePool":
+        return (f"ResizePool: this component ({name}) does not resize pools; the coordinator does: "
+                "`sparrow pool resize RUN_DIR --rollout N` dials the address in RUN_DIR/control/endpoint.json")
+    return f"{what}: not served by this component ({name})"
+
+
 class ControlServicer:
     def __init__(self, handler: ControlHandler):
         self.handler = handler
@@ -95,6 +155,7 @@ class ControlServicer:
             "UpdateSchedule": wire.unary_unary(self.UpdateSchedule, pb.UpdateScheduleRequest, pb.UpdateScheduleReply),
             "Drain": wire.unary_unary(self.Drain, pb.DrainRequest, pb.DrainReply),
             "Health": wire.unary_unary(self.Health, pb.HealthRequest, pb.HealthReply),
+            "ResizePool": wire.unary_unary(self.ResizePool, pb.ResizePoolRequest, pb.ResizePoolReply),
         })
 
     @staticmethod
@@ -103,7 +164,16 @@ class ControlServicer:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.describe())
         return request
 
+    async def _call(self, context: grpc.aio.ServicerContext, rpc: str, method: Callable, *args):
+        """`method(*args)` on a worker thread; NotImplementedError answers UNIMPLEMENTED with its message."""
+        try:
+            return await asyncio.to_thread(method, *args)
+        except NotImplementedError as exc:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{rpc}: {exc}" if str(exc) else _unimplemented(rpc, self.handler))
+
     async def UpdateSchedule(self, request, context: grpc.aio.ServicerContext) -> pb.UpdateScheduleReply:
+        from .convert import schedule_from_proto  # torch, for the samples' conversions: loaded by the first update
+
         request = await self._decoded(request, context)
         if not request.HasField("schedule"):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "schedule: missing")
@@ -111,7 +181,7 @@ class ControlServicer:
             schedule = schedule_from_proto(request.schedule)
         except InvalidMessage as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        applied, version = await asyncio.to_thread(self.handler.update_schedule, schedule)
+        applied, version = await self._call(context, "UpdateSchedule", self.handler.update_schedule, schedule)
         return pb.UpdateScheduleReply(applied=applied, current_version=version)
 
     async def Drain(self, request, context: grpc.aio.ServicerContext) -> pb.DrainReply:
@@ -120,9 +190,22 @@ class ControlServicer:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"timeout_s: ={request.timeout_s} must be a finite number >= 0")
         remaining = context.time_remaining()  # no use waiting past the caller's deadline
         timeout_s = request.timeout_s if remaining is None else min(request.timeout_s, max(remaining, 0.0))
-        drained, pending = await asyncio.to_thread(self.handler.drain, timeout_s)
+        drained, pending = await self._call(context, "Drain", self.handler.drain, timeout_s)
         return pb.DrainReply(drained=drained, pending=pending)
 
     async def Health(self, request, context: grpc.aio.ServicerContext) -> pb.HealthReply:
         await self._decoded(request, context)
-        return (await asyncio.to_thread(self.handler.health)).to_proto()
+        return (await self._call(context, "Health", self.handler.health)).to_proto()
+
+    async def ResizePool(self, request, context: grpc.aio.ServicerContext) -> pb.ResizePoolReply:
+        """Decoded, then UNIMPLEMENTED unless the handler resizes, then validated, then the handler."""
+        request = await self._decoded(request, context)
+        resize = getattr(self.handler, "resize_pool", None)
+        if resize is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, _unimplemented("ResizePool", self.handler))
+        try:
+            validate_resize_pool(request)
+        except InvalidMessage as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        accepted, size, message = await self._call(context, "ResizePool", resize, request.pool, request.size)
+        return pb.ResizePoolReply(accepted=accepted, size=size, message=message)

@@ -41,11 +41,13 @@ class Outcome:
 
 @dataclass
 class FuzzTargets:
-    """Where each RPC goes: the trajectory server serves StreamSamples and control, the monitor StreamStats."""
+    """Where each RPC goes: the trajectory server serves StreamSamples and control, the monitor StreamStats,
+    `control` (a ControlServer whose handler resizes, like the coordinator's) ResizePool."""
 
     trajectory: str
     monitor: str
     resume: Callable[[], None]
+    control: str | None = None
 
 
 @dataclass
@@ -92,6 +94,8 @@ class Fuzzer:
         options = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", 64 * 2**20)]
         self._channels = {"trajectory": credentials.channel(targets.trajectory, options),
                           "monitor": credentials.channel(targets.monitor, options)}
+        if targets.control is not None:
+            self._channels["control"] = credentials.channel(targets.control, options)
 
     def close(self) -> None:
         for channel in self._channels.values():
@@ -103,8 +107,11 @@ class Fuzzer:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _method(self, rpc: str):
-        channel = self._channels["monitor" if rpc == "StreamStats" else "trajectory"]
+    def _method(self, rpc: str, target: str | None = None):
+        target = target or {"StreamStats": "monitor", "ResizePool": "control"}.get(rpc, "trajectory")
+        if target not in self._channels:
+            raise ValueError(f"{rpc} cases need FuzzTargets.{target} (a ControlServer whose handler resizes pools)")
+        channel = self._channels[target]
         path = f"/{SERVICES[rpc]}/{rpc}"
         if rpc in STREAMS:
             return channel.stream_stream(path, request_serializer=None, response_deserializer=pb.StreamReply.FromString)
@@ -143,7 +150,7 @@ class Fuzzer:
                 acks = [r.ack for r in self._method(case.rpc)(iter(requests), timeout=60) if r.WhichOneof("kind") == "ack"]
                 got = _ack_answer(acks[-1]) if acks else Answer("status", "OK")
             else:
-                self._method(case.rpc)(requests[0], timeout=60)
+                self._method(case.rpc, case.target)(requests[0], timeout=60)
                 got = Answer("status", "OK")
         except grpc.RpcError as exc:
             got = _status_answer(exc)
@@ -162,5 +169,10 @@ def valid_traffic(targets: FuzzTargets, config: TransportConfig, credentials: Jo
     with ControlClient(targets.trajectory, config, credentials) as control:
         applied, _ = control.update_schedule(schedule_from_proto(valid_schedule(schedule_version)))
         serving = control.health().status == "serving"
-    return {"samples accepted": (accepted, samples), "reports accepted": (stats, reports),
-            "schedule applied, health serving": (int(applied) + int(serving), 2)}
+    out = {"samples accepted": (accepted, samples), "reports accepted": (stats, reports),
+           "schedule applied, health serving": (int(applied) + int(serving), 2)}
+    if targets.control is not None:
+        with ControlClient(targets.control, config, credentials) as control:
+            resized = [control.resize_pool("rollout", n)[:2] == (True, n) for n in (2, 5, 1)]
+        out["pool resizes accepted"] = (sum(resized), len(resized))
+    return out

@@ -5,7 +5,8 @@ versions, bad enums, oversized strings); each mutation names the field the answe
 oracle is not the validator under test. Stream payloads share a stream and must be acked naming the
 field (`Payload`); protocol mutations (no StreamOpen, the wrong kind, an oversized message, random
 bytes) and unary requests each get a call of their own (`Call`) and must end with a status whose
-details start with the field. Random bytes that happen to parse are judged by what they parse to
+details start with the field. ResizePool goes to a coordinator-like control server (`FuzzTargets.control`)
+and, valid, to the trajectory server too, which cannot resize (UNIMPLEMENTED). Random bytes that happen to parse are judged by what they parse to
 (there the validator is the oracle). Generation only: `fuzz.py` sends the cases.
 """
 
@@ -23,8 +24,8 @@ from sparrow.protos import sparrow_v1_pb2 as pb
 from .config import TransportConfig
 from .convert import schedule_from_proto
 from .examples import valid_report, valid_sample, valid_schedule
-from .validate import MAX_HISTOGRAM_BINS, MAX_HISTOGRAM_RESOLUTION, MAX_ID_CHARS, MAX_TEXT_CHARS, InvalidMessage
-from .validate import validate_sample, validate_stats_report
+from .validate import MAX_HISTOGRAM_BINS, MAX_HISTOGRAM_RESOLUTION, MAX_ID_CHARS, MAX_POOL_SIZE, MAX_TEXT_CHARS, InvalidMessage
+from .validate import validate_resize_pool, validate_sample, validate_stats_report
 
 INT32 = (-(2**31), 2**31 - 1)
 INT64 = (-(2**63), 2**63 - 1)
@@ -72,6 +73,7 @@ class Call:
     requests: Callable[[], list[bytes]]
     expected: Answer
     after: Callable[[], None] | None = None  # e.g. resume the server after an accepted Drain
+    target: str | None = None  # FuzzTargets field to send to; None = the RPC's usual server
 
 
 # ---------------------------------------------------------------------- field mutations
@@ -309,7 +311,8 @@ def _payloads(rpc: str, base: Callable[[int, object], object], shape: st.SearchS
 
 def _decoded_answer(rpc: str, data: bytes, config: TransportConfig) -> Answer:
     """The answer random bytes must get, from what they parse to."""
-    request_type = {"UpdateSchedule": pb.UpdateScheduleRequest, "Drain": pb.DrainRequest, "Health": pb.HealthRequest}[rpc]
+    request_type = {"UpdateSchedule": pb.UpdateScheduleRequest, "Drain": pb.DrainRequest, "Health": pb.HealthRequest,
+                    "ResizePool": pb.ResizePoolRequest}[rpc]
     try:
         msg = request_type.FromString(data)
     except DecodeError:
@@ -323,6 +326,11 @@ def _decoded_answer(rpc: str, data: bytes, config: TransportConfig) -> Answer:
             return Answer("status", "INVALID_ARGUMENT", exc.field)
     if rpc == "Drain" and not (math.isfinite(msg.timeout_s) and msg.timeout_s >= 0):
         return Answer("status", "INVALID_ARGUMENT", "timeout_s")
+    if rpc == "ResizePool":
+        try:
+            validate_resize_pool(msg)
+        except InvalidMessage as exc:
+            return Answer("status", "INVALID_ARGUMENT", exc.field)
     return Answer("status", "OK")
 
 
@@ -429,6 +437,8 @@ def _unary_calls(rpc: str, config: TransportConfig, versions: itertools.count, r
         return Call(rpc, label, lambda: [data], expected, after)
 
     random_bytes = st.binary(max_size=64).map(lambda b: call("random bytes", b, _decoded_answer(rpc, b, config)))
+    if rpc == "ResizePool":
+        return _resize_calls(call, random_bytes)
     if rpc == "Health":
         return random_bytes | st.none().map(lambda _: call("valid", pb.HealthRequest(), Answer("status", "OK")))
     if rpc == "Drain":
@@ -449,12 +459,37 @@ def _unary_calls(rpc: str, config: TransportConfig, versions: itertools.count, r
                                      for label, param, apply in _schedule_mutations()))
 
 
+def _resize_calls(call: Callable, random_bytes: st.SearchStrategy) -> st.SearchStrategy:
+    """ResizePool to the coordinator-like control target; a valid one to a server that cannot resize."""
+    valid_size = st.integers(1, MAX_POOL_SIZE)
+    bad_size = st.integers(INT32[0], 0) | st.integers(MAX_POOL_SIZE + 1, INT32[1])
+    other_pool = st.text(max_size=40).filter(lambda p: p != "rollout") | _oversized_id
+    invalid = Answer("status", "INVALID_ARGUMENT", "pool")
+
+    def unimplemented(size: int) -> Call:
+        c = call("valid, to a server that cannot resize", pb.ResizePoolRequest(pool="rollout", size=size),
+                 Answer("status", "UNIMPLEMENTED"))
+        return Call(c.rpc, c.label, c.requests, c.expected, target="trajectory")
+
+    return st.one_of(
+        random_bytes,
+        valid_size.map(lambda n: call("valid", pb.ResizePoolRequest(pool="rollout", size=n), Answer("status", "OK"))),
+        bad_size.map(lambda n: call("size:out of range", pb.ResizePoolRequest(pool="rollout", size=n),
+                                    Answer("status", "INVALID_ARGUMENT", "size"))),
+        st.tuples(st.just("trainer"), st.integers(*INT32)).map(lambda p: call(
+            "pool:trainer (fixed per run)", pb.ResizePoolRequest(pool=p[0], size=p[1]), invalid)),
+        st.tuples(other_pool, st.integers(*INT32)).map(lambda p: call(
+            "pool:unknown, empty or oversized", pb.ResizePoolRequest(pool=p[0], size=p[1]), invalid)),
+        valid_size.map(unimplemented),
+    )
+
+
 # ---------------------------------------------------------------------- generation and sending
 
 QUOTAS = {  # share of the messages per RPC and kind
-    ("StreamSamples", "payload"): 0.40, ("StreamSamples", "call"): 0.08,
-    ("StreamStats", "payload"): 0.22, ("StreamStats", "call"): 0.06,
-    ("UpdateSchedule", "call"): 0.12, ("Drain", "call"): 0.06, ("Health", "call"): 0.06,
+    ("StreamSamples", "payload"): 0.37, ("StreamSamples", "call"): 0.08,
+    ("StreamStats", "payload"): 0.20, ("StreamStats", "call"): 0.06,
+    ("UpdateSchedule", "call"): 0.11, ("Drain", "call"): 0.06, ("Health", "call"): 0.06, ("ResizePool", "call"): 0.06,
 }
 
 
@@ -488,6 +523,7 @@ def cases(config: TransportConfig, n: int, random_seed: int, resume: Callable[[]
         ("UpdateSchedule", "call"): _unary_calls("UpdateSchedule", config, versions, resume),
         ("Drain", "call"): _unary_calls("Drain", config, versions, resume),
         ("Health", "call"): _unary_calls("Health", config, versions, resume),
+        ("ResizePool", "call"): _unary_calls("ResizePool", config, versions, resume),
     }
     out = []
     for k, (key, strategy) in enumerate(strategies.items()):

@@ -1,4 +1,5 @@
-"""A trajectory server in a child process, and many-stream load against it.
+"""A trajectory server in a child process, and many-stream load against it; `PoolRecorder`, a control
+handler that resizes pools like the coordinator's and records what it was asked.
 
 Shared by tests/test_grpc_load.py and the benchmarks grpc_many_clients.py and fuzz_grpc.py. The
 server runs in its own process so that its threads and memory are measured
@@ -27,6 +28,7 @@ from sparrow.protos import sparrow_v1_pb2_grpc as pb_grpc
 from .auth import HEADER, bearer
 from .client import TrajectoryClient
 from .config import TransportConfig
+from .control import Health, PoolStatus
 from .examples import valid_sample
 from .security import JobCredentials
 
@@ -34,8 +36,39 @@ SEPARATE_CONNECTION = ("grpc.use_local_subchannel_pool", 1)
 """Channel option: a channel of its own TCP connection (gRPC shares one between equal channels otherwise)."""
 
 
+class PoolRecorder:
+    """A coordinator-like ControlHandler: accepts every resize (the servicer has validated it), records
+    (pool, size), and reports the pools in `health()`; schedule updates and drains are UNIMPLEMENTED."""
+
+    component = "coordinator"
+
+    def __init__(self, rollout: int = 2, trainer: int = 1):
+        self.resizes: list[tuple[str, int]] = []
+        self.pools = {"rollout": rollout, "trainer": trainer}
+        self._lock = threading.Lock()
+
+    def resize_pool(self, pool: str, size: int) -> tuple[bool, int, str]:
+        with self._lock:
+            self.resizes.append((pool, size))
+            was, self.pools[pool] = self.pools[pool], size
+        return True, size, f"was {was}; new workers join at the next weights version"
+
+    def update_schedule(self, schedule):
+        raise NotImplementedError("the coordinator's schedule comes from its controller")
+
+    def drain(self, timeout_s: float):
+        raise NotImplementedError("the coordinator does not drain; stop the job instead")
+
+    def health(self) -> Health:
+        with self._lock:
+            pools = [PoolStatus("rollout", self.pools["rollout"], self.pools["rollout"], resizable=True),
+                     PoolStatus("trainer", self.pools["trainer"], self.pools["trainer"])]
+        return Health("serving", self.component, 3, 7, {"step": 7.0}, pools)
+
+
 class ServerProcess:
-    """A TrajectoryServer (or MonitorServer) in a child process whose consumer empties the queue as it fills."""
+    """A TrajectoryServer (or MonitorServer, or a ControlServer around a `PoolRecorder`) in a child process
+    whose consumer empties the queue as it fills."""
 
     def __init__(self, config: TransportConfig, credentials: JobCredentials, kind: str = "trajectory"):
         self.config, self.credentials, self.kind = config, credentials, kind
@@ -94,27 +127,34 @@ class ServerProcess:
 
 
 def _serve_child() -> None:
-    from .servers import MonitorServer, TrajectoryServer
+    from .servers import ControlServer, MonitorServer, TrajectoryServer
 
     config_json, credentials, kind = pickle.loads(base64.b64decode(sys.stdin.readline()))
-    server_class = {"trajectory": TrajectoryServer, "monitor": MonitorServer}[kind]
-    server = server_class(TransportConfig.model_validate_json(config_json), credentials, server_id=f"harness-{kind}")
+    config = TransportConfig.model_validate_json(config_json)
+    consumed, recorder = [0], PoolRecorder()
+    if kind == "control":
+        server = ControlServer(config, credentials, recorder)
+    else:
+        server_class = {"trajectory": TrajectoryServer, "monitor": MonitorServer}[kind]
+        server = server_class(config, credentials, server_id=f"harness-{kind}")
     port = server.start()
-    consumed = [0]
 
     def consume():
         while True:
             consumed[0] += len(server.get_batch(256, timeout=0.5))
 
-    threading.Thread(target=consume, name="consumer", daemon=True).start()
+    if kind != "control":
+        threading.Thread(target=consume, name="consumer", daemon=True).start()
     print(json.dumps({"port": port}), flush=True)
     me = psutil.Process()
     for line in sys.stdin:
         if line.strip() == "resume":
-            server.resume()
+            if kind != "control":
+                server.resume()
             reply = {}
         else:
-            reply = {**server.stats(), "threads": me.num_threads(), "rss_mb": me.memory_info().rss / 2**20, "consumed": consumed[0]}
+            reply = {**server.stats(), "threads": me.num_threads(), "rss_mb": me.memory_info().rss / 2**20,
+                     "consumed": consumed[0], "resizes": len(recorder.resizes)}
         print(json.dumps(reply), flush=True)
     server.stop(grace=0)
 
@@ -123,7 +163,7 @@ def aio_channel(address: str, credentials: JobCredentials, options: list) -> tup
     """A grpc.aio channel and the metadata its calls need (the token travels as call credentials over TLS)."""
     options = [*options, SEPARATE_CONNECTION]
     if credentials.tls:
-        return grpc.aio.secure_channel(address, credentials.channel_credentials(), options=options), ()
+        return grpc.aio.secure_channel(address, credentials.channel_credentials(), options=credentials.channel_options(options)), ()
     return grpc.aio.insecure_channel(address, options=options), ((HEADER, bearer(credentials.token)),)
 
 

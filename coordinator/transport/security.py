@@ -2,7 +2,9 @@
 
 The coordinator creates them once per job and hands them to every actor as a Ray argument (they are a
 plain picklable dataclass). With `tls: job` they hold the job CA's private key, so each server issues
-its own certificate on its own node, for the addresses clients dial there.
+its own certificate on its own node, for the addresses clients dial there and `server_name`. With
+`tls: files` every server uses the one certificate, which cannot list pod IPs assigned at start, so
+clients verify `server_name` (which the certificate must list) instead of the address they dial.
 """
 
 import secrets
@@ -14,10 +16,11 @@ import grpc
 import psutil
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
+from cryptography.x509.oid import NameOID
 
 from . import pki
 from .auth import TokenMetadata
-from .config import WILDCARD_HOSTS, TransportConfig
+from .config import DEFAULT_SERVER_NAME, WILDCARD_HOSTS, TransportConfig
 
 TOKEN_BYTES = 32
 MIN_TOKEN_CHARS = 16
@@ -60,6 +63,41 @@ def _read_token(path: str | None) -> str:
     return token
 
 
+def certificate_names(cert_pem: bytes) -> list[str]:
+    """The DNS names a server certificate (the first in `cert_pem`) is valid for: its subjectAltName DNS
+    entries, or its common name when it has none (as gRPC's name check does)."""
+    cert = x509.load_pem_x509_certificates(cert_pem)[0]
+    try:
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        names = san.get_values_for_type(x509.DNSName)
+    except x509.ExtensionNotFound:
+        names = []
+    if not names:
+        names = [str(a.value) for a in cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)]
+    return names
+
+
+def name_matches(name: str, pattern: str) -> bool:
+    """Whether certificate name `pattern` (possibly `*.domain`, one label) covers DNS name `name`."""
+    name, pattern = name.lower().rstrip("."), pattern.lower().rstrip(".")
+    if pattern.startswith("*."):
+        head, _, rest = name.partition(".")
+        return bool(head) and rest == pattern[2:]
+    return name == pattern
+
+
+def _check_server_name(security, cert: bytes) -> None:
+    names = certificate_names(cert)
+    if not any(name_matches(security.server_name, n) for n in names):
+        listed = ", ".join(names) if names else "no DNS name"
+        raise CredentialsError(
+            f"{CONFIG_KEY}.cert_file={security.cert_file!r} names {listed} but not server_name={security.server_name!r}: "
+            "with tls=files clients verify that name, not the address they dial (pod IPs are assigned at start); "
+            f"reissue the certificate with subjectAltName=DNS:{security.server_name} (docs/deploy.md) or set "
+            f"{CONFIG_KEY}.server_name to one of its names"
+        )
+
+
 def _read_files(security) -> tuple[bytes, bytes, bytes]:
     """(ca, cert, key) PEM of tls=files, each checked to parse as what its key says it is."""
     ca, cert, key = _read("ca_file", security.ca_file), _read("cert_file", security.cert_file), _read("key_file", security.key_file)
@@ -73,6 +111,7 @@ def _read_files(security) -> tuple[bytes, bytes, bytes]:
         except (ValueError, TypeError) as exc:
             kind = "an unencrypted PEM private key" if name == "key_file" else "PEM certificates"
             raise CredentialsError(f"{CONFIG_KEY}.{name}={path!r}: not {kind} ({exc})") from None
+    _check_server_name(security, cert)
     return ca, cert, key
 
 
@@ -90,6 +129,10 @@ class JobCredentials:
     """tls=files: (certificate, key) PEM of every server."""
     client_identity: tuple[bytes, bytes] | None = None
     """client_auth: (certificate, key) PEM that clients present."""
+    server_name: str = DEFAULT_SERVER_NAME
+    """A DNS name every server certificate lists (tls=job: besides the node's addresses)."""
+    verify_server_name: bool = False
+    """Clients verify `server_name` instead of the address they dial (tls=files; the `sparrow pool` client)."""
 
     @classmethod
     def create(cls, config: TransportConfig) -> "JobCredentials":
@@ -97,13 +140,14 @@ class JobCredentials:
         security, mode = config.security, config.tls_mode
         token = _read_token(security.token_file)
         if mode == "off":
-            return cls(token)
+            return cls(token, server_name=security.server_name)
         if mode == "job":
             ca, ca_key = pki.new_ca("sparrow job CA")
             client = pki.issue(ca, ca_key, "sparrow job client", server=False, client=True) if security.client_auth else None
-            return cls(token, True, security.client_auth, ca, ca_key, None, client)
+            return cls(token, True, security.client_auth, ca, ca_key, None, client, security.server_name)
         ca, cert, key = _read_files(security)
-        return cls(token, True, security.client_auth, ca, None, (cert, key), (cert, key) if security.client_auth else None)
+        return cls(token, True, security.client_auth, ca, None, (cert, key), (cert, key) if security.client_auth else None,
+                   security.server_name, verify_server_name=True)
 
     def __repr__(self) -> str:  # never print the token or keys (Ray logs actor arguments on errors)
         mode = "off" if not self.tls else "files" if self.server_identity else "job"
@@ -116,7 +160,8 @@ class JobCredentials:
         if self.server_identity is not None:
             cert, key = self.server_identity
         else:
-            cert, key = pki.issue(self.ca_pem, self.ca_key_pem, socket.gethostname(), node_names(host), server=True)
+            cert, key = pki.issue(self.ca_pem, self.ca_key_pem, socket.gethostname(), [*node_names(host), self.server_name],
+                                  server=True)
         return grpc.ssl_server_credentials(
             [(key, cert)], root_certificates=self.ca_pem if self.client_auth else None, require_client_auth=self.client_auth
         )
@@ -131,8 +176,14 @@ class JobCredentials:
             grpc.access_token_call_credentials(self.token),
         )
 
+    def channel_options(self, options: list[tuple[str, int]] = ()) -> list[tuple]:
+        """`options` plus, when clients verify `server_name`, the option that makes them check it."""
+        if self.tls and self.verify_server_name:
+            return [*options, ("grpc.ssl_target_name_override", self.server_name)]
+        return list(options)
+
     def channel(self, address: str, options: list[tuple[str, int]] = ()) -> grpc.Channel:
         """A client channel to `address` that presents this job's token (over TLS when the job uses it)."""
         if self.tls:
-            return grpc.secure_channel(address, self.channel_credentials(), options=options)
+            return grpc.secure_channel(address, self.channel_credentials(), options=self.channel_options(options))
         return grpc.intercept_channel(grpc.insecure_channel(address, options=options), TokenMetadata(self.token))

@@ -1,5 +1,6 @@
 """The gRPC servers: trajectories (rollout workers → trainer pool), statistics (trainers → coordinator
-monitor), and ControlService alone (rollout workers). Both ingest servers also serve ControlService.
+monitor), and ControlService alone (rollout workers; the coordinator's, for `sparrow pool`, through
+`endpoint.JobControlServer`). Both ingest servers also serve ControlService.
 
 Every server is a grpc.aio server on the process's transport loop (`loop.py`) behind the job token
 (`auth.TokenCheck`) and, when the job uses TLS, a certificate for the addresses it is dialled at.
@@ -65,6 +66,9 @@ class _GrpcServer:
     def address(self) -> str:
         return f"{self.config.host}:{self.port}"
 
+    def stats(self) -> dict[str, float]:
+        return {"unauthenticated": float(self.unauthenticated)}
+
     def stop(self, grace: float | None = 1.0) -> None:
         """Stop serving; calls still running after `grace` seconds are cancelled (senders resend elsewhere)."""
         if self._server is not None:
@@ -80,7 +84,7 @@ class _GrpcServer:
 
 
 class ControlServer(_GrpcServer):
-    """ControlService alone, for a component that receives no stream (a rollout worker)."""
+    """ControlService alone, for a component that receives no stream (a rollout worker, the coordinator)."""
 
     component = "control"
 
@@ -133,7 +137,7 @@ class _IngestServer(_GrpcServer):
         return self.ingest.queue.qsize()
 
     def stats(self) -> dict[str, float]:
-        return {**self.ingest.stats(), "unauthenticated": float(self.unauthenticated)}
+        return {**self.ingest.stats(), **super().stats()}
 
     @property
     def schedule(self) -> SparsitySchedule | None:

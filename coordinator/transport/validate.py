@@ -20,6 +20,11 @@ MAX_TEXT_CHARS = 65_536
 """Longest free text accepted (an error message, a metadata value): a bound, since answers may quote it."""
 MAX_HISTOGRAM_BINS = 4096
 MAX_HISTOGRAM_RESOLUTION = 100_000
+RESIZABLE_POOLS = ("rollout",)
+"""Pools ResizePool may change. The trainer pool is fixed for a run: its DeepSpeed ranks shard the model
+and optimizer state, and the data-parallel world size is part of every checkpoint."""
+MAX_POOL_SIZE = 1024
+"""Largest pool size ResizePool accepts (a bound against typos; the coordinator may refuse less)."""
 
 
 class InvalidMessage(ValueError):
@@ -205,3 +210,15 @@ def validate_schedule(msg: pb.Schedule) -> None:
     for i, v in enumerate(msg.topk_blocks):
         _check(v >= -1, f"schedule.topk_blocks[{i}]", f"={v} must be >= 0, or -1 for a dense bin")
     _check_version(msg.version, "schedule.version")
+
+
+def validate_resize_pool(msg: pb.ResizePoolRequest) -> None:
+    """The pool is one that can be resized and the size is in [1, MAX_POOL_SIZE]."""
+    _check_text(msg.pool, "pool", MAX_ID_CHARS)
+    if msg.pool == "trainer":
+        raise InvalidMessage(
+            "pool", "'trainer' cannot be resized: the trainer pool is fixed for a run (its DeepSpeed ranks shard the "
+            "model and optimizer state; set trainer.pool.size when starting a job); resize 'rollout'",
+        )
+    _check(msg.pool in RESIZABLE_POOLS, "pool", f"={msg.pool!r} is not a resizable pool; give {' or '.join(map(repr, RESIZABLE_POOLS))}")
+    _check(1 <= msg.size <= MAX_POOL_SIZE, "size", f"={msg.size} must be in [1, {MAX_POOL_SIZE}] (workers in the pool)")

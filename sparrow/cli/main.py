@@ -23,6 +23,7 @@ SUBCOMMANDS = {
     "calibrate": ("sparrow.cli.calibrate_cmd",
                   "measure tail α per length bin and KV budget; write the cheapest schedule meeting τ"),
     "export": ("sparrow.cli.export_cmd", "write a run's checkpoint as a Hugging Face model directory (safetensors, config, tokenizer)"),
+    "pool": ("sparrow.cli.pool_cmd", "resize a running job's rollout pool, or show its pools (RUN_DIR/control/)"),
 }
 
 
