@@ -314,15 +314,7 @@ class SparrowConfig(_Section):
                 "run.weights_channel='collective' needs mode='sync': a broadcast waits for every rollout worker, "
                 "which in async mode are busy generating; use 'object_store' or 'auto'"
             )
-        template = self.schedule_template()
-        for name in ("sink", "recent"):
-            if getattr(template, name) != getattr(engine, name):
-                raise ValueError(
-                    f"rollout.schedule has {name}={getattr(template, name)} but rollout.{self.rollout.engine}.{name}="
-                    f"{getattr(engine, name)}; make them equal"
-                )
-        if template.block_size != 16:
-            raise ValueError(f"rollout.schedule has block_size={template.block_size}; Sparrow's KV blocks are 16 tokens")
+        engine.layout().check_compatible(self.schedule_template(), "rollout.schedule", f"rollout.{self.rollout.engine}")
         return self
 
     # ------------------------------------------------------------------ derived values

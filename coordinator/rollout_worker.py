@@ -117,13 +117,7 @@ class RolloutWorker:
     # ------------------------------------------------------------------ ControlService
 
     def _stage_schedule(self, schedule: SparsitySchedule) -> None:
-        a = getattr(self.engine, "attention", None)
-        if a is not None and (schedule.block_size, schedule.sink, schedule.recent) != (a.block_size, a.sink, a.recent):
-            raise ValueError(
-                f"schedule {schedule.name!r} v{schedule.version}: block_size/sink/recent "
-                f"{schedule.block_size}/{schedule.sink}/{schedule.recent} differ from the engine's "
-                f"{a.block_size}/{a.sink}/{a.recent}"
-            )
+        self.engine.attention.check_compatible(schedule)
         with self._lock:
             self._staged = schedule
 

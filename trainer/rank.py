@@ -15,7 +15,6 @@ from pathlib import Path
 import torch
 
 from sparrow.acceptance import acceptance_exact
-from sparrow.kernels import SparseAttentionConfig
 from sparrow.schedule import SPARROW_EDGES, SparsitySchedule, load_schedule
 
 from . import sparse_attention
@@ -113,9 +112,7 @@ class TrainerRank:
         if cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if distill:
-            bad = [i for i in cfg.distill_sparse.dense_layers if i >= self.num_layers]
-            if bad:
-                raise ValueError(f"distill_sparse.dense_layers={list(cfg.distill_sparse.dense_layers)}: layers {bad} do not exist")
+            cfg.distill_sparse.layout_for(None).check_layers(self.num_layers, "distill_sparse.dense_layers")
             model = attach_lora(model, cfg.distill_sparse)
         module = PolicyModule(model, cfg.temperature, cfg.recompute_topk, cfg.logprob_chunk_tokens)
         named = list(module.named_parameters())
@@ -362,13 +359,9 @@ class TrainerRank:
 
     # ------------------------------------------------------------------ DistillSparse
 
-    def _sparse_config(self) -> SparseAttentionConfig:
-        s, d = self.schedule, self.config.distill_sparse
-        return SparseAttentionConfig(block_size=s.block_size, sink=s.sink, recent=s.recent, dense_layers=d.dense_layers, landmark=d.landmark)
-
     def _sparse_forward(self, mb: MicroBatch) -> sparse_attention.SparseForward:
         budgets = sparse_attention.query_budgets(mb.prompt_lens, mb.input_ids.shape[1], self.schedule)
-        return sparse_attention.SparseForward(self._sparse_config(), budgets)
+        return sparse_attention.SparseForward(self.config.distill_sparse.layout_for(self.schedule), budgets)
 
     def distill_step(self, batch: TrajectoryBatch, dense_logprobs: list[torch.Tensor]) -> dict[str, float]:
         """One LoRA update through the sparse forward (adapter on, base frozen).

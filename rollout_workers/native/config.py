@@ -4,15 +4,15 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from ..sparse_settings import SparseLayoutSettings
+from ..engine_settings import EngineSettings
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 
 
-class NativeEngineConfig(SparseLayoutSettings):
+class NativeEngineConfig(EngineSettings):
     """Everything the native rollout engine needs besides the requests.
 
-    The KV pool is `num_kv_blocks` blocks of `block_size` (16) tokens in every layer. Left unset, it is
+    The KV pool is `num_kv_blocks` blocks of `sparrow.layout.BLOCK_SIZE` tokens in every layer. Left unset, it is
     sized from `kv_memory_fraction` of the memory free after the weights are loaded, capped at what
     `max_num_seqs` sequences of `max_model_len` tokens could ever use.
     """

@@ -106,10 +106,8 @@ class NativeEngine(RolloutEngine):
         self.model = model
         self.spec = model.spec
         self.max_model_len = min(config.max_model_len or self.spec.max_position_embeddings, model.rope.cos.shape[0])
-        bad = [i for i in config.dense_layers if i >= self.spec.num_layers]
-        if bad:
-            raise ValueError(f"dense_layers={list(config.dense_layers)}: layers {bad} do not exist (the model has {self.spec.num_layers})")
-        self.attention = config.sparse_attention()
+        self.attention = config.layout()
+        self.attention.check_layers(self.spec.num_layers)
         self.backend = make_backend(config.attention_backend, self.device)
         self.num_kv_blocks = self._num_kv_blocks()
         self.cache = KVCache(self.spec, self.attention, self.num_kv_blocks, model.dtype, self.device)
@@ -186,14 +184,7 @@ class NativeEngine(RolloutEngine):
         return self._schedule
 
     def set_schedule(self, schedule: SparsitySchedule | None) -> None:
-        if schedule is not None:
-            a = self.attention
-            for name, mine in (("block_size", a.block_size), ("sink", a.sink), ("recent", a.recent)):
-                if getattr(schedule, name) != mine:
-                    raise ScheduleError(
-                        f"schedule {schedule.name!r}: {name}={getattr(schedule, name)} but the engine uses {name}={mine}; "
-                        f"make them equal (NativeEngineConfig.{name})"
-                    )
+        self.attention.check_compatible(schedule)
         self._schedule = schedule
         self._budget_table = None
         if schedule is not None:

@@ -71,9 +71,7 @@ def teacher_forced_logprobs(
     total = tokens.shape[0]
     if not 1 <= prompt_len < total:
         raise ValueError(f"prompt_len={prompt_len}: need 1 <= prompt_len < len(token_ids)={total}")
-    attention = attention or SparseAttentionConfig(
-        sink=schedule.sink if schedule else 1, recent=schedule.recent if schedule else 2
-    )
+    attention = attention or SparseAttentionConfig.of_schedule(schedule)
     budgets = query_budgets(total, prompt_len, schedule, blocks_attended)
     if all(attention.is_dense_layer(i) for i in range(model.spec.num_layers)):
         budgets = None

@@ -4,12 +4,14 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from ..sparse_settings import SparseLayoutSettings
+from sparrow.layout import BLOCK_SIZE
+
+from ..engine_settings import EngineSettings
 
 GiB = 1 << 30
 
 
-class VllmEngineConfig(SparseLayoutSettings):
+class VllmEngineConfig(EngineSettings):
     """Everything `VllmEngine` needs besides the requests.
 
     `kv_cache_memory_bytes` is the whole per-worker budget: vLLM's KV pages plus the landmark side
@@ -47,8 +49,9 @@ class VllmEngineConfig(SparseLayoutSettings):
     @field_validator("block_size")
     @classmethod
     def _block_size(cls, value: int | None) -> int | None:
-        if value is not None and (value < 16 or value % 16):
-            raise ValueError(f"block_size={value}: must be a multiple of 16 (Sparrow's block); use 16 on CUDA, 32 on CPU")
+        if value is not None and (value < BLOCK_SIZE or value % BLOCK_SIZE):
+            raise ValueError(f"block_size={value}: must be a multiple of {BLOCK_SIZE} (Sparrow's block); "
+                             f"use {BLOCK_SIZE} on CUDA, {2 * BLOCK_SIZE} on CPU")
         return value
 
 
@@ -56,10 +59,10 @@ def split_kv_budget(total_bytes: int, num_layers: int, num_sparse_layers: int, n
                     landmark_width: int) -> int:
     """Bytes to give vLLM's KV pages so that pages + landmark side tables fit in `total_bytes`.
 
-    Per 16-token block: K and V of every layer (2·16·D per KV head) and one landmark of W values
+    Per Sparrow block: K and V of every layer (2·BLOCK_SIZE·D per KV head) and one landmark of W values
     per sparse layer. vLLM rounds its page count down, so the side tables, sized from that count,
     never push the total over the budget.
     """
-    kv = num_layers * 2 * 16 * head_dim * num_kv_heads
+    kv = num_layers * 2 * BLOCK_SIZE * head_dim * num_kv_heads
     landmarks = num_sparse_layers * landmark_width * num_kv_heads
     return total_bytes * kv // (kv + landmarks)

@@ -23,6 +23,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
+from sparrow.layout import BLOCK_SIZE
 from sparrow.rollout_workers.api import RolloutEngine, RolloutRequest, RolloutSample, WeightsSource
 from sparrow.rollout_workers.native.sequence import sample_seed
 from sparrow.schedule import SparsitySchedule, load_schedule
@@ -30,7 +31,7 @@ from sparrow.schedule import SparsitySchedule, load_schedule
 from . import _vllm
 from .config import VllmEngineConfig, split_kv_budget
 from .names import SPARSE_ARCHITECTURES, WORKER_EXTENSION
-from .runtime import OPTIONS_KEY, WorkerOptions, check_schedule
+from .runtime import OPTIONS_KEY, WorkerOptions
 from .samples import SampleBuilder
 from .weights import save_checkpoint
 
@@ -52,12 +53,12 @@ class VllmEngine(RolloutEngine):
             raise ValueError("VllmEngineConfig.model is not set: give a Hugging Face model directory")
         self.config = config
         self.model_dir = Path(config.model)
-        self.attention = config.sparse_attention()
+        self.attention = config.layout()
         self.hf_config = read_hf_config(self.model_dir)
         self.architecture = self._architecture()
         self.platform = _vllm.current_platform
         self._schedule = load_schedule(config.schedule) if config.schedule else None
-        self._check_schedule(self._schedule)
+        self.attention.check_compatible(self._schedule)
         self._policy_version = 0
         self._rng = random.Random(config.seed)
         self._ids = itertools.count()
@@ -91,11 +92,7 @@ class VllmEngine(RolloutEngine):
                 f"model={str(self.model_dir)!r} has architectures {archs}; the Sparrow vLLM backend supports "
                 f"{sorted(SPARSE_ARCHITECTURES)} (or set attention='stock' for plain vLLM)"
             )
-        num_layers = self.hf_config["num_hidden_layers"]
-        missing = [i for i in self.attention.dense_layers if i >= num_layers]
-        if missing:
-            raise ValueError(f"dense_layers={list(self.attention.dense_layers)}: layers {missing} do not exist "
-                             f"(the model has {num_layers})")
+        self.attention.check_layers(self.hf_config["num_hidden_layers"])
         return SPARSE_ARCHITECTURES[supported[0]]
 
     @property
@@ -125,7 +122,7 @@ class VllmEngine(RolloutEngine):
             seed=c.seed,
             max_model_len=c.max_model_len,
             max_num_seqs=c.max_num_seqs,
-            block_size=c.block_size or (32 if self.on_cpu else 16),
+            block_size=c.block_size or (2 * BLOCK_SIZE if self.on_cpu else BLOCK_SIZE),
             enable_prefix_caching=c.enable_prefix_caching,
             enforce_eager=self.on_cpu if c.enforce_eager is None else c.enforce_eager,
             tensor_parallel_size=c.tensor_parallel_size,
@@ -217,7 +214,7 @@ class VllmEngine(RolloutEngine):
     def set_schedule(self, schedule: SparsitySchedule | None) -> None:
         if self.config.attention == "stock":
             raise RuntimeError("set_schedule: this engine runs vLLM's stock attention (attention='stock'), it has no sparse layers")
-        self._check_schedule(schedule)
+        self.attention.check_compatible(schedule)
         self._call(self._switch_schedule(schedule))
 
     def load_weights(self, weights: WeightsSource, version: int) -> None:
@@ -314,9 +311,6 @@ class VllmEngine(RolloutEngine):
         return self._call(self._llm.collective_rpc("sparrow_trace"))[0]
 
     # ------------------------------------------------------------------ internals (engine loop)
-
-    def _check_schedule(self, schedule: SparsitySchedule | None) -> None:
-        check_schedule(schedule, self.attention)
 
     async def _generate(self, requests: Sequence[RolloutRequest]) -> list[RolloutSample]:
         return list(await asyncio.gather(*(self._sample(r, i) for r in requests for i in range(r.sampling.n))))

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from sparrow.kernels import AttentionBackend, ReferenceBackend, SparseAttentionConfig
-from sparrow.schedule import ScheduleError, SparsitySchedule
+from sparrow.schedule import SparsitySchedule
 
 OPTIONS_KEY = "sparrow"
 """Key of Sparrow's section in vLLM's `additional_config`."""
@@ -46,19 +46,6 @@ class WorkerOptions:
             schedule=data["schedule"],
             trace_steps=data["trace_steps"],
         )
-
-
-def check_schedule(schedule: SparsitySchedule | None, attention: SparseAttentionConfig) -> None:
-    """A schedule must speak about the same blocks the layers select from."""
-    if schedule is None:
-        return
-    for name in ("block_size", "sink", "recent"):
-        theirs, ours = getattr(schedule, name), getattr(attention, name)
-        if theirs != ours:
-            raise ScheduleError(
-                f"schedule {schedule.name!r}: {name}={theirs} but the engine's sparse attention uses {name}={ours}; "
-                f"make them equal (VllmEngineConfig.{name})"
-            )
 
 
 def make_attention_backend(kind: str, device: torch.device) -> AttentionBackend:
@@ -99,7 +86,7 @@ class SparseRuntime:
 
     def set_schedule(self, payload: dict | None) -> None:
         schedule = None if payload is None else SparsitySchedule.from_dict(payload, origin="sparrow_set_schedule")
-        check_schedule(schedule, self.attention)
+        self.attention.check_compatible(schedule)
         self.schedule = schedule
 
     def backend(self, device: torch.device) -> AttentionBackend:

@@ -157,6 +157,7 @@ def run_rollout(args) -> int:
     from sparrow.rollout_workers.native import NativeEngine, NativeEngineConfig
     from sparrow.rollout_workers.native.engine import resolve_device, resolve_dtype
     from sparrow.rollout_workers.native.shapes import build_model
+    from sparrow.layout import DEFAULT_LAYOUT
     from sparrow.schedule import SparsitySchedule, load_schedule
 
     for flag in ("prompt_len", "gen_len", "batch", "samples", "repeats"):
@@ -175,17 +176,19 @@ def run_rollout(args) -> int:
         model = build_model(args.model, device, dtype, total, args.seed)
     except ValueError as exc:
         raise ValueError(f"{exc} (--prompt-len + --gen-len = {total})") from None
+    reserved = DEFAULT_LAYOUT.reserved_blocks
     if args.budget is not None:
-        if args.budget < 3:
-            raise ValueError(f"--budget={args.budget}: must be >= 3 (sink 1 + recent 2)")
-        schedule = SparsitySchedule(name=f"budget-{args.budget}", topk_blocks=(args.budget - 3,), edges=())
+        if args.budget < reserved:
+            raise ValueError(f"--budget={args.budget}: must be >= {reserved} (sink + recent)")
+        schedule = SparsitySchedule(name=f"budget-{args.budget}", topk_blocks=(args.budget - reserved,), edges=())
     else:
         schedule = load_schedule(args.schedule)
-    blocks_per_seq = -(-(total + 1) // 16)
+    spare_blocks = 16
     config = NativeEngineConfig(
         device=str(device), dtype=args.dtype, attention_backend=args.attention_backend, max_num_seqs=args.batch,
         cuda_graphs=False if args.no_cuda_graphs else None,
-        num_kv_blocks=args.batch * blocks_per_seq + 16, max_model_len=min(total + 16, model.rope.cos.shape[0]),
+        num_kv_blocks=args.batch * DEFAULT_LAYOUT.blocks_for(total + 1) + spare_blocks,
+        max_model_len=min(total + DEFAULT_LAYOUT.block_size, model.rope.cos.shape[0]),
         prefill_chunk_size=max(2048, args.prompt_len),
     )
     engine = NativeEngine(config, model=model)
