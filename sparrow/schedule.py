@@ -127,6 +127,14 @@ class SparsitySchedule:
         )
         return table[bins]
 
+    def query_budgets(self, prompt_len: int, num_tokens: int) -> torch.Tensor:
+        """`[num_tokens]` budget of the query at each position of a sequence, as rollouts run them: dense at
+        prompt positions (prefill, and the pass that samples the first response token), the schedule's at
+        context L = i + 1 after them."""
+        budgets = torch.full((num_tokens,), DENSE_BUDGET, dtype=torch.long)
+        budgets[prompt_len:] = self.budgets_for_lengths(torch.arange(prompt_len, num_tokens) + 1)
+        return budgets
+
     def with_topk(self, topk_blocks, version: int | None = None, name: str | None = None) -> "SparsitySchedule":
         return replace(
             self,

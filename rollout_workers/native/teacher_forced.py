@@ -40,10 +40,9 @@ def query_budgets(
         raise ValueError("give either schedule or blocks_attended, not both")
     if schedule is None and blocks_attended is None:
         return None
-    budgets = torch.full((num_tokens,), DENSE_BUDGET, dtype=torch.long)
     if schedule is not None:
-        budgets[prompt_len:] = schedule.budgets_for_lengths(torch.arange(prompt_len, num_tokens) + 1)
-        return budgets
+        return schedule.query_budgets(prompt_len, num_tokens)
+    budgets = torch.full((num_tokens,), DENSE_BUDGET, dtype=torch.long)
     generated = num_tokens - prompt_len
     if blocks_attended.shape != (generated,):
         raise ValueError(f"blocks_attended has shape {tuple(blocks_attended.shape)}; expected ({generated},), one per generated token")
