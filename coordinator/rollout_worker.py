@@ -26,9 +26,10 @@ from sparrow.coordinator.transport import ControlServicer, Health, ScheduleState
 from sparrow.protos import sparrow_v1_pb2_grpc as pb_grpc
 from sparrow.rollout_workers.api import RolloutEngine, RolloutRequest, SamplingParams
 from sparrow.schedule import SparsitySchedule
+from sparrow.seeds import stable_seed
 
 from .config import SparrowConfig
-from .data import PromptRecord, render_prompt, stable_seed
+from .data import PromptRecord, render_prompt
 from .rewards import RewardFunction
 
 _DONE = object()

@@ -19,11 +19,12 @@ import torch
 from tqdm import tqdm
 
 from sparrow.coordinator.config import DataConfig
-from sparrow.coordinator.data import PromptSource, render_prompt, stable_seed
+from sparrow.coordinator.data import PromptSource, render_prompt
 from sparrow.cost import CostModel, ModelShape, RolloutSpec, resolve_hardware
 from sparrow.rollout_workers.api import RolloutRequest, RolloutSample, SamplingParams
 from sparrow.rollout_workers.native import NativeEngine, NativeEngineConfig, load_spec
 from sparrow.schedule import SPARROW_EDGES, SparsitySchedule
+from sparrow.seeds import stable_seed
 from sparrow.trainer.alpha import token_context_lengths
 
 from .config import CalibrationConfig

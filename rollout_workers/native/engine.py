@@ -18,7 +18,8 @@ from tqdm import tqdm
 
 from sparrow.kernels import AttentionBackend, ReferenceBackend
 from sparrow.rollout_workers.api import RolloutEngine, RolloutRequest, RolloutSample, WeightsSource
-from sparrow.schedule import DENSE_BUDGET, ScheduleError, SparsitySchedule, load_schedule
+from sparrow.schedule import DENSE_BUDGET, SparsitySchedule, load_schedule
+from sparrow.seeds import sample_seed
 
 from .attention import PagedDecode, PagedPrefill, PrefillChunkMeta, blocks_attended
 from .block_manager import BlockManager
@@ -29,7 +30,7 @@ from .model import DecoderModel
 from .model_spec import ModelLoadError, load_spec
 from .sampler import SampleOutput, SamplingBatch, sample
 from .scheduler import PrefillChunk, Scheduler, blocks_for
-from .sequence import Sequence, sample_seed
+from .sequence import Sequence
 from .torch_backend import TorchBackend
 from .teacher_forced import TeacherForcedOutput, teacher_forced_logprobs
 from .weights import copy_weights, read_checkpoint, validated_weights

@@ -7,12 +7,7 @@ import torch
 from sparrow.rollout_workers.api import RolloutRequest, RolloutSample
 from sparrow.schedule import DENSE_BUDGET
 
-from .sampler import SampleOutput, mix_seed
-
-
-def sample_seed(base: int, index: int) -> int:
-    """Seed of sample `index` of a request seeded `base`."""
-    return mix_seed(base, index)
+from .sampler import SampleOutput
 
 
 @dataclass(eq=False)

@@ -25,8 +25,8 @@ from pathlib import Path
 
 from sparrow.layout import BLOCK_SIZE
 from sparrow.rollout_workers.api import RolloutEngine, RolloutRequest, RolloutSample, WeightsSource
-from sparrow.rollout_workers.native.sequence import sample_seed
 from sparrow.schedule import SparsitySchedule, load_schedule
+from sparrow.seeds import sample_seed
 
 from . import _vllm
 from .config import VllmEngineConfig, split_kv_budget
