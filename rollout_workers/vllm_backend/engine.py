@@ -23,6 +23,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
+from sparrow.architecture import decoder_facts
 from sparrow.layout import BLOCK_SIZE
 from sparrow.rollout_workers.api import RolloutEngine, RolloutRequest, RolloutSample, WeightsSource
 from sparrow.schedule import SparsitySchedule, load_schedule
@@ -105,11 +106,11 @@ class VllmEngine(RolloutEngine):
             return self.config.kv_cache_memory_bytes
         hf = self.hf_config
         num_layers = hf["num_hidden_layers"]
-        head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+        facts = decoder_facts(hf, hf.get("model_type", ""))
         num_sparse = sum(not self.attention.is_dense_layer(i) for i in range(num_layers))
         return split_kv_budget(
-            self.config.kv_cache_memory_bytes, num_layers, num_sparse,
-            hf.get("num_key_value_heads", hf["num_attention_heads"]), head_dim, self.attention.landmark_width(head_dim),
+            self.config.kv_cache_memory_bytes, num_layers, num_sparse, facts.num_kv_heads, facts.head_dim,
+            self.attention.landmark_width(facts.head_dim),
         )
 
     def engine_args(self, model_dir: Path):
