@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from sparrow.kernels import AttentionBackend, ReferenceBackend
+from sparrow.kernels import make_backend
 from sparrow.rollout_workers.api import RolloutEngine, RolloutRequest, RolloutSample, WeightsSource
 from sparrow.schedule import DENSE_BUDGET, SparsitySchedule, load_schedule
 from sparrow.seeds import sample_seed
@@ -31,7 +31,6 @@ from .model_spec import ModelLoadError, load_spec
 from .sampler import SampleOutput, SamplingBatch, sample
 from .scheduler import PrefillChunk, Scheduler, blocks_for
 from .sequence import Sequence
-from .torch_backend import TorchBackend
 from .teacher_forced import TeacherForcedOutput, teacher_forced_logprobs
 from .weights import copy_weights, read_checkpoint, validated_weights
 
@@ -49,20 +48,6 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return DTYPES[name]
-
-
-def make_backend(name: str, device: torch.device) -> AttentionBackend:
-    if name == "reference":
-        return ReferenceBackend()
-    if name == "torch" or (name == "auto" and device.type != "cuda"):
-        return TorchBackend()
-    try:
-        from sparrow.kernels.triton import TritonBackend
-    except ImportError as exc:
-        if name == "triton":
-            raise ValueError(f"attention_backend='triton': cannot import the Triton kernels ({exc})") from None
-        return TorchBackend()
-    return TritonBackend()
 
 
 def free_memory_bytes(device: torch.device) -> int:

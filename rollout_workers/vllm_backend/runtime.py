@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from sparrow.kernels import AttentionBackend, ReferenceBackend, SparseAttentionConfig
+from sparrow.kernels import AttentionBackend, SparseAttentionConfig, make_backend
 from sparrow.schedule import SparsitySchedule
 
 OPTIONS_KEY = "sparrow"
@@ -49,18 +49,14 @@ class WorkerOptions:
 
 
 def make_attention_backend(kind: str, device: torch.device) -> AttentionBackend:
-    """The torch reference on CPU, the Triton kernels on CUDA (imported only there)."""
+    """This backend's rule: `auto` = the reference on CPU, the Triton kernels on CUDA (which they need)."""
     if kind not in BACKENDS:
         raise ValueError(f"attention_backend={kind!r}: use one of {BACKENDS}")
     if kind == "auto":
         kind = "triton" if device.type == "cuda" else "reference"
-    if kind == "reference":
-        return ReferenceBackend()
-    if device.type != "cuda":
+    if kind == "triton" and device.type != "cuda":
         raise ValueError(f"attention_backend='triton' needs a CUDA device, the KV cache is on {device}")
-    from sparrow.kernels.triton import TritonBackend
-
-    return TritonBackend()
+    return make_backend(kind, device)
 
 
 class SparseRuntime:
