@@ -243,7 +243,7 @@ class RolloutWorker:
         return self.receiver.receive(HandleSource(handle)).version
 
     def weights(self):
-        return {k: v.clone() for k, v in self.engine.model.named_parameters()}, self.engine.policy_version
+        return {k: v.clone() for k, v in self.engine.runner.model.named_parameters()}, self.engine.policy_version
 
     def greedy(self, prompt):
         from sparrow.rollout_workers.api import RolloutRequest, SamplingParams

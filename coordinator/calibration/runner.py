@@ -149,7 +149,7 @@ def recompute_all(engine: NativeEngine, generated: dict[int | None, list[Rollout
               disable=not progress) as bar:
         for items in by_prompt.values():
             t0 = time.perf_counter()
-            recompute = PromptRecompute(engine.model, items[0][1].prompt_token_ids, engine.attention, temperature)
+            recompute = PromptRecompute(engine.runner.model, items[0][1].prompt_token_ids, engine.attention, temperature)
             encode_seconds += time.perf_counter() - t0
             for budget, sample in items:
                 t0 = time.perf_counter()
@@ -247,7 +247,7 @@ def run_calibration(config: CalibrationConfig, command: str = "sparrow calibrate
         "temperature": config.temperature, "prompt_tokens": f"{min(prompt_lens)}-{max(prompt_lens)}",
         "budgets": plan.budgets, "reserved_blocks": reserved, "edges": list(plan.template.edges),
         "percentile": config.percentile, "statistic": config.statistic, "target": config.target, "logprobs": config.logprobs, "hardware": config.hardware,
-        "device": config.device, "dtype": str(engine.model.dtype).removeprefix("torch."), "seed": config.seed,
+        "device": config.device, "dtype": str(engine.runner.model.dtype).removeprefix("torch."), "seed": config.seed,
         "generate_s": round(sum(r.generate_seconds for r in runs.values()), 1),
         "recompute_s": round(recompute_seconds, 1), "elapsed_s": round(elapsed, 1),
     }

@@ -155,7 +155,7 @@ def run_rollout(args) -> int:
 
     from sparrow.rollout_workers.api import RolloutRequest, SamplingParams
     from sparrow.rollout_workers.native import NativeEngine, NativeEngineConfig
-    from sparrow.rollout_workers.native.engine import resolve_device, resolve_dtype
+    from sparrow.rollout_workers.native.model_loader import resolve_device, resolve_dtype
     from sparrow.rollout_workers.native.shapes import build_model
     from sparrow.layout import DEFAULT_LAYOUT
     from sparrow.schedule import SparsitySchedule, load_schedule
@@ -219,7 +219,7 @@ def run_rollout(args) -> int:
     ratio = results["sparse"]["decode_tok_s"] / results["dense"]["decode_tok_s"]
     info = {"model": args.model, "device": str(device), "dtype": str(dtype).replace("torch.", ""),
             "threads": torch.get_num_threads() if device.type == "cpu" else None,
-            "backend": engine.backend.name, "cuda_graphs": engine.stats()["cuda_graphs"], "prompt_len": args.prompt_len, "gen_len": args.gen_len,
+            "backend": engine.stats()["attention_backend"], "cuda_graphs": engine.stats()["cuda_graphs"], "prompt_len": args.prompt_len, "gen_len": args.gen_len,
             "batch": args.batch, "samples": args.samples, "schedule": schedule.name, **results,
             "decode_speedup": ratio}
     if args.json:
