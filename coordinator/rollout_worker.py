@@ -25,6 +25,7 @@ from sparrow.coordinator.metrics import SparrowMetrics, start_metrics_server
 from sparrow.coordinator.transport import ControlServicer, Health, ScheduleState, Trajectory, TrajectoryClient
 from sparrow.protos import sparrow_v1_pb2_grpc as pb_grpc
 from sparrow.rollout_workers.api import RolloutEngine, RolloutRequest, SamplingParams
+from sparrow.rollout_workers.registry import create_engine
 from sparrow.schedule import SparsitySchedule
 from sparrow.seeds import stable_seed
 
@@ -40,15 +41,9 @@ def engine_model_dir(config: SparrowConfig, model: str) -> str:
 
 
 def build_engine(config: SparrowConfig, model: str, index: int) -> RolloutEngine:
-    """The configured engine on `model` (unless its section names another), seeded per worker."""
+    """The configured engine (a registry lookup) on `model` (unless its section names another), seeded per worker."""
     update = {"model": engine_model_dir(config, model), "seed": stable_seed(config.run.seed, index, 2) % (2**31)}
-    if config.rollout.engine == "native":
-        from sparrow.rollout_workers.native import NativeEngine
-
-        return NativeEngine(config.rollout.native.model_copy(update=update))
-    from sparrow.rollout_workers.vllm_backend import VllmEngine
-
-    return VllmEngine(config.rollout.vllm.model_copy(update=update))
+    return create_engine(config.rollout.engine, config.rollout.engine_config().model_copy(update=update))
 
 
 def advertised_host(bind_host: str) -> str:
@@ -118,7 +113,7 @@ class RolloutWorker:
     # ------------------------------------------------------------------ ControlService
 
     def _stage_schedule(self, schedule: SparsitySchedule) -> None:
-        self.engine.attention.check_compatible(schedule)
+        self.engine.check_schedule(schedule)
         with self._lock:
             self._staged = schedule
 
@@ -196,7 +191,7 @@ class RolloutWorker:
     def _dense_tokens_per_s(self, requests: list[RolloutRequest]) -> float:
         schedule = self.engine.schedule
         self._probing = self.progress()["tokens"]
-        before = int(self.engine.stats().get("tokens_generated", 0))
+        before = self.engine.counters().tokens_generated
         self.engine.set_schedule(None)
         try:
             start = time.perf_counter()
@@ -204,7 +199,7 @@ class RolloutWorker:
             seconds = time.perf_counter() - start
         finally:
             self.engine.set_schedule(schedule)
-            self._probe_tokens += int(self.engine.stats().get("tokens_generated", 0)) - before
+            self._probe_tokens += self.engine.counters().tokens_generated - before
             self._probing = None
         return tokens / seconds
 
@@ -263,7 +258,7 @@ class RolloutWorker:
         if self._probing is not None:
             return {"tokens": self._probing, "samples": self._samples}
         try:
-            engine_tokens = int(self.engine.stats().get("tokens_generated", self._tokens)) - self._probe_tokens
+            engine_tokens = self.engine.counters().tokens_generated - self._probe_tokens
         except Exception:  # a stats read racing a step must never break progress reporting
             engine_tokens = self._tokens
         return {"tokens": max(engine_tokens, self._tokens), "samples": self._samples}
@@ -294,11 +289,7 @@ class RolloutWorker:
 
     def parameters(self, names: list[str]) -> dict[str, torch.Tensor]:
         """Copies of the served weights by HF name (native engine only; for checks and debugging)."""
-        model = getattr(self.engine, "model", None)
-        if model is None:
-            raise NotImplementedError(f"{type(self.engine).__name__} does not expose its weights")
-        params = dict(model.named_parameters())
-        return {n: params[n].detach().cpu().clone() for n in names}
+        return self.engine.parameters(names)
 
     def policy_version(self) -> int:
         return self.engine.policy_version
@@ -309,6 +300,4 @@ class RolloutWorker:
             self.client.close()
         if self.metrics_server is not None:
             self.metrics_server.close()
-        close = getattr(self.engine, "shutdown", None)
-        if close is not None:
-            close()
+        self.engine.shutdown()

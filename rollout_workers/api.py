@@ -1,6 +1,8 @@
 """The contract every rollout backend (native engine, vLLM) implements, and the data it returns."""
 
+import contextlib
 import math
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -8,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from sparrow.layout import SparseAttentionConfig
 from sparrow.schedule import SparsitySchedule
 
 
@@ -100,9 +103,38 @@ class RolloutSample:
 WeightsSource = Mapping[str, torch.Tensor] | str | Path
 
 
+@dataclass(frozen=True)
+class EngineCounters:
+    """Counts since the engine started, cheap to read from any thread while a call runs."""
+
+    tokens_generated: int
+    samples_finished: int
+    samples_failed: int
+    samples_running: int
+    """Samples accepted and not finished yet."""
+
+
+def check_version(version) -> None:
+    if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+        raise ValueError(f"version={version!r}: must be an integer >= 0")
+
+
 class RolloutEngine(ABC):
     """A rollout backend. A bad request yields a sample with finish_reason "error" and leaves the
-    other requests of the call untouched; only engine-wide failures raise."""
+    other requests of the call untouched; only engine-wide failures raise.
+
+    The base keeps what every backend shares: the sparse `layout` its schedules must fit, the policy
+    and schedule versions, the refusal of new weights while samples are in flight, and the rule of one
+    `generate` / `stream` call at a time (`_serving_call`). Backends implement the hooks below.
+    """
+
+    def __init__(self, layout: SparseAttentionConfig):
+        self.layout = layout
+        self._policy_version = 0
+        self._schedule: SparsitySchedule | None = None
+        self._serving = threading.Lock()
+
+    # ------------------------------------------------------------------ requests
 
     @abstractmethod
     def generate(self, requests: Sequence[RolloutRequest]) -> list[RolloutSample]:
@@ -112,28 +144,78 @@ class RolloutEngine(ABC):
     def stream(self, requests: Sequence[RolloutRequest]) -> AsyncIterator[RolloutSample]:
         """The same samples, each yielded as soon as it finishes."""
 
-    @abstractmethod
+    # ------------------------------------------------------------------ weights and schedule
+
     def load_weights(self, weights: WeightsSource, version: int) -> None:
-        """Replace the policy weights in place (a state dict or an HF directory) and set its version."""
+        """Replace the policy weights (a state dict or an HF directory) and set their version; refused while
+        samples are in flight. On any error the old weights and version stay."""
+        check_version(version)
+        in_flight = self.counters().samples_running
+        if in_flight:
+            raise RuntimeError(f"load_weights with {in_flight} samples in flight; call it between generate() calls")
+        self._load_weights(weights, version)
+        self._policy_version = version
 
-    @abstractmethod
+    def check_schedule(self, schedule: SparsitySchedule | None) -> None:
+        """Raise `ScheduleError` unless `schedule` counts blocks of this engine's layout."""
+        self.layout.check_compatible(schedule)
+
     def set_schedule(self, schedule: SparsitySchedule | None) -> None:
-        """Use `schedule` from the next decode step on (None = dense); called between steps."""
-
-    @abstractmethod
-    def stats(self) -> dict:
-        """Counters for metrics: tokens generated, throughput, cache use, preemptions, versions."""
+        """Use `schedule` from the next decode step on (None = dense)."""
+        self.check_schedule(schedule)
+        self._set_schedule(schedule)
 
     @property
-    @abstractmethod
-    def policy_version(self) -> int: ...
+    def policy_version(self) -> int:
+        return self._policy_version
 
     @property
-    @abstractmethod
-    def schedule(self) -> SparsitySchedule | None: ...
+    def schedule(self) -> SparsitySchedule | None:
+        return self._schedule
 
     @property
     def schedule_version(self) -> int:
         """The active schedule's version; -1 while rollouts are dense."""
         schedule = self.schedule
         return -1 if schedule is None else schedule.version
+
+    @property
+    @abstractmethod
+    def max_concurrent_samples(self) -> int:
+        """Samples decoded together at most (a group of n counts n); more wait inside the engine."""
+
+    # ------------------------------------------------------------------ introspection and lifetime
+
+    @abstractmethod
+    def counters(self) -> EngineCounters: ...
+
+    @abstractmethod
+    def stats(self) -> dict:
+        """Counters for metrics: tokens generated, throughput, cache use, preemptions, versions."""
+
+    def parameters(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
+        """CPU copies of the served weights by HF name (for checks and debugging)."""
+        raise NotImplementedError(f"{type(self).__name__} does not expose its weights; parameters() needs the native engine")
+
+    def shutdown(self) -> None:
+        """Release the engine's processes and memory; it is unusable afterwards. Default: nothing to release."""
+
+    # ------------------------------------------------------------------ for backends
+
+    @contextlib.contextmanager
+    def _serving_call(self):
+        """Hold for one generate/stream call: a second one at the same time is refused."""
+        if not self._serving.acquire(blocking=False):
+            raise RuntimeError("the engine is already serving a generate/stream call; run them one at a time")
+        try:
+            yield
+        finally:
+            self._serving.release()
+
+    @abstractmethod
+    def _load_weights(self, weights: WeightsSource, version: int) -> None:
+        """Put validated new weights in place (nothing is in flight)."""
+
+    @abstractmethod
+    def _set_schedule(self, schedule: SparsitySchedule | None) -> None:
+        """Put a checked schedule in force and set `self._schedule` when it takes effect."""

@@ -149,7 +149,7 @@ def recompute_all(engine: NativeEngine, generated: dict[int | None, list[Rollout
               disable=not progress) as bar:
         for items in by_prompt.values():
             t0 = time.perf_counter()
-            recompute = PromptRecompute(engine.runner.model, items[0][1].prompt_token_ids, engine.attention, temperature)
+            recompute = PromptRecompute(engine.runner.model, items[0][1].prompt_token_ids, engine.layout, temperature)
             encode_seconds += time.perf_counter() - t0
             for budget, sample in items:
                 t0 = time.perf_counter()
@@ -167,8 +167,8 @@ def cost_model(config: CalibrationConfig, model_dir: Path, engine: NativeEngine,
         log(f"no cost model for {model_dir} ({exc}); bins get no cost share")
         return None
     spec = RolloutSpec(prompt_len=round(statistics.fmean(prompt_lens)), gen_len=config.max_tokens, samples=config.samples,
-                       batch=len(prompt_lens), dense_layers=len(engine.attention.dense_layers),
-                       landmark=engine.attention.landmark)
+                       batch=len(prompt_lens), dense_layers=len(engine.layout.dense_layers),
+                       landmark=engine.layout.landmark)
     return CostModel(shape, resolve_hardware(config.hardware), spec)
 
 

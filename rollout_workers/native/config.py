@@ -30,7 +30,6 @@ class NativeEngineConfig(EngineSettings):
         description="replay the decode step from CUDA graphs (one per batch-size and block-table-width bucket); "
         "None = on for CUDA with the triton backend, False = eager launches",
     )
-    max_num_seqs: int = Field(64, ge=1, description="sequences decoded together (a GRPO group counts n)")
     num_kv_blocks: int | None = Field(None, ge=1, description="KV pool size in blocks; None = from kv_memory_fraction")
     kv_memory_fraction: float = Field(0.3, gt=0, le=0.95, description="share of free memory for the KV pool")
     max_model_len: int | None = Field(None, ge=2, description="prompt + generated tokens; None = model maximum")

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from sparrow.rollout_workers.api import RolloutEngine, RolloutRequest, RolloutSample, WeightsSource
+from sparrow.rollout_workers.api import EngineCounters, RolloutEngine, RolloutRequest, RolloutSample, WeightsSource
 from sparrow.schedule import SparsitySchedule, load_schedule
 
 from .block_manager import BlockManager
@@ -40,16 +40,15 @@ class NativeEngine(RolloutEngine):
     def __init__(self, config: NativeEngineConfig, model: DecoderModel | None = None):
         self.config = config
         self.runner = ModelRunner(config, model)
-        self.attention = self.runner.layout
+        super().__init__(self.runner.layout)
         spec = self.runner.spec
         self.scheduler = Scheduler(
-            BlockManager(self.runner.num_kv_blocks, on_allocate=self.runner.mark_allocated), self.attention,
+            BlockManager(self.runner.num_kv_blocks, on_allocate=self.runner.mark_allocated), self.layout,
             config.max_num_seqs, config.prefill_chunk_size, self.runner.max_model_len, spec.vocab_size, spec.eos_token_ids,
         )
         self._rng = random.Random(config.seed)
-        self._policy_version = 0
-        self._schedule: SparsitySchedule | None = None
-        self._active = False
+        self._samples_running = 0
+        """Samples of accepted requests that have not finished (a group leader counts its n samples)."""
         self._counters = dict.fromkeys(
             ("tokens_generated", "prefill_tokens", "decode_tokens", "prefill_steps", "decode_steps",
              "samples_finished", "samples_failed"), 0)
@@ -70,28 +69,23 @@ class NativeEngine(RolloutEngine):
     # ------------------------------------------------------------------ RolloutEngine contract
 
     @property
-    def policy_version(self) -> int:
-        return self._policy_version
+    def max_concurrent_samples(self) -> int:
+        return self.config.max_num_seqs
 
-    @property
-    def schedule(self) -> SparsitySchedule | None:
-        return self._schedule
-
-    def set_schedule(self, schedule: SparsitySchedule | None) -> None:
-        self.attention.check_compatible(schedule)
+    def _set_schedule(self, schedule: SparsitySchedule | None) -> None:
         self._schedule = schedule
         self.runner.set_schedule(schedule)
 
-    def load_weights(self, weights: WeightsSource, version: int) -> None:
-        """Validate all tensors first, then copy in place; on any error the old weights and version stay."""
-        if not isinstance(version, int) or isinstance(version, bool) or version < 0:
-            raise ValueError(f"version={version!r}: must be an integer >= 0")
-        if self.scheduler.has_work():
-            raise RuntimeError(
-                f"load_weights with {self.scheduler.num_in_flight} sequences in flight; call it between generate() calls"
-            )
+    def _load_weights(self, weights: WeightsSource, version: int) -> None:
+        """Validate all tensors first, then copy in place."""
         self.runner.load_weights(weights)
-        self._policy_version = version
+
+    def parameters(self, names: Seq[str]) -> dict[str, torch.Tensor]:
+        return self.runner.parameters(list(names))
+
+    def counters(self) -> EngineCounters:
+        c = self._counters
+        return EngineCounters(c["tokens_generated"], c["samples_finished"], c["samples_failed"], self._samples_running)
 
     def generate(self, requests: Seq[RolloutRequest], progress: bool = False) -> list[RolloutSample]:
         """`progress` shows a bar of tokens (at most max_tokens per sample; a sample that stops early
@@ -140,27 +134,25 @@ class NativeEngine(RolloutEngine):
             "policy_version": self._policy_version,
             "schedule_version": self.schedule_version,
             "schedule": None if self._schedule is None else self._schedule.name,
+            "samples_running": self._samples_running,
             **self.runner.stats(),
         }
 
     def teacher_forced_logprobs(self, token_ids, prompt_len: int, schedule: SparsitySchedule | None = None,
                                 temperature: float = 1.0, full: bool = False) -> TeacherForcedOutput:
         """`teacher_forced_logprobs` with this engine's model and attention settings."""
-        return teacher_forced_logprobs(self.runner.model, token_ids, prompt_len, schedule, self.attention, temperature, full)
+        return teacher_forced_logprobs(self.runner.model, token_ids, prompt_len, schedule, self.layout, temperature, full)
 
     # ------------------------------------------------------------------ requests and steps
 
     @contextlib.contextmanager
     def _session(self):
         """One generate/stream call; whatever it leaves unfinished (a stream closed early) is dropped."""
-        if self._active:
-            raise RuntimeError("the engine is already serving a generate/stream call; run them one at a time")
-        self._active = True
-        try:
-            yield
-        finally:
-            self._drop_unfinished()
-            self._active = False
+        with self._serving_call():
+            try:
+                yield
+            finally:
+                self._drop_unfinished()
 
     def _drop_unfinished(self) -> None:
         for seq in self.scheduler.unfinished():
@@ -168,7 +160,7 @@ class NativeEngine(RolloutEngine):
 
     def abort(self) -> None:
         """Drop every unfinished sequence (their samples are not returned); for callers driving `step`."""
-        if self._active:
+        if self._serving.locked():
             raise RuntimeError("abort() while a generate/stream call runs; close the stream instead")
         self._drop_unfinished()
 
@@ -182,6 +174,7 @@ class NativeEngine(RolloutEngine):
             return [RolloutSample.failed(request, j, str(exc), self._policy_version, self.schedule_version) for j in range(n)]
         seed = request.sampling.seed
         self.scheduler.add(request, seed if seed is not None else self._rng.getrandbits(63))
+        self._samples_running += request.sampling.n
         return []
 
     def has_unfinished(self) -> bool:
@@ -256,8 +249,11 @@ class NativeEngine(RolloutEngine):
         return finished
 
     def _finish(self, seq: Sequence) -> None:
+        """The sequence leaves (stopped, failed or dropped): its blocks and graph row are released, and its
+        samples (n for a group leader that has not forked) no longer run."""
         self.scheduler.finish(seq)
         self.runner.release_row(seq)
+        self._samples_running -= seq.fork_into
 
     def _fail(self, seq: Sequence, error: str) -> Finished:
         """Fail one sample, or every sample of a group leader that has not forked yet."""

@@ -5,7 +5,9 @@ from typing import Any, Literal
 from pydantic import Field, field_validator
 
 from sparrow.layout import BLOCK_SIZE
+from sparrow.schedule import SparsitySchedule
 
+from ..api import SamplingParams
 from ..engine_settings import EngineSettings
 
 GiB = 1 << 30
@@ -26,7 +28,6 @@ class VllmEngineConfig(EngineSettings):
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="auto = float32 on CPU, bfloat16 on CUDA")
     tensor_parallel_size: int = Field(1, ge=1)
-    max_num_seqs: int = Field(64, ge=1, description="sequences decoded together (a GRPO group counts n)")
     max_model_len: int | None = Field(None, ge=2, description="prompt + generated tokens; None = model maximum")
     block_size: int | None = Field(None, description="vLLM page size in tokens, a multiple of 16; None = 32 on CPU, 16 on CUDA")
     kv_cache_memory_bytes: int = Field(GiB, ge=1 << 20, description="per worker: KV pages + landmark side tables")
@@ -45,6 +46,19 @@ class VllmEngineConfig(EngineSettings):
     )
     trace_steps: int = Field(0, ge=0, description="keep the last N decode steps' blocks attended (tests, debugging)")
     engine_args: dict[str, Any] = Field(default_factory=dict, description="extra vllm AsyncEngineArgs (escape hatch)")
+
+    def check_job(self, sampling: SamplingParams, schedule: SparsitySchedule, section: str, name: str) -> None:
+        """The shared rules, and vLLM's: unfiltered logprobs (no top-p / top-k) and enough top-k logprobs."""
+        super().check_job(sampling, schedule, section, name)
+        if sampling.top_p != 1.0 or sampling.top_k != 0:
+            raise ValueError(
+                f"{section}.sampling.top_p/top_k: the vLLM backend returns renormalised logprobs under top-p/top-k; "
+                f"leave top_p=1 and top_k=0 with {section}.engine={name!r}"
+            )
+        if self.max_logprobs < sampling.logprobs:
+            raise ValueError(
+                f"{section}.sampling.logprobs={sampling.logprobs} exceeds {section}.{name}.max_logprobs={self.max_logprobs}"
+            )
 
     @field_validator("block_size")
     @classmethod

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from sparrow.architecture import decoder_facts
 from sparrow.layout import BLOCK_SIZE
-from sparrow.rollout_workers.api import RolloutEngine, RolloutRequest, RolloutSample, WeightsSource
+from sparrow.rollout_workers.api import EngineCounters, RolloutEngine, RolloutRequest, RolloutSample, WeightsSource
 from sparrow.schedule import SparsitySchedule, load_schedule
 from sparrow.seeds import sample_seed
 
@@ -52,15 +52,15 @@ class VllmEngine(RolloutEngine):
     def __init__(self, config: VllmEngineConfig):
         if config.model is None:
             raise ValueError("VllmEngineConfig.model is not set: give a Hugging Face model directory")
+        super().__init__(config.layout())
         self.config = config
         self.model_dir = Path(config.model)
-        self.attention = config.layout()
         self.hf_config = read_hf_config(self.model_dir)
         self.architecture = self._architecture()
         self.platform = _vllm.current_platform
-        self._schedule = load_schedule(config.schedule) if config.schedule else None
-        self.attention.check_compatible(self._schedule)
-        self._policy_version = 0
+        if config.schedule:
+            self._schedule = load_schedule(config.schedule)
+            self.check_schedule(self._schedule)
         self._rng = random.Random(config.seed)
         self._ids = itertools.count()
         self._samples: dict[str, SampleBuilder] = {}
@@ -93,7 +93,7 @@ class VllmEngine(RolloutEngine):
                 f"model={str(self.model_dir)!r} has architectures {archs}; the Sparrow vLLM backend supports "
                 f"{sorted(SPARSE_ARCHITECTURES)} (or set attention='stock' for plain vLLM)"
             )
-        self.attention.check_layers(self.hf_config["num_hidden_layers"])
+        self.layout.check_layers(self.hf_config["num_hidden_layers"])
         return SPARSE_ARCHITECTURES[supported[0]]
 
     @property
@@ -107,10 +107,10 @@ class VllmEngine(RolloutEngine):
         hf = self.hf_config
         num_layers = hf["num_hidden_layers"]
         facts = decoder_facts(hf, hf.get("model_type", ""))
-        num_sparse = sum(not self.attention.is_dense_layer(i) for i in range(num_layers))
+        num_sparse = sum(not self.layout.is_dense_layer(i) for i in range(num_layers))
         return split_kv_budget(
             self.config.kv_cache_memory_bytes, num_layers, num_sparse, facts.num_kv_heads, facts.head_dim,
-            self.attention.landmark_width(facts.head_dim),
+            self.layout.landmark_width(facts.head_dim),
         )
 
     def engine_args(self, model_dir: Path):
@@ -135,7 +135,7 @@ class VllmEngine(RolloutEngine):
         )
         if c.attention == "sparrow":
             options = WorkerOptions(
-                attention=self.attention, attention_backend=c.attention_backend,
+                attention=self.layout, attention_backend=c.attention_backend,
                 schedule=None if self._schedule is None else self._schedule.to_dict(), trace_steps=c.trace_steps,
             )
             kwargs.update(
@@ -172,16 +172,9 @@ class VllmEngine(RolloutEngine):
 
     # ------------------------------------------------------------------ RolloutEngine contract
 
-    @property
-    def policy_version(self) -> int:
-        return self._policy_version
-
-    @property
-    def schedule(self) -> SparsitySchedule | None:
-        return self._schedule
-
     def generate(self, requests: Sequence[RolloutRequest]) -> list[RolloutSample]:
-        return self._call(self._generate(requests))
+        with self._serving_call():
+            return self._call(self._generate(requests))
 
     async def stream(self, requests: Sequence[RolloutRequest]) -> AsyncIterator[RolloutSample]:
         loop = asyncio.get_running_loop()
@@ -203,31 +196,27 @@ class VllmEngine(RolloutEngine):
                 deliver(exc)
                 raise
 
-        future = asyncio.run_coroutine_threadsafe(produce(), self._loop)
-        try:
-            while (item := await queue.get()) is not _STOP:
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-        finally:
-            future.cancel()
+        with self._serving_call():
+            future = asyncio.run_coroutine_threadsafe(produce(), self._loop)
+            try:
+                while (item := await queue.get()) is not _STOP:
+                    if isinstance(item, BaseException):
+                        raise item
+                    yield item
+            finally:
+                future.cancel()
 
-    def set_schedule(self, schedule: SparsitySchedule | None) -> None:
+    def _set_schedule(self, schedule: SparsitySchedule | None) -> None:
         if self.config.attention == "stock":
             raise RuntimeError("set_schedule: this engine runs vLLM's stock attention (attention='stock'), it has no sparse layers")
-        self.attention.check_compatible(schedule)
         self._call(self._switch_schedule(schedule))
 
-    def load_weights(self, weights: WeightsSource, version: int) -> None:
-        """New policy weights (a state dict with HF names, or an HF directory) and their version.
+    def _load_weights(self, weights: WeightsSource, version: int) -> None:
+        """New policy weights (a state dict with HF names, or an HF directory).
 
         On CPU vLLM's in-place reload is wrong (its CPU GEMMs keep a prepacked copy of each weight), so
         the engine restarts vLLM on a checkpoint of the new weights; elsewhere it reloads in place.
         """
-        if not isinstance(version, int) or isinstance(version, bool) or version < 0:
-            raise ValueError(f"version={version!r}: must be an integer >= 0")
-        if self._samples:
-            raise RuntimeError(f"load_weights with {len(self._samples)} samples in flight; call it between generate() calls")
         if isinstance(weights, (str, Path)):
             model_dir = Path(weights)
             read_hf_config(model_dir)
@@ -246,7 +235,14 @@ class VllmEngine(RolloutEngine):
         if self._current_dir.is_relative_to(self._weights_root) and self._current_dir != model_dir:
             shutil.rmtree(self._current_dir, ignore_errors=True)
         self._current_dir = model_dir
-        self._policy_version = version
+
+    @property
+    def max_concurrent_samples(self) -> int:
+        return self.config.max_num_seqs
+
+    def counters(self) -> EngineCounters:
+        c = self._counters
+        return EngineCounters(c["tokens_generated"], c["samples_finished"], c["samples_failed"], len(self._samples))
 
     def stats(self) -> dict:
         c = self._counters
@@ -369,7 +365,7 @@ class VllmEngine(RolloutEngine):
             self._samples.pop(request_id, None)
             if not self._samples:
                 self._busy_seconds += time.perf_counter() - self._busy_since
-        sample = builder.build(self._policy_version, self.attention.block_size)
+        sample = builder.build(self._policy_version, self.layout.block_size)
         self._counters["samples_finished" if sample.error is None else "samples_failed"] += 1
         return sample
 
