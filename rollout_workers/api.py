@@ -1,10 +1,12 @@
 """The contract every rollout backend (native engine, vLLM) implements, and the data it returns."""
 
+import asyncio
 import contextlib
 import math
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -102,6 +104,9 @@ class RolloutSample:
 
 WeightsSource = Mapping[str, torch.Tensor] | str | Path
 
+ABORTED = "aborted"
+"""The `error` of a sample ended by `RolloutEngine.abort`."""
+
 
 @dataclass(frozen=True)
 class EngineCounters:
@@ -112,6 +117,100 @@ class EngineCounters:
     samples_failed: int
     samples_running: int
     """Samples accepted and not finished yet."""
+
+
+class RequestFeed:
+    """Requests for a `stream` that is already running: `put` them from any thread while it runs, and
+    `close()` when no more will come. The stream admits each request as it arrives and ends once the
+    feed is closed and every admitted sample has finished.
+
+    Consumers (the engines) `take()` what has arrived, or iterate with `async for`, which waits for the
+    next request without blocking their event loop (any loop, in any thread).
+    """
+
+    def __init__(self, requests: Iterable[RolloutRequest] = ()):
+        self._lock = threading.Lock()
+        self._pending: deque[RolloutRequest] = deque(requests)
+        self._closed = False
+        self._wakeups: list[Callable[[], None]] = []
+
+    @classmethod
+    def of(cls, requests: "Sequence[RolloutRequest] | RequestFeed") -> "RequestFeed":
+        """`requests` if it is a feed, else a closed feed holding them."""
+        if isinstance(requests, RequestFeed):
+            return requests
+        feed = cls(requests)
+        feed.close()
+        return feed
+
+    def put(self, request: RolloutRequest) -> None:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"put({request.request_id!r}) after close(): the feed takes no more requests")
+            self._pending.append(request)
+        self._wake()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+        self._wake()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def exhausted(self) -> bool:
+        """Closed, and every request taken."""
+        with self._lock:
+            return self._closed and not self._pending
+
+    def __len__(self) -> int:
+        """Requests put and not taken yet."""
+        return len(self._pending)
+
+    def withdraw(self, request_id: str) -> list[RolloutRequest]:
+        """Remove the requests with this id that were put and not taken yet (an engine aborting them)."""
+        with self._lock:
+            withdrawn = [r for r in self._pending if r.request_id == request_id]
+            for request in withdrawn:
+                self._pending.remove(request)
+        return withdrawn
+
+    def take(self) -> list[RolloutRequest]:
+        """Every request that has arrived and was not taken yet (without waiting)."""
+        with self._lock:
+            taken = list(self._pending)
+            self._pending.clear()
+        return taken
+
+    async def wait(self) -> None:
+        """Return once a request is waiting or the feed is closed."""
+        loop = asyncio.get_running_loop()
+        arrived = asyncio.Event()
+        with self._lock:
+            if self._pending or self._closed:
+                return
+            self._wakeups.append(lambda: loop.call_soon_threadsafe(arrived.set))
+        await arrived.wait()
+
+    def __aiter__(self) -> AsyncIterator[RolloutRequest]:
+        return self._arrivals()
+
+    async def _arrivals(self) -> AsyncIterator[RolloutRequest]:
+        while True:
+            for request in self.take():
+                yield request
+            if self.exhausted:
+                return
+            await self.wait()
+
+    def _wake(self) -> None:
+        with self._lock:
+            wakeups, self._wakeups = self._wakeups, []
+        for wake in wakeups:
+            with contextlib.suppress(RuntimeError):  # the waiting loop has closed: nobody waits any more
+                wake()
 
 
 def check_version(version) -> None:
@@ -141,8 +240,16 @@ class RolloutEngine(ABC):
         """All samples of all requests, in request order then sample order."""
 
     @abstractmethod
-    def stream(self, requests: Sequence[RolloutRequest]) -> AsyncIterator[RolloutSample]:
-        """The same samples, each yielded as soon as it finishes."""
+    def stream(self, requests: "Sequence[RolloutRequest] | RequestFeed") -> AsyncIterator[RolloutSample]:
+        """The same samples, each yielded as soon as it finishes. Given a `RequestFeed`, requests put into it
+        while the stream runs are admitted between steps; the stream ends when the feed is closed and every
+        admitted sample has finished. Closing the stream early drops (and frees) what is unfinished."""
+
+    @abstractmethod
+    def abort(self, request_id: str) -> None:
+        """End the request's unfinished samples, from any thread: each comes out of the running call (or the
+        next `step`) with finish_reason "error" and error "aborted", its KV blocks freed. Samples that already
+        finished are unaffected; an unknown request id is ignored."""
 
     # ------------------------------------------------------------------ weights and schedule
 
@@ -161,7 +268,8 @@ class RolloutEngine(ABC):
         self.layout.check_compatible(schedule)
 
     def set_schedule(self, schedule: SparsitySchedule | None) -> None:
-        """Use `schedule` from the next decode step on (None = dense)."""
+        """Use `schedule` from the next decode step on (None = dense); from any thread, also while a call runs
+        (`schedule` reports it once it is in force)."""
         self.check_schedule(schedule)
         self._set_schedule(schedule)
 

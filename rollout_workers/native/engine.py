@@ -10,6 +10,7 @@ See docs/native_engine.md for the cache layout, the allocator and how blocks att
 import asyncio
 import contextlib
 import random
+import threading
 import time
 from collections.abc import AsyncIterator, Sequence as Seq
 from pathlib import Path
@@ -17,7 +18,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from sparrow.rollout_workers.api import EngineCounters, RolloutEngine, RolloutRequest, RolloutSample, WeightsSource
+from sparrow.rollout_workers.api import (
+    ABORTED, EngineCounters, RequestFeed, RolloutEngine, RolloutRequest, RolloutSample, WeightsSource,
+)
 from sparrow.schedule import SparsitySchedule, load_schedule
 
 from .block_manager import BlockManager
@@ -34,7 +37,9 @@ Finished = list[tuple[RolloutRequest, RolloutSample]]
 class NativeEngine(RolloutEngine):
     """Rollouts on CPU or CUDA from an HF directory (`NativeEngineConfig.model`) or a built model.
 
-    Not thread-safe: one `generate` or `stream` at a time; weights and schedule change between them.
+    One `generate` or `stream` at a time; weights change between them. While one runs, other threads may
+    put requests into its `RequestFeed`, `abort` requests, `set_schedule` (in force from the next step)
+    and read `counters()`.
     """
 
     def __init__(self, config: NativeEngineConfig, model: DecoderModel | None = None):
@@ -49,6 +54,15 @@ class NativeEngine(RolloutEngine):
         self._rng = random.Random(config.seed)
         self._samples_running = 0
         """Samples of accepted requests that have not finished (a group leader counts its n samples)."""
+        self._stepping = threading.Lock()
+        """Held by a step; whatever changes engine state from another thread (a schedule) or drops
+        sequences (the end of a call) waits for it."""
+        self._feed: RequestFeed | None = None
+        """The running stream's feed."""
+        self._aborts: set[str] = set()
+        self._withdrawn: list[RolloutRequest] = []
+        """Aborted requests taken out of the feed before the loop admitted them."""
+        self._aborts_lock = threading.Lock()
         self._counters = dict.fromkeys(
             ("tokens_generated", "prefill_tokens", "decode_tokens", "prefill_steps", "decode_steps",
              "samples_finished", "samples_failed"), 0)
@@ -73,8 +87,9 @@ class NativeEngine(RolloutEngine):
         return self.config.max_num_seqs
 
     def _set_schedule(self, schedule: SparsitySchedule | None) -> None:
-        self._schedule = schedule
-        self.runner.set_schedule(schedule)
+        with self._stepping:  # a step in flight (another thread) finishes under the old schedule
+            self._schedule = schedule
+            self.runner.set_schedule(schedule)
 
     def _load_weights(self, weights: WeightsSource, version: int) -> None:
         """Validate all tensors first, then copy in place."""
@@ -98,21 +113,41 @@ class NativeEngine(RolloutEngine):
                 results += [(request, s) for s in self.add_request(request)]
             while self.scheduler.has_work():
                 before = self._counters["tokens_generated"]
-                finished = self._step()
+                finished = self._abort_then_step()
                 unused = sum(r.sampling.max_tokens - len(s.token_ids) for r, s in finished)
                 bar.update(self._counters["tokens_generated"] - before + unused)
                 results += finished
         results.sort(key=lambda pair: (order[id(pair[0])], pair[1].sample_index))
         return [s for _, s in results]
 
-    async def stream(self, requests: Seq[RolloutRequest]) -> AsyncIterator[RolloutSample]:
-        with self._session():
-            for request in requests:
-                for failed in self.add_request(request):
-                    yield failed
-            while self.scheduler.has_work():
-                for _, done in await asyncio.to_thread(self._step):
-                    yield done
+    async def stream(self, requests: Seq[RolloutRequest] | RequestFeed) -> AsyncIterator[RolloutSample]:
+        """Between steps: the aborts asked for, then what the feed brought, then one step in a worker thread.
+        An aborted request still in the feed is withdrawn from it; one already taken is in the scheduler."""
+        feed = RequestFeed.of(requests)
+        with self._session(feed):
+            while True:
+                aborts, withdrawn = self._take_aborts()
+                for request in withdrawn:
+                    for j in range(_num_samples(request)):
+                        yield self._failed(request, j, ABORTED)
+                for request in feed.take():
+                    for failed in self.add_request(request):
+                        yield failed
+                for _, sample in self._abort(aborts):
+                    yield sample
+                if self.scheduler.has_work():
+                    for _, done in await asyncio.to_thread(self._step):
+                        yield done
+                elif self._drained(feed):
+                    return
+                else:
+                    await feed.wait()
+
+    def abort(self, request_id: str) -> None:
+        with self._aborts_lock:
+            self._aborts.add(request_id)
+            if self._feed is not None:
+                self._withdrawn += self._feed.withdraw(request_id)
 
     def stats(self) -> dict:
         c, busy = self._counters, sum(self._seconds.values())
@@ -146,32 +181,54 @@ class NativeEngine(RolloutEngine):
     # ------------------------------------------------------------------ requests and steps
 
     @contextlib.contextmanager
-    def _session(self):
-        """One generate/stream call; whatever it leaves unfinished (a stream closed early) is dropped."""
+    def _session(self, feed: RequestFeed | None = None):
+        """One generate/stream call; whatever it leaves unfinished (a stream closed early) is dropped, and
+        aborts asked for after it refer to nothing."""
         with self._serving_call():
+            self._feed = feed
             try:
                 yield
             finally:
                 self._drop_unfinished()
+                with self._aborts_lock:
+                    self._feed, self._aborts, self._withdrawn = None, set(), []
 
     def _drop_unfinished(self) -> None:
-        for seq in self.scheduler.unfinished():
-            self._finish(seq)
+        with self._stepping:  # a cancelled stream's step may still run in its thread
+            for seq in self.scheduler.unfinished():
+                self._finish(seq)
 
-    def abort(self) -> None:
-        """Drop every unfinished sequence (their samples are not returned); for callers driving `step`."""
+    def drop_unfinished(self) -> None:
+        """Drop every unfinished sequence without returning its samples; for callers driving `step`."""
         if self._serving.locked():
-            raise RuntimeError("abort() while a generate/stream call runs; close the stream instead")
+            raise RuntimeError("drop_unfinished() while a generate/stream call runs; close the stream instead")
         self._drop_unfinished()
+
+    def _drained(self, feed: RequestFeed) -> bool:
+        """The feed is closed and empty, and no request withdrawn from it waits to be reported."""
+        with self._aborts_lock:
+            return feed.exhausted and not self._withdrawn
+
+    def _take_aborts(self) -> tuple[set[str], list[RolloutRequest]]:
+        with self._aborts_lock:
+            aborts, self._aborts = self._aborts, set()
+            withdrawn, self._withdrawn = self._withdrawn, []
+        return aborts, withdrawn
+
+    def _abort(self, request_ids: set[str]) -> Finished:
+        """Fail the unfinished samples of these requests (their blocks are released)."""
+        finished: Finished = []
+        for request_id in request_ids:
+            for seq in self.scheduler.unfinished(request_id):
+                finished += self._fail(seq, ABORTED)
+        return finished
 
     def add_request(self, request: RolloutRequest) -> list[RolloutSample]:
         """Queue a request's samples; returns them at once as errors if the request is invalid."""
         try:
             self.scheduler.check(request)
         except ValueError as exc:
-            n = _num_samples(request)
-            self._counters["samples_failed"] += n
-            return [RolloutSample.failed(request, j, str(exc), self._policy_version, self.schedule_version) for j in range(n)]
+            return [self._failed(request, j, str(exc)) for j in range(_num_samples(request))]
         seed = request.sampling.seed
         self.scheduler.add(request, seed if seed is not None else self._rng.getrandbits(63))
         self._samples_running += request.sampling.n
@@ -181,11 +238,22 @@ class NativeEngine(RolloutEngine):
         return self.scheduler.has_work()
 
     def step(self) -> list[RolloutSample]:
-        """Run one prefill or decode step; returns the samples that finished in it."""
-        return [s for _, s in self._step()]
+        """Apply the aborts asked for since the last step, run one prefill or decode step; returns the
+        samples that ended."""
+        return [s for _, s in self._abort_then_step()]
+
+    def _abort_then_step(self) -> Finished:
+        finished = self._abort(self._take_aborts()[0])
+        if self.scheduler.has_work():
+            finished += self._step()
+        return finished
+
+    def _step(self) -> Finished:
+        with self._stepping:
+            return self._run_step()
 
     @torch.inference_mode()
-    def _step(self) -> Finished:
+    def _run_step(self) -> Finished:
         start = time.perf_counter()
         finished: Finished = []
         chunks, impossible = self.scheduler.schedule_prefill()
@@ -259,9 +327,11 @@ class NativeEngine(RolloutEngine):
         """Fail one sample, or every sample of a group leader that has not forked yet."""
         self._finish(seq)
         indices = range(seq.fork_into) if seq.fork_into > 1 else [seq.sample_index]
-        self._counters["samples_failed"] += len(indices)
-        return [(seq.request, RolloutSample.failed(seq.request, j, error, self._policy_version, self.schedule_version))
-                for j in indices]
+        return [(seq.request, self._failed(seq.request, j, error)) for j in indices]
+
+    def _failed(self, request: RolloutRequest, index: int, error: str) -> RolloutSample:
+        self._counters["samples_failed"] += 1
+        return RolloutSample.failed(request, index, error, self._policy_version, self.schedule_version)
 
 
 def _num_samples(request: RolloutRequest) -> int:

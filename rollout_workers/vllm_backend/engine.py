@@ -12,6 +12,7 @@ asks for them would get renormalised logprobs; such requests fail with a clear e
 """
 
 import asyncio
+import functools
 import gc
 import itertools
 import json
@@ -25,7 +26,9 @@ from pathlib import Path
 
 from sparrow.architecture import decoder_facts
 from sparrow.layout import BLOCK_SIZE
-from sparrow.rollout_workers.api import EngineCounters, RolloutEngine, RolloutRequest, RolloutSample, WeightsSource
+from sparrow.rollout_workers.api import (
+    ABORTED, EngineCounters, RequestFeed, RolloutEngine, RolloutRequest, RolloutSample, WeightsSource,
+)
 from sparrow.schedule import SparsitySchedule, load_schedule
 from sparrow.seeds import sample_seed
 
@@ -64,6 +67,12 @@ class VllmEngine(RolloutEngine):
         self._rng = random.Random(config.seed)
         self._ids = itertools.count()
         self._samples: dict[str, SampleBuilder] = {}
+        self._running: dict[str, set[asyncio.Task]] = {}
+        """Sample tasks of the running call by request id (abort cancels them)."""
+        self._aborting: set[str] = set()
+        self._feed: RequestFeed | None = None
+        self._deliver = None
+        """Where the running call's samples go (`_run`)."""
         self._counters = dict.fromkeys(("tokens_generated", "samples_finished", "samples_failed", "engine_starts"), 0)
         self._busy_seconds = 0.0
         self._busy_since = 0.0
@@ -173,10 +182,14 @@ class VllmEngine(RolloutEngine):
     # ------------------------------------------------------------------ RolloutEngine contract
 
     def generate(self, requests: Sequence[RolloutRequest]) -> list[RolloutSample]:
+        order = {id(r): i for i, r in enumerate(requests)}
+        results: list[tuple[RolloutRequest, RolloutSample]] = []
         with self._serving_call():
-            return self._call(self._generate(requests))
+            self._call(self._run(RequestFeed.of(requests), results.append))
+        results.sort(key=lambda pair: (order[id(pair[0])], pair[1].sample_index))
+        return [s for _, s in results]
 
-    async def stream(self, requests: Sequence[RolloutRequest]) -> AsyncIterator[RolloutSample]:
+    async def stream(self, requests: Sequence[RolloutRequest] | RequestFeed) -> AsyncIterator[RolloutSample]:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -184,15 +197,10 @@ class VllmEngine(RolloutEngine):
             loop.call_soon_threadsafe(queue.put_nowait, item)
 
         async def produce():
-            tasks = []
             try:
-                tasks = [asyncio.ensure_future(self._sample(r, i)) for r in requests for i in range(r.sampling.n)]
-                for done in asyncio.as_completed(tasks):
-                    deliver(await done)
+                await self._run(RequestFeed.of(requests), deliver)
                 deliver(_STOP)
             except BaseException as exc:
-                for task in tasks:
-                    task.cancel()
                 deliver(exc)
                 raise
 
@@ -202,9 +210,12 @@ class VllmEngine(RolloutEngine):
                 while (item := await queue.get()) is not _STOP:
                     if isinstance(item, BaseException):
                         raise item
-                    yield item
+                    yield item[1]
             finally:
                 future.cancel()
+
+    def abort(self, request_id: str) -> None:
+        self._loop.call_soon_threadsafe(self._abort, request_id)
 
     def _set_schedule(self, schedule: SparsitySchedule | None) -> None:
         if self.config.attention == "stock":
@@ -309,8 +320,83 @@ class VllmEngine(RolloutEngine):
 
     # ------------------------------------------------------------------ internals (engine loop)
 
-    async def _generate(self, requests: Sequence[RolloutRequest]) -> list[RolloutSample]:
-        return list(await asyncio.gather(*(self._sample(r, i) for r in requests for i in range(r.sampling.n))))
+    async def _run(self, feed: RequestFeed, deliver) -> None:
+        """Start the samples of each request as it arrives from the feed; `deliver((request, sample))` for
+        each as it ends. Returns once the feed is exhausted and every sample delivered; an engine-wide
+        failure of one sample cancels the others and raises."""
+        self._feed, self._deliver = feed, deliver
+        run = asyncio.current_task()
+        started: set[asyncio.Task] = set()
+        """Unfinished sample tasks (a long-running feed must not keep finished ones)."""
+        failure: list[BaseException] = []
+
+        def done(request: RolloutRequest, index: int, task: asyncio.Task) -> None:
+            started.discard(task)
+            self._sample_done(request, index, task)
+            if not task.cancelled() and task.exception() is not None and not failure:
+                failure.append(task.exception())
+                run.cancel()
+
+        try:
+            async for request in feed:
+                for index in range(request.sampling.n):
+                    task = asyncio.ensure_future(self._sample_or_aborted(request, index))
+                    task.add_done_callback(functools.partial(done, request, index))
+                    self._running.setdefault(request.request_id, set()).add(task)
+                    started.add(task)
+            await asyncio.gather(*started, return_exceptions=True)
+        except BaseException:
+            for task in list(started):
+                task.cancel()
+            if failure:
+                raise failure[0] from None
+            raise
+        finally:
+            self._feed = self._deliver = None
+        if failure:
+            raise failure[0]
+
+    async def _sample_or_aborted(self, request: RolloutRequest, index: int) -> RolloutSample:
+        try:
+            return await self._sample(request, index)
+        except asyncio.CancelledError:
+            if request.request_id not in self._aborting:
+                raise
+            return self._failed(request, index, ABORTED)
+
+    def _sample_done(self, request: RolloutRequest, index: int, task: asyncio.Task) -> None:
+        """Deliver a sample's outcome; a sample aborted before it started is delivered failed here."""
+        tasks = self._running.get(request.request_id, set())
+        tasks.discard(task)
+        if not tasks:
+            self._running.pop(request.request_id, None)
+        aborted = request.request_id in self._aborting
+        if not tasks:
+            self._aborting.discard(request.request_id)
+        if self._deliver is None:  # the call has ended (a stream closed early)
+            return
+        if task.cancelled():
+            if aborted:
+                self._deliver((request, self._failed(request, index, ABORTED)))
+        elif task.exception() is None:
+            self._deliver((request, task.result()))
+
+    def _abort(self, request_id: str) -> None:
+        """On the engine loop: fail the request's samples still in the feed, cancel its running ones (vLLM
+        aborts a cancelled generation and frees its KV pages)."""
+        if self._feed is not None and self._deliver is not None:
+            for request in self._feed.withdraw(request_id):
+                for index in range(request.sampling.n):
+                    self._deliver((request, self._failed(request, index, ABORTED)))
+        tasks = self._running.get(request_id)
+        if tasks:
+            self._aborting.add(request_id)
+            for task in tasks:
+                task.cancel()
+
+    def _failed(self, request: RolloutRequest, index: int, error: str) -> RolloutSample:
+        self._counters["samples_failed"] += 1
+        return RolloutSample.failed(request, index, error, self._policy_version, self.schedule_version)
 
     def _request_error(self, request: RolloutRequest) -> str | None:
         sp = request.sampling
@@ -342,8 +428,7 @@ class VllmEngine(RolloutEngine):
     async def _sample(self, request: RolloutRequest, index: int) -> RolloutSample:
         error = self._request_error(request)
         if error is not None:
-            self._counters["samples_failed"] += 1
-            return RolloutSample.failed(request, index, error, self._policy_version, self.schedule_version)
+            return self._failed(request, index, error)
         request_id = f"{request.request_id}/{index}/{next(self._ids)}"
         builder = SampleBuilder(request, index, request.sampling.logprobs, [(0, self._schedule)])
         if not self._samples:

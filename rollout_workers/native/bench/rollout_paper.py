@@ -96,7 +96,7 @@ def real_rollout(engine, prompts, samples: int, gen_len: int, time_cap_s: float)
         engine.step()
         step_s.append(time.perf_counter() - t0)
         if time.perf_counter() - start > time_cap_s:
-            engine.abort()
+            engine.drop_unfinished()
             truncated = True
             break
     wall = time.perf_counter() - start
