@@ -22,7 +22,9 @@ import ray
 import torch
 
 from sparrow.coordinator.metrics import SparrowMetrics, start_metrics_server
-from sparrow.coordinator.transport import ControlServicer, Health, ScheduleState, Trajectory, TrajectoryClient
+from sparrow.coordinator.transport import (
+    ControlServicer, Health, ScheduleState, Trajectory, TrajectoryClient, advertised_host,
+)
 from sparrow.protos import sparrow_v1_pb2_grpc as pb_grpc
 from sparrow.rollout_workers.api import RolloutEngine, RolloutRequest, SamplingParams
 from sparrow.rollout_workers.registry import create_engine
@@ -44,13 +46,6 @@ def build_engine(config: SparrowConfig, model: str, index: int) -> RolloutEngine
     """The configured engine (a registry lookup) on `model` (unless its section names another), seeded per worker."""
     update = {"model": engine_model_dir(config, model), "seed": stable_seed(config.run.seed, index, 2) % (2**31)}
     return create_engine(config.rollout.engine, config.rollout.engine_config().model_copy(update=update))
-
-
-def advertised_host(bind_host: str) -> str:
-    """The address other nodes reach a server bound to `bind_host` at."""
-    if bind_host in ("0.0.0.0", "::", ""):
-        return ray.util.get_node_ip_address()
-    return bind_host
 
 
 class RolloutWorker:
