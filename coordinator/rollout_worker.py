@@ -30,6 +30,7 @@ from sparrow.rollout_workers.api import RolloutEngine, RolloutRequest, SamplingP
 from sparrow.rollout_workers.registry import create_engine
 from sparrow.schedule import SparsitySchedule
 from sparrow.seeds import stable_seed
+from sparrow.weight_sync import CollectiveGroup, CollectiveSource, HandleSource, WeightReceiver
 
 from .config import SparrowConfig
 from .data import PromptRecord, render_prompt
@@ -262,22 +263,16 @@ class RolloutWorker:
 
     def load_weights(self, handle) -> dict:
         """A version published to Ray's object store (`WeightHandle`)."""
-        from sparrow.trainer.publish import HandleSource, WeightReceiver
-
         report = WeightReceiver(self.engine).receive(HandleSource(handle))
         self.metrics.policy_version.labels(worker=self.worker_id, pool="rollout").set(report.version)
         return {"version": report.version, "bytes": report.nbytes, "seconds": report.seconds}
 
     def join_weight_group(self, host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float) -> None:
-        from sparrow.trainer.publish import CollectiveGroup
-
         device = "cuda" if backend == "nccl" else "cpu"
         self.weight_group = CollectiveGroup(host, port, rank, world_size, backend=backend, device=device, timeout_s=timeout_s)
 
     def receive_weights(self) -> dict:
         """The next version broadcast over the weight group (the trainer sends concurrently)."""
-        from sparrow.trainer.publish import CollectiveSource, WeightReceiver
-
         report = WeightReceiver(self.engine).receive(CollectiveSource(self.weight_group))
         self.metrics.policy_version.labels(worker=self.worker_id, pool="rollout").set(report.version)
         return {"version": report.version, "bytes": report.nbytes, "seconds": report.seconds}

@@ -16,6 +16,7 @@ import torch
 
 from sparrow.acceptance import acceptance_exact
 from sparrow.schedule import SPARROW_EDGES, SparsitySchedule, load_schedule
+from sparrow.weight_sync import CollectiveGroup, CollectiveSender, Manifest, ObjectStoreSender, plan_buckets
 
 from . import sparse_attention
 from .alpha import AlphaReport, add_trajectory_alpha, token_context_lengths
@@ -36,7 +37,7 @@ from .forward import PolicyModule, PolicyRunner
 from .lora import attach_lora, is_lora_param
 from .losses import k3_kl, policy_loss, ppo_clip_loss, rollout_correction
 from .microbatch import MicroBatch, collate, plan_micro_batches
-from .publish import CollectiveGroup, CollectiveSender, Manifest, ObjectStoreSender, PublishReport, plan_buckets, send_buckets
+from .publish import PublishReport, send_buckets
 from .results import RecomputeResult, StepResult
 
 DENSE_BINS = SparsitySchedule(name="dense-bins", topk_blocks=(None,) * (len(SPARROW_EDGES) + 1))
