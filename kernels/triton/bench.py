@@ -397,10 +397,10 @@ def run_from_args(args, command: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from sparrow.cli.bench_cmd import register_kernels
+    from ..bench_cli import register
 
     parser = argparse.ArgumentParser(prog="python -m sparrow.kernels.triton.bench")
-    register_kernels(parser.add_subparsers(dest="action", required=True))
+    register(parser.add_subparsers(dest="action", required=True))
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(["kernels", *argv])
     run_from_args(args, "python -m sparrow.kernels.triton.bench " + " ".join(argv))
