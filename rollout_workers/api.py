@@ -9,6 +9,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -100,6 +101,26 @@ class RolloutSample:
             blocks_attended=empty.int(), finish_reason="error", policy_version=policy_version,
             schedule_version=schedule_version, error=error, metadata=dict(request.metadata),
         )
+
+
+@dataclass
+class TeacherForcedOutput:
+    """Log-probabilities of given generated tokens, recomputed teacher-forced."""
+
+    logprobs: torch.Tensor
+    """`[G]` log q of each generated token."""
+    blocks_attended: torch.Tensor
+    """`[G]` blocks per KV head the producing query attended in the sparse layers."""
+    full_logprobs: torch.Tensor | None
+    """`[G, V]` the whole log-distribution per generated token (when asked for)."""
+
+
+class PromptScorer(Protocol):
+    """Teacher-forced recomputes of samples that share one prompt (the prompt is encoded once)."""
+
+    def logprobs(self, generated: torch.Tensor, blocks_attended: torch.Tensor | None = None) -> TeacherForcedOutput:
+        """Full-vocabulary log-probabilities of `generated` after the prompt: dense, or with the sparse
+        attention a sample was decoded with replayed from its `blocks_attended`."""
 
 
 WeightsSource = Mapping[str, torch.Tensor] | str | Path
@@ -300,6 +321,13 @@ class RolloutEngine(ABC):
     @abstractmethod
     def stats(self) -> dict:
         """Counters for metrics: tokens generated, throughput, cache use, preemptions, versions."""
+
+    def prompt_scorer(self, prompt_token_ids: Sequence[int], temperature: float = 1.0) -> PromptScorer:
+        """Teacher-forced recomputes with this engine's model and layout (logprobs of logits / temperature),
+        what calibration measures α with."""
+        raise NotImplementedError(
+            f"{type(self).__name__} cannot recompute logprobs teacher-forced; prompt_scorer() needs the native engine"
+        )
 
     def parameters(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
         """CPU copies of the served weights by HF name (for checks and debugging)."""

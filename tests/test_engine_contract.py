@@ -53,6 +53,8 @@ def test_the_base_refuses_what_a_backend_does_not_serve():
     engine = Minimal(SparseAttentionConfig())
     with pytest.raises(NotImplementedError, match="Minimal does not expose its weights"):
         engine.parameters(["x"])
+    with pytest.raises(NotImplementedError, match="Minimal cannot recompute logprobs teacher-forced"):
+        engine.prompt_scorer([1, 2, 3])
     engine.shutdown()  # nothing to release
 
 

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import torch
 
-from sparrow.acceptance import acceptance_exact
+from sparrow.acceptance import acceptance_exact, token_context_lengths
 from sparrow.schedule import SPARROW_EDGES, SparsitySchedule, load_schedule
 from sparrow.weight_sync import CollectiveGroup, CollectiveSender, Manifest, ObjectStoreSender, plan_buckets
 
 from . import sparse_attention
-from .alpha import AlphaReport, add_trajectory_alpha, token_context_lengths
+from .alpha import AlphaReport, add_trajectory_alpha
 from .batch import Trajectory, TrajectoryBatch
 from .collectives import all_gather_objects, all_reduce_dict, all_reduce_grads, all_reduce_scalar
 from .config import TrainerConfig

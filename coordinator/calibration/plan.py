@@ -5,9 +5,9 @@ import math
 
 import torch
 
+from sparrow.acceptance import token_context_lengths
 from sparrow.layout import BLOCK_SIZE, DEFAULT_LAYOUT
 from sparrow.schedule import SPARROW_EDGES, SparsitySchedule
-from sparrow.trainer.alpha import token_context_lengths
 
 PAPER_BUDGETS = (32, 48, 64, 80, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512, 640, 768, 896, 1024)
 """Sparrow's 18 profiled configurations, total blocks of 16 tokens (Fig. 3's "16 32" … "16 1024")."""

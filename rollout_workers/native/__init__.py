@@ -6,16 +6,17 @@ from .engine import NativeEngine
 from .model import DecoderModel
 from .model_loader import load_model
 from .model_spec import ModelLoadError, ModelSpec, load_spec
-from .teacher_forced import TeacherForcedOutput, teacher_forced_logprobs
+from .prompt_recompute import PromptRecompute
+from .teacher_forced import teacher_forced_logprobs
 from .weights import WeightsError
 
 __all__ = [
     "DecoderModel",
     "ModelLoadError",
     "ModelSpec",
+    "PromptRecompute",
     "NativeEngine",
     "NativeEngineConfig",
-    "TeacherForcedOutput",
     "WeightsError",
     "load_model",
     "load_spec",

@@ -19,7 +19,8 @@ import torch
 from tqdm import tqdm
 
 from sparrow.rollout_workers.api import (
-    ABORTED, EngineCounters, RequestFeed, RolloutEngine, RolloutRequest, RolloutSample, WeightsSource,
+    ABORTED, EngineCounters, RequestFeed, RolloutEngine, RolloutRequest, RolloutSample, TeacherForcedOutput,
+    WeightsSource,
 )
 from sparrow.schedule import SparsitySchedule, load_schedule
 
@@ -27,9 +28,10 @@ from .block_manager import BlockManager
 from .config import NativeEngineConfig
 from .model import DecoderModel
 from .model_runner import ModelRunner
+from .prompt_recompute import PromptRecompute
 from .scheduler import PrefillChunk, Scheduler
 from .sequence import Draws, Sequence
-from .teacher_forced import TeacherForcedOutput, teacher_forced_logprobs
+from .teacher_forced import teacher_forced_logprobs
 
 Finished = list[tuple[RolloutRequest, RolloutSample]]
 
@@ -97,6 +99,9 @@ class NativeEngine(RolloutEngine):
 
     def parameters(self, names: Seq[str]) -> dict[str, torch.Tensor]:
         return self.runner.parameters(list(names))
+
+    def prompt_scorer(self, prompt_token_ids: Seq[int], temperature: float = 1.0) -> PromptRecompute:
+        return PromptRecompute(self.runner.model, prompt_token_ids, self.layout, temperature)
 
     def counters(self) -> EngineCounters:
         c = self._counters

@@ -141,6 +141,7 @@ class ModelRunner:
     def stats(self) -> dict:
         return {
             "kv_blocks_total": self.num_kv_blocks,
+            "dtype": str(self.model.dtype).removeprefix("torch."),
             "attention_backend": self.backend.name,
             "cuda_graphs": self.graphs is not None,
             "cuda_graphs_captured": 0 if self.graphs is None else self.graphs.num_captured,

@@ -8,25 +8,14 @@ by a schedule or, exactly as the engine used it, by the sample's own `blocks_att
 equal to the context's block count means dense).
 """
 
-from dataclasses import dataclass
-
 import torch
 
 from sparrow.kernels import SparseAttentionConfig
+from sparrow.rollout_workers.api import TeacherForcedOutput
 from sparrow.schedule import DENSE_BUDGET, SparsitySchedule
 
 from .attention import TeacherForced, blocks_attended as count_blocks
 from .model import DecoderModel
-
-
-@dataclass
-class TeacherForcedOutput:
-    logprobs: torch.Tensor
-    """`[G]` log q of each generated token."""
-    blocks_attended: torch.Tensor
-    """`[G]` blocks per KV head the producing query attended in the sparse layers."""
-    full_logprobs: torch.Tensor | None
-    """`[G, V]` the whole log-distribution per generated token (with `full=True`)."""
 
 
 def query_budgets(
