@@ -48,7 +48,7 @@ def test_what_the_worker_reads_is_on_the_contract(tiny_qwen3):
 
 def test_the_base_refuses_what_a_backend_does_not_serve():
     class Minimal(RolloutEngine):
-        generate = stream = counters = stats = max_concurrent_samples = _load_weights = _set_schedule = None
+        generate = stream = abort = counters = stats = max_concurrent_samples = _load_weights = _set_schedule = None
 
     engine = Minimal(SparseAttentionConfig())
     with pytest.raises(NotImplementedError, match="Minimal does not expose its weights"):
