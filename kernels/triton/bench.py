@@ -133,7 +133,7 @@ class Case:
 
 def make_case(pool: Pool, batch: int, context: int, group: int, num_kv_heads: int, head_dim: int, seed: int) -> Case:
     gen = torch.Generator(device=DEVICE).manual_seed(seed)
-    lengths = [context - (7 * b) % 16 for b in range(batch)]  # mixed partial blocks, about `context` tokens
+    lengths = [context - (7 * b) % BLOCK_SIZE for b in range(batch)]  # mixed partial blocks, about `context` tokens
     width = math.ceil(context / BLOCK_SIZE)
     perm = torch.randperm(pool.num_blocks, device=DEVICE, generator=gen)[: batch * width]
     q = torch.randn(batch, num_kv_heads * group, head_dim, device=DEVICE, generator=gen).to(torch.bfloat16)

@@ -29,7 +29,9 @@ class VllmEngineConfig(EngineSettings):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="auto = float32 on CPU, bfloat16 on CUDA")
     tensor_parallel_size: int = Field(1, ge=1)
     max_model_len: int | None = Field(None, ge=2, description="prompt + generated tokens; None = model maximum")
-    block_size: int | None = Field(None, description="vLLM page size in tokens, a multiple of 16; None = 32 on CPU, 16 on CUDA")
+    block_size: int | None = Field(
+        None, description=f"vLLM page size in tokens, a multiple of {BLOCK_SIZE}; None = {2 * BLOCK_SIZE} on CPU, {BLOCK_SIZE} on CUDA"
+    )
     kv_cache_memory_bytes: int = Field(GiB, ge=1 << 20, description="per worker: KV pages + landmark side tables")
     enable_prefix_caching: bool = True
     enforce_eager: bool | None = Field(None, description="None = eager on CPU, CUDA graphs (piecewise) on CUDA")

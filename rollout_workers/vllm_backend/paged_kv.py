@@ -48,7 +48,7 @@ def sparse_block_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     except RuntimeError:
         raise ValueError(
             f"vLLM block_size={page_size} packs {per_page} Sparrow blocks per page, which needs the layer's pages "
-            "to be contiguous (layer-outermost KV layout); use block_size=16 or an LBHNC/LBNHC layout"
+            f"to be contiguous (layer-outermost KV layout); use block_size={BLOCK_SIZE} or an LBHNC/LBNHC layout"
         ) from None
 
 

@@ -3,6 +3,8 @@ benches run only when chosen, on CUDA)."""
 
 from pathlib import Path
 
+from sparrow.layout import BLOCK_SIZE
+
 
 def register_decode_step(actions) -> None:
     d = actions.add_parser("decode-step", help="full-model decode step at Sparrow's Table 4 points (CUDA graphs)")
@@ -41,8 +43,8 @@ def run_decode_step(args) -> int:
 
     from . import run_decode_step as run
 
-    if args.batch < 1 or args.replays < 1 or any(c < 16 for c in args.contexts):
-        raise ValueError("--batch and --replays must be >= 1 and --contexts >= 16 tokens")
+    if args.batch < 1 or args.replays < 1 or any(c < BLOCK_SIZE for c in args.contexts):
+        raise ValueError(f"--batch and --replays must be >= 1 and --contexts >= {BLOCK_SIZE} tokens")
     run(args.model, args.batch, tuple(args.contexts), args.budget_tokens, args.replays,
         args.out, "sparrow " + " ".join(sys.argv[1:]))
     return 0
