@@ -7,7 +7,7 @@ jobs they cannot run; an engine's config adds its own rules by extending `check_
 
 from pydantic import Field
 
-from sparrow.layout import SparseLayoutSettings
+from sparrow.layout_settings import SparseLayoutSettings
 from sparrow.schedule import SparsitySchedule
 
 from .api import SamplingParams

@@ -5,12 +5,12 @@ the first `sink` and last `recent` blocks of a row always attended, the layers i
 sparse, and the block summary the top-k is scored against (`landmark`). The kernels, both rollout
 engines, the trainer's sparse forward and the sparsity schedules all read it from here: a schedule's
 budgets count blocks of a layout, so `check_compatible` refuses a schedule written for another one.
+Its config fields are `sparrow.layout_settings` (this module needs nothing beyond the standard library,
+so the kernels import it on a bare GPU machine).
 """
 
 from dataclasses import dataclass, field
 from typing import Literal
-
-from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 BLOCK_SIZE = 16
 """Tokens per KV block, Sparrow's sparsity unit. The Triton kernels and the vLLM page layout are built for it."""
@@ -117,33 +117,3 @@ class SparseAttentionConfig:
 
 DEFAULT_LAYOUT = SparseAttentionConfig()
 """Sparrow's layout: blocks of 16 tokens, sink 1, recent 2, layers 0 and 1 dense, mean-key landmarks."""
-
-
-class SparseLayerSettings(BaseModel):
-    """Config fields of the layers' part of a layout (which layers stay dense, the block summary)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    dense_layers: tuple[int, ...] = Field(DEFAULT_LAYOUT.dense_layers, description="layers that always attend densely (Sparrow: 0, 1)")
-    landmark: LandmarkMode = Field(DEFAULT_LAYOUT.landmark, description="block summary: mean key (Sparrow) or min/max (Quest)")
-
-    @field_validator("dense_layers")
-    @classmethod
-    def _dense_layers(cls, value: tuple[int, ...]) -> tuple[int, ...]:
-        if any(i < 0 for i in value):
-            raise ValueError(f"dense_layers={list(value)}: layer indices must be >= 0")
-        return tuple(sorted(set(value)))
-
-    def layout_for(self, schedule) -> SparseAttentionConfig:
-        """These layers with the block size, sink and recent of `schedule` (the default layout's for None)."""
-        return SparseAttentionConfig.of_schedule(schedule, dense_layers=self.dense_layers, landmark=self.landmark)
-
-
-class SparseLayoutSettings(SparseLayerSettings):
-    """Config fields of a whole layout (the block size is fixed); `layout()` is the layout they set."""
-
-    sink: int = Field(DEFAULT_LAYOUT.sink, ge=0, description="first blocks always attended")
-    recent: int = Field(DEFAULT_LAYOUT.recent, ge=1, description="last blocks always attended (the partial current block included)")
-
-    def layout(self) -> SparseAttentionConfig:
-        return SparseAttentionConfig(sink=self.sink, recent=self.recent, dense_layers=self.dense_layers, landmark=self.landmark)

@@ -4,7 +4,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from sparrow.layout import SparseLayerSettings
+from sparrow.layout_settings import SparseLayerSettings
 
 
 class OptimizerConfig(BaseModel):
