@@ -234,7 +234,7 @@ class RequestFeed:
                 wake()
 
 
-def check_version(version) -> None:
+def _check_version(version) -> None:
     if not isinstance(version, int) or isinstance(version, bool) or version < 0:
         raise ValueError(f"version={version!r}: must be an integer >= 0")
 
@@ -277,7 +277,7 @@ class RolloutEngine(ABC):
     def load_weights(self, weights: WeightsSource, version: int) -> None:
         """Replace the policy weights (a state dict or an HF directory) and set their version; refused while
         samples are in flight. On any error the old weights and version stay."""
-        check_version(version)
+        _check_version(version)
         in_flight = self.counters().samples_running
         if in_flight:
             raise RuntimeError(f"load_weights with {in_flight} samples in flight; call it between generate() calls")
