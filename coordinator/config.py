@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from sparrow.coordinator.controller import ControllerConfig
 from sparrow.coordinator.metrics import MetricsConfig
 from sparrow.coordinator.transport import TransportConfig
+from sparrow.rollout_workers.api import SamplingParams
 from sparrow.rollout_workers.native import NativeEngineConfig
 from sparrow.rollout_workers.vllm_backend import VllmEngineConfig
 from sparrow.schedule import SPARROW_EDGES, ScheduleError, SparsitySchedule, load_schedule
@@ -365,17 +366,6 @@ class SparrowConfig(_Section):
                 f"controller.warm_start={self.controller.warm_start!r}: the initial schedule of a job is rollout.schedule "
                 "(or controller.calibration); remove controller.warm_start"
             )
-        engine = self.rollout.engine_config()
-        if s.n > engine.max_num_seqs:
-            raise ValueError(
-                f"rollout.sampling.n={s.n} exceeds rollout.{self.rollout.engine}.max_num_seqs={engine.max_num_seqs}; "
-                "raise max_num_seqs or lower n"
-            )
-        if self.rollout.engine == "vllm" and (s.top_p != 1.0 or s.top_k != 0):
-            raise ValueError(
-                "rollout.sampling.top_p/top_k: the vLLM backend returns renormalised logprobs under top-p/top-k; "
-                "leave top_p=1 and top_k=0 with rollout.engine='vllm'"
-            )
         if s.logprobs > self.transport.max_top_k:
             raise ValueError(f"rollout.sampling.logprobs={s.logprobs} exceeds transport.max_top_k={self.transport.max_top_k}")
         if self.controller.enabled and s.logprobs == 0:
@@ -383,24 +373,14 @@ class SparrowConfig(_Section):
                 "controller.enabled=true needs rollout.sampling.logprobs > 0 (α is measured from the rollout's top-k); "
                 "set logprobs (e.g. 20) or controller.enabled=false"
             )
-        if self.rollout.engine == "vllm" and self.rollout.vllm.max_logprobs < s.logprobs:
-            raise ValueError(
-                f"rollout.sampling.logprobs={s.logprobs} exceeds rollout.vllm.max_logprobs={self.rollout.vllm.max_logprobs}"
-            )
         if self.run.weights_channel == "collective" and self.run.mode == "async":
             raise ValueError(
                 "run.weights_channel='collective' needs mode='sync': a broadcast waits for every rollout worker, "
                 "which in async mode are busy generating; use 'object_store' or 'auto'"
             )
-        template = self.schedule_template()
-        for name in ("sink", "recent"):
-            if getattr(template, name) != getattr(engine, name):
-                raise ValueError(
-                    f"rollout.schedule has {name}={getattr(template, name)} but rollout.{self.rollout.engine}.{name}="
-                    f"{getattr(engine, name)}; make them equal"
-                )
-        if template.block_size != 16:
-            raise ValueError(f"rollout.schedule has block_size={template.block_size}; Sparrow's KV blocks are 16 tokens")
+        self.rollout.engine_config().check_job(
+            SamplingParams(**s.model_dump()), self.schedule_template(), "rollout", self.rollout.engine
+        )
         return self
 
     # ------------------------------------------------------------------ derived values

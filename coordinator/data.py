@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sparrow.jsonl import read_jsonl
+from sparrow.seeds import stable_seed
 
 from .config import ArithmeticConfig, DataConfig
 
@@ -24,15 +25,6 @@ class PromptRecord:
     answer: str
     index: int = 0
     """Global index in the source (for tracing a sample back to its data)."""
-
-
-def stable_seed(*parts) -> int:
-    """A stable 63-bit seed from ints (Python's hash of strings is salted per process)."""
-    x = 0x9E3779B97F4A7C15
-    for p in parts:
-        x = (x ^ (int(p) & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
-        x ^= x >> 31
-    return x >> 1
 
 
 def evaluate(values: list[int], ops: list[str]) -> int:

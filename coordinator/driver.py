@@ -28,7 +28,7 @@ import ray
 from sparrow.acceptance import AlphaHistogram
 from sparrow.coordinator.controller import ControllerConfig, SparsityController, initial_schedule
 from sparrow.coordinator.metrics import SparrowMetrics, start_metrics_server
-from sparrow.coordinator.transport import ControlClient, JobCredentials, MonitorServer
+from sparrow.coordinator.transport import ControlClient, JobCredentials, MonitorServer, advertised_host
 from sparrow.cost import CostModel, ModelShape, RolloutSpec, resolve_hardware
 from sparrow.schedule import SparsitySchedule
 
@@ -37,7 +37,6 @@ from .data import PromptSource
 from .pools import TrainerPool, rollout_pool
 from .progress import Progress, step_line
 from .ray_session import RaySession
-from .rollout_worker import advertised_host
 from .run_dir import RunDir
 
 POLL_S = 0.5

@@ -20,12 +20,15 @@ import ray
 import torch
 
 from sparrow.coordinator.metrics import SparrowMetrics, start_metrics_server
-from sparrow.coordinator.transport import ControlServer, Health, JobCredentials, ScheduleState, Trajectory, TrajectoryClient
+from sparrow.coordinator.transport import ControlServer, Health, JobCredentials, ScheduleState, Trajectory, TrajectoryClient, advertised_host
 from sparrow.rollout_workers.api import RolloutEngine, RolloutRequest, SamplingParams
+from sparrow.rollout_workers.registry import create_engine
 from sparrow.schedule import SparsitySchedule
+from sparrow.seeds import stable_seed
+from sparrow.weight_sync import CollectiveGroup, CollectiveSource, HandleSource, WeightReceiver
 
 from .config import SparrowConfig
-from .data import PromptRecord, render_prompt, stable_seed
+from .data import PromptRecord, render_prompt
 from .rewards import RewardFunction, reward_metadata
 
 _DONE = object()
@@ -36,22 +39,9 @@ def engine_model_dir(config: SparrowConfig, model: str) -> str:
 
 
 def build_engine(config: SparrowConfig, model: str, index: int) -> RolloutEngine:
-    """The configured engine on `model` (unless its section names another), seeded per worker."""
+    """The configured engine (a registry lookup) on `model` (unless its section names another), seeded per worker."""
     update = {"model": engine_model_dir(config, model), "seed": stable_seed(config.run.seed, index, 2) % (2**31)}
-    if config.rollout.engine == "native":
-        from sparrow.rollout_workers.native import NativeEngine
-
-        return NativeEngine(config.rollout.native.model_copy(update=update))
-    from sparrow.rollout_workers.vllm_backend import VllmEngine
-
-    return VllmEngine(config.rollout.vllm.model_copy(update=update))
-
-
-def advertised_host(bind_host: str) -> str:
-    """The address other nodes reach a server bound to `bind_host` at."""
-    if bind_host in ("0.0.0.0", "::", ""):
-        return ray.util.get_node_ip_address()
-    return bind_host
+    return create_engine(config.rollout.engine, config.rollout.engine_config().model_copy(update=update))
 
 
 class RolloutWorker:
@@ -111,13 +101,7 @@ class RolloutWorker:
     # ------------------------------------------------------------------ ControlService
 
     def _stage_schedule(self, schedule: SparsitySchedule) -> None:
-        a = getattr(self.engine, "attention", None)
-        if a is not None and (schedule.block_size, schedule.sink, schedule.recent) != (a.block_size, a.sink, a.recent):
-            raise ValueError(
-                f"schedule {schedule.name!r} v{schedule.version}: block_size/sink/recent "
-                f"{schedule.block_size}/{schedule.sink}/{schedule.recent} differ from the engine's "
-                f"{a.block_size}/{a.sink}/{a.recent}"
-            )
+        self.engine.check_schedule(schedule)
         with self._lock:
             self._staged = schedule
 
@@ -195,7 +179,7 @@ class RolloutWorker:
     def _dense_tokens_per_s(self, requests: list[RolloutRequest]) -> float:
         schedule = self.engine.schedule
         self._probing = self.progress()["tokens"]
-        before = int(self.engine.stats().get("tokens_generated", 0))
+        before = self.engine.counters().tokens_generated
         self.engine.set_schedule(None)
         try:
             start = time.perf_counter()
@@ -203,7 +187,7 @@ class RolloutWorker:
             seconds = time.perf_counter() - start
         finally:
             self.engine.set_schedule(schedule)
-            self._probe_tokens += int(self.engine.stats().get("tokens_generated", 0)) - before
+            self._probe_tokens += self.engine.counters().tokens_generated - before
             self._probing = None
         return tokens / seconds
 
@@ -264,7 +248,7 @@ class RolloutWorker:
         if self._probing is not None:
             return {"tokens": self._probing, "samples": self._samples}
         try:
-            engine_tokens = int(self.engine.stats().get("tokens_generated", self._tokens)) - self._probe_tokens
+            engine_tokens = self.engine.counters().tokens_generated - self._probe_tokens
         except Exception:  # a stats read racing a step must never break progress reporting
             engine_tokens = self._tokens
         return {"tokens": max(engine_tokens, self._tokens), "samples": self._samples}
@@ -273,33 +257,23 @@ class RolloutWorker:
 
     def load_weights(self, handle) -> dict:
         """A version published to Ray's object store (`WeightHandle`)."""
-        from sparrow.trainer.publish import HandleSource, WeightReceiver
-
         report = WeightReceiver(self.engine).receive(HandleSource(handle))
         self.metrics.policy_version.labels(worker=self.worker_id, pool="rollout").set(report.version)
         return {"version": report.version, "bytes": report.nbytes, "seconds": report.seconds}
 
     def join_weight_group(self, host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float) -> None:
-        from sparrow.trainer.publish import CollectiveGroup
-
         device = "cuda" if backend == "nccl" else "cpu"
         self.weight_group = CollectiveGroup(host, port, rank, world_size, backend=backend, device=device, timeout_s=timeout_s)
 
     def receive_weights(self) -> dict:
         """The next version broadcast over the weight group (the trainer sends concurrently)."""
-        from sparrow.trainer.publish import CollectiveSource, WeightReceiver
-
         report = WeightReceiver(self.engine).receive(CollectiveSource(self.weight_group))
         self.metrics.policy_version.labels(worker=self.worker_id, pool="rollout").set(report.version)
         return {"version": report.version, "bytes": report.nbytes, "seconds": report.seconds}
 
     def parameters(self, names: list[str]) -> dict[str, torch.Tensor]:
         """Copies of the served weights by HF name (native engine only; for checks and debugging)."""
-        model = getattr(self.engine, "model", None)
-        if model is None:
-            raise NotImplementedError(f"{type(self.engine).__name__} does not expose its weights")
-        params = dict(model.named_parameters())
-        return {n: params[n].detach().cpu().clone() for n in names}
+        return self.engine.parameters(names)
 
     def policy_version(self) -> int:
         return self.engine.policy_version
@@ -310,6 +284,4 @@ class RolloutWorker:
             self.client.close()
         if self.metrics_server is not None:
             self.metrics_server.close()
-        close = getattr(self.engine, "shutdown", None)
-        if close is not None:
-            close()
+        self.engine.shutdown()

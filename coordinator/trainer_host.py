@@ -22,10 +22,11 @@ import ray
 import torch
 
 from sparrow.acceptance import AlphaHistogram
-from sparrow.coordinator.transport import JobCredentials, StatsClient, StatsRecord, TrajectoryServer, TransportConfig
+from sparrow.coordinator.transport import (
+    JobCredentials, StatsClient, StatsRecord, TrajectoryServer, TransportConfig, advertised_host,
+)
 from sparrow.trainer import TrainerRank, Trajectory, TrajectoryBatch
 
-from .rollout_worker import advertised_host
 
 
 def to_trainer_trajectory(t) -> Trajectory:

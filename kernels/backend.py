@@ -9,7 +9,8 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from .config import SparseAttentionConfig
+from sparrow.layout import SparseAttentionConfig
+
 from .reference import block_sparse_decode, paged_decode_attention, write_kv
 
 

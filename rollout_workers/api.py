@@ -1,13 +1,19 @@
 """The contract every rollout backend (native engine, vLLM) implements, and the data it returns."""
 
+import asyncio
+import contextlib
 import math
+import threading
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
+from sparrow.layout import SparseAttentionConfig
 from sparrow.schedule import SparsitySchedule
 
 
@@ -97,43 +103,255 @@ class RolloutSample:
         )
 
 
+@dataclass
+class TeacherForcedOutput:
+    """Log-probabilities of given generated tokens, recomputed teacher-forced."""
+
+    logprobs: torch.Tensor
+    """`[G]` log q of each generated token."""
+    blocks_attended: torch.Tensor
+    """`[G]` blocks per KV head the producing query attended in the sparse layers."""
+    full_logprobs: torch.Tensor | None
+    """`[G, V]` the whole log-distribution per generated token (when asked for)."""
+
+
+class PromptScorer(Protocol):
+    """Teacher-forced recomputes of samples that share one prompt (the prompt is encoded once)."""
+
+    def logprobs(self, generated: torch.Tensor, blocks_attended: torch.Tensor | None = None) -> TeacherForcedOutput:
+        """Full-vocabulary log-probabilities of `generated` after the prompt: dense, or with the sparse
+        attention a sample was decoded with replayed from its `blocks_attended`."""
+
+
 WeightsSource = Mapping[str, torch.Tensor] | str | Path
+
+ABORTED = "aborted"
+"""The `error` of a sample ended by `RolloutEngine.abort`."""
+
+
+@dataclass(frozen=True)
+class EngineCounters:
+    """Counts since the engine started, cheap to read from any thread while a call runs."""
+
+    tokens_generated: int
+    samples_finished: int
+    samples_failed: int
+    samples_running: int
+    """Samples accepted and not finished yet."""
+
+
+class RequestFeed:
+    """Requests for a `stream` that is already running: `put` them from any thread while it runs, and
+    `close()` when no more will come. The stream admits each request as it arrives and ends once the
+    feed is closed and every admitted sample has finished.
+
+    Consumers (the engines) `take()` what has arrived, or iterate with `async for`, which waits for the
+    next request without blocking their event loop (any loop, in any thread).
+    """
+
+    def __init__(self, requests: Iterable[RolloutRequest] = ()):
+        self._lock = threading.Lock()
+        self._pending: deque[RolloutRequest] = deque(requests)
+        self._closed = False
+        self._wakeups: list[Callable[[], None]] = []
+
+    @classmethod
+    def of(cls, requests: "Sequence[RolloutRequest] | RequestFeed") -> "RequestFeed":
+        """`requests` if it is a feed, else a closed feed holding them."""
+        if isinstance(requests, RequestFeed):
+            return requests
+        feed = cls(requests)
+        feed.close()
+        return feed
+
+    def put(self, request: RolloutRequest) -> None:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"put({request.request_id!r}) after close(): the feed takes no more requests")
+            self._pending.append(request)
+        self._wake()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+        self._wake()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def exhausted(self) -> bool:
+        """Closed, and every request taken."""
+        with self._lock:
+            return self._closed and not self._pending
+
+    def __len__(self) -> int:
+        """Requests put and not taken yet."""
+        return len(self._pending)
+
+    def withdraw(self, request_id: str) -> list[RolloutRequest]:
+        """Remove the requests with this id that were put and not taken yet (an engine aborting them)."""
+        with self._lock:
+            withdrawn = [r for r in self._pending if r.request_id == request_id]
+            for request in withdrawn:
+                self._pending.remove(request)
+        return withdrawn
+
+    def take(self) -> list[RolloutRequest]:
+        """Every request that has arrived and was not taken yet (without waiting)."""
+        with self._lock:
+            taken = list(self._pending)
+            self._pending.clear()
+        return taken
+
+    async def wait(self) -> None:
+        """Return once a request is waiting or the feed is closed."""
+        loop = asyncio.get_running_loop()
+        arrived = asyncio.Event()
+        with self._lock:
+            if self._pending or self._closed:
+                return
+            self._wakeups.append(lambda: loop.call_soon_threadsafe(arrived.set))
+        await arrived.wait()
+
+    def __aiter__(self) -> AsyncIterator[RolloutRequest]:
+        return self._arrivals()
+
+    async def _arrivals(self) -> AsyncIterator[RolloutRequest]:
+        while True:
+            for request in self.take():
+                yield request
+            if self.exhausted:
+                return
+            await self.wait()
+
+    def _wake(self) -> None:
+        with self._lock:
+            wakeups, self._wakeups = self._wakeups, []
+        for wake in wakeups:
+            with contextlib.suppress(RuntimeError):  # the waiting loop has closed: nobody waits any more
+                wake()
+
+
+def _check_version(version) -> None:
+    if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+        raise ValueError(f"version={version!r}: must be an integer >= 0")
 
 
 class RolloutEngine(ABC):
     """A rollout backend. A bad request yields a sample with finish_reason "error" and leaves the
-    other requests of the call untouched; only engine-wide failures raise."""
+    other requests of the call untouched; only engine-wide failures raise.
+
+    The base keeps what every backend shares: the sparse `layout` its schedules must fit, the policy
+    and schedule versions, the refusal of new weights while samples are in flight, and the rule of one
+    `generate` / `stream` call at a time (`_serving_call`). Backends implement the hooks below.
+    """
+
+    def __init__(self, layout: SparseAttentionConfig):
+        self.layout = layout
+        self._policy_version = 0
+        self._schedule: SparsitySchedule | None = None
+        self._serving = threading.Lock()
+
+    # ------------------------------------------------------------------ requests
 
     @abstractmethod
     def generate(self, requests: Sequence[RolloutRequest]) -> list[RolloutSample]:
         """All samples of all requests, in request order then sample order."""
 
     @abstractmethod
-    def stream(self, requests: Sequence[RolloutRequest]) -> AsyncIterator[RolloutSample]:
-        """The same samples, each yielded as soon as it finishes."""
+    def stream(self, requests: "Sequence[RolloutRequest] | RequestFeed") -> AsyncIterator[RolloutSample]:
+        """The same samples, each yielded as soon as it finishes. Given a `RequestFeed`, requests put into it
+        while the stream runs are admitted between steps; the stream ends when the feed is closed and every
+        admitted sample has finished. Closing the stream early drops (and frees) what is unfinished."""
 
     @abstractmethod
+    def abort(self, request_id: str) -> None:
+        """End the request's unfinished samples, from any thread: each comes out of the running call (or the
+        next `step`) with finish_reason "error" and error "aborted", its KV blocks freed. Samples that already
+        finished are unaffected; an unknown request id is ignored."""
+
+    # ------------------------------------------------------------------ weights and schedule
+
     def load_weights(self, weights: WeightsSource, version: int) -> None:
-        """Replace the policy weights in place (a state dict or an HF directory) and set its version."""
+        """Replace the policy weights (a state dict or an HF directory) and set their version; refused while
+        samples are in flight. On any error the old weights and version stay."""
+        _check_version(version)
+        in_flight = self.counters().samples_running
+        if in_flight:
+            raise RuntimeError(f"load_weights with {in_flight} samples in flight; call it between generate() calls")
+        self._load_weights(weights, version)
+        self._policy_version = version
 
-    @abstractmethod
+    def check_schedule(self, schedule: SparsitySchedule | None) -> None:
+        """Raise `ScheduleError` unless `schedule` counts blocks of this engine's layout."""
+        self.layout.check_compatible(schedule)
+
     def set_schedule(self, schedule: SparsitySchedule | None) -> None:
-        """Use `schedule` from the next decode step on (None = dense); called between steps."""
-
-    @abstractmethod
-    def stats(self) -> dict:
-        """Counters for metrics: tokens generated, throughput, cache use, preemptions, versions."""
-
-    @property
-    @abstractmethod
-    def policy_version(self) -> int: ...
+        """Use `schedule` from the next decode step on (None = dense); from any thread, also while a call runs
+        (`schedule` reports it once it is in force)."""
+        self.check_schedule(schedule)
+        self._set_schedule(schedule)
 
     @property
-    @abstractmethod
-    def schedule(self) -> SparsitySchedule | None: ...
+    def policy_version(self) -> int:
+        return self._policy_version
+
+    @property
+    def schedule(self) -> SparsitySchedule | None:
+        return self._schedule
 
     @property
     def schedule_version(self) -> int:
         """The active schedule's version; -1 while rollouts are dense."""
         schedule = self.schedule
         return -1 if schedule is None else schedule.version
+
+    @property
+    @abstractmethod
+    def max_concurrent_samples(self) -> int:
+        """Samples decoded together at most (a group of n counts n); more wait inside the engine."""
+
+    # ------------------------------------------------------------------ introspection and lifetime
+
+    @abstractmethod
+    def counters(self) -> EngineCounters: ...
+
+    @abstractmethod
+    def stats(self) -> dict:
+        """Counters for metrics: tokens generated, throughput, cache use, preemptions, versions."""
+
+    def prompt_scorer(self, prompt_token_ids: Sequence[int], temperature: float = 1.0) -> PromptScorer:
+        """Teacher-forced recomputes with this engine's model and layout (logprobs of logits / temperature),
+        what calibration measures α with."""
+        raise NotImplementedError(
+            f"{type(self).__name__} cannot recompute logprobs teacher-forced; prompt_scorer() needs the native engine"
+        )
+
+    def parameters(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
+        """CPU copies of the served weights by HF name (for checks and debugging)."""
+        raise NotImplementedError(f"{type(self).__name__} does not expose its weights; parameters() needs the native engine")
+
+    def shutdown(self) -> None:
+        """Release the engine's processes and memory; it is unusable afterwards. Default: nothing to release."""
+
+    # ------------------------------------------------------------------ for backends
+
+    @contextlib.contextmanager
+    def _serving_call(self):
+        """Hold for one generate/stream call: a second one at the same time is refused."""
+        if not self._serving.acquire(blocking=False):
+            raise RuntimeError("the engine is already serving a generate/stream call; run them one at a time")
+        try:
+            yield
+        finally:
+            self._serving.release()
+
+    @abstractmethod
+    def _load_weights(self, weights: WeightsSource, version: int) -> None:
+        """Put validated new weights in place (nothing is in flight)."""
+
+    @abstractmethod
+    def _set_schedule(self, schedule: SparsitySchedule | None) -> None:
+        """Put a checked schedule in force and set `self._schedule` when it takes effect."""

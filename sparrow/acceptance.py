@@ -12,6 +12,12 @@ from dataclasses import dataclass
 import torch
 
 
+def token_context_lengths(prompt_len: int, response_len: int) -> torch.Tensor:
+    """The length a generated token's α is binned at: token t was drawn by the pass whose context held
+    L = prompt_len + t tokens (the trainer's α histograms and calibration both bin by it)."""
+    return prompt_len + torch.arange(response_len)
+
+
 def acceptance_exact(logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
     """α from full log-distributions `[..., V]` → `[...]`."""
     acc = torch.promote_types(logp.dtype, torch.float32)

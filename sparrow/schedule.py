@@ -21,24 +21,27 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
+from sparrow.layout import DEFAULT_LAYOUT, ScheduleError, selection_problem
+
+__all__ = ["DENSE_BUDGET", "SPARROW_EDGES", "ScheduleError", "SparsitySchedule", "load_schedule", "published_schedules"]
+
 DENSE_BUDGET = 1 << 30
 """Budget (in blocks) standing for 'attend to everything' in tensors of budgets."""
 
 SPARROW_EDGES = tuple(range(2000, 40000, 2000))
 
 
-class ScheduleError(ValueError):
-    """A schedule that cannot be used, with the field, the value and the fix in the message."""
-
-
 @dataclass(frozen=True)
 class SparsitySchedule:
+    """Top-k blocks per length bin. `block_size`, `sink` and `recent` record the layout (`sparrow.layout`)
+    whose blocks the budgets count; a layout refuses a schedule of another one (`check_compatible`)."""
+
     name: str
     topk_blocks: tuple[int | None, ...]
     edges: tuple[int, ...] = SPARROW_EDGES
-    sink: int = 1
-    recent: int = 2
-    block_size: int = 16
+    sink: int = DEFAULT_LAYOUT.sink
+    recent: int = DEFAULT_LAYOUT.recent
+    block_size: int = DEFAULT_LAYOUT.block_size
     version: int = 0
     source: str = ""
     notes: tuple[str, ...] = field(default=())
@@ -51,19 +54,11 @@ class SparsitySchedule:
 
     def validate(self) -> None:
         where = f"schedule {self.name!r}"
-        for fname in ("block_size", "sink", "recent", "version"):
-            value = getattr(self, fname)
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise ScheduleError(f"{where}: {fname}={value!r} must be an integer")
-        if self.block_size < 1:
-            raise ScheduleError(f"{where}: block_size={self.block_size} must be >= 1 (Sparrow uses 16)")
-        if self.sink < 0:
-            raise ScheduleError(f"{where}: sink={self.sink} must be >= 0 (Sparrow uses 1)")
-        if self.recent < 1:
-            raise ScheduleError(
-                f"{where}: recent={self.recent} must be >= 1: the partial current block has no landmark "
-                "and is always attended (Sparrow uses 2)"
-            )
+        problem = selection_problem(self.block_size, self.sink, self.recent)
+        if problem:
+            raise ScheduleError(f"{where}: {problem}")
+        if not isinstance(self.version, int) or isinstance(self.version, bool):
+            raise ScheduleError(f"{where}: version={self.version!r} must be an integer")
         if self.version < 0:
             raise ScheduleError(f"{where}: version={self.version} must be >= 0")
         for i, e in enumerate(self.edges):
@@ -131,6 +126,16 @@ class SparsitySchedule:
         bins = self.bins_for_lengths(lengths)
         table = bins.new_tensor([DENSE_BUDGET if b is None else b for b in map(self.blocks_for_bin, range(self.num_bins))])
         return table[bins]
+
+    def query_budgets(self, prompt_len: int, num_tokens: int) -> "torch.Tensor":
+        """`[num_tokens]` budget of the query at each position of a sequence, as rollouts run them: dense at
+        prompt positions (prefill, and the pass that samples the first response token), the schedule's at
+        context L = i + 1 after them."""
+        import torch
+
+        budgets = torch.full((num_tokens,), DENSE_BUDGET, dtype=torch.long)
+        budgets[prompt_len:] = self.budgets_for_lengths(torch.arange(prompt_len, num_tokens) + 1)
+        return budgets
 
     def with_topk(self, topk_blocks, version: int | None = None, name: str | None = None) -> "SparsitySchedule":
         return replace(

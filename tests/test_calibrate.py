@@ -82,7 +82,7 @@ def test_sample_alpha_is_exact_and_inside_the_topk_interval():
 def test_prompt_recompute_equals_the_whole_sequence_recompute(tiny_qwen3, prompt_len):
     """Encoding the prompt once and running only the generated positions gives the numbers of
     `teacher_forced_logprobs` over the whole sequence, dense and with replayed sparse budgets."""
-    from sparrow.coordinator.calibration.recompute import PromptRecompute
+    from sparrow.rollout_workers.native import PromptRecompute
     from sparrow.kernels import SparseAttentionConfig
     from sparrow.rollout_workers.native import load_model, teacher_forced_logprobs
 

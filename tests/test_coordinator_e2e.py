@@ -25,7 +25,7 @@ from sparrow.coordinator.driver import TrainingJob  # noqa: E402
 from sparrow.coordinator.run_dir import RunDir  # noqa: E402
 from sparrow.coordinator.transport import ControlClient, Trajectory, TrajectoryClient  # noqa: E402
 from sparrow.rollout_workers.api import RolloutSample  # noqa: E402
-from sparrow.trainer.publish import HandleSource, receive_state_dict  # noqa: E402
+from sparrow.weight_sync import HandleSource, receive_state_dict  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

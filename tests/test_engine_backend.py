@@ -3,8 +3,7 @@
 import pytest
 import torch
 
-from sparrow.kernels import ReferenceBackend, SparseAttentionConfig
-from sparrow.rollout_workers.native.torch_backend import TorchBackend
+from sparrow.kernels import ReferenceBackend, SparseAttentionConfig, TorchBackend
 
 
 def random_paged_batch(seed: int, lengths: list[int], heads=(4, 2), head_dim=16, dtype=torch.float32, num_blocks=64):

@@ -10,7 +10,6 @@ import torch
 from sparrow.rollout_workers.api import RolloutRequest, SamplingParams
 from sparrow.rollout_workers.native import NativeEngine
 from sparrow.rollout_workers.native.cuda_graphs import DecodeGraphs, batch_buckets, width_bucket
-from sparrow.rollout_workers.native.scheduler import blocks_for
 from sparrow.schedule import SparsitySchedule
 
 gpu = pytest.mark.gpu
@@ -45,7 +44,7 @@ def test_cuda_fp32_matches_cpu_and_the_teacher_forced_reference(tiny_qwen3):
 def test_triton_backend_matches_torch_backend_in_fp32(tiny_qwen3):
     pytest.importorskip("sparrow.kernels.triton")
     engine, triton_samples = run(tiny_qwen3, device="cuda", dtype="float32", attention_backend="triton")
-    assert engine.backend.name == "triton"
+    assert engine.runner.backend.name == "triton"
     _, torch_samples = run(tiny_qwen3, device="cuda", dtype="float32", attention_backend="torch")
     for a, b in zip(triton_samples, torch_samples):
         assert torch.equal(a.blocks_attended, b.blocks_attended)
@@ -59,7 +58,7 @@ def test_cuda_bf16_runs_finite_with_each_backend(tiny_qwen3, backend):
     if backend == "triton":
         pytest.importorskip("sparrow.kernels.triton")
     engine, samples = run(tiny_qwen3, device="cuda", dtype="bfloat16", attention_backend=backend)
-    assert engine.backend.name == backend
+    assert engine.runner.backend.name == backend
     expected = [s.blocks_attended for s in run(tiny_qwen3)[1]]
     for s, blocks in zip(samples, expected):
         assert s.finish_reason == "length" and torch.isfinite(s.logprobs).all()
@@ -111,10 +110,11 @@ def test_static_decode_step_equals_eager_on_cpu(tiny_qwen3, num_kv_blocks):
     """The graphs' step body, run eagerly on CPU, against the eager engine: same tokens, blocks, logprobs."""
     eager = NativeEngine.from_pretrained(tiny_qwen3, num_kv_blocks=num_kv_blocks, max_num_seqs=6)
     static = NativeEngine.from_pretrained(tiny_qwen3, num_kv_blocks=num_kv_blocks, max_num_seqs=6)
-    static._graphs = DecodeGraphs(static.model, static.cache, static.backend, static.attention, 6,
-                                  blocks_for(static.max_model_len, 16))
+    runner = static.runner
+    runner.graphs = DecodeGraphs(runner.model, runner.cache, runner.backend, runner.layout, 6,
+                                 runner.layout.blocks_for(runner.max_model_len))
     assert_same_samples(drive(eager), drive(static), 1e-5)
-    assert static._graphs.num_captured >= 2  # batch buckets 6 and 2 (sequences finish at different lengths)
+    assert runner.graphs.num_captured >= 2  # batch buckets 6 and 2 (sequences finish at different lengths)
     if num_kv_blocks == 30:
         assert static.stats()["preemptions"] > 0
 

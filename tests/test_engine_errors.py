@@ -48,7 +48,7 @@ def test_a_sequence_bigger_than_the_pool_errors_without_stalling_others(tiny_qwe
     out = {s.request_id: s for s in engine.generate([big, small])}
     assert out["small"].finish_reason == "length"
     assert out["big"].finish_reason == "error" and "raise num_kv_blocks" in out["big"].error
-    assert engine.blocks.num_used == 0
+    assert engine.scheduler.blocks.num_used == 0
 
 
 def test_config_and_schedule_errors_name_the_field(tiny_qwen3):

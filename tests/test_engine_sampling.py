@@ -79,7 +79,7 @@ def test_stop_conditions(tiny_qwen3):
     first = free.token_ids.tolist().index(stop_at)
     stopped = run(engine, [prompt], max_tokens=12, temperature=0, ignore_eos=True, stop_token_ids=(stop_at,))[0]
     assert stopped.finish_reason == "stop" and stopped.token_ids.tolist() == free.token_ids[: first + 1].tolist()
-    engine.eos_token_ids = frozenset({stop_at})
+    engine.scheduler.eos_token_ids = frozenset({stop_at})
     eos = run(engine, [prompt], max_tokens=12, temperature=0)[0]
     assert eos.finish_reason == "stop" and len(eos.token_ids) == first + 1
     no_logprobs = run(engine, [prompt], max_tokens=3, temperature=0, logprobs=0, ignore_eos=True)[0]

@@ -38,13 +38,13 @@ def test_group_samples_share_full_prompt_blocks(tiny_qwen3):
     shared = seqs[0].block_table[:2]
     assert all(s.block_table[:2] == shared for s in seqs)
     assert len({s.block_table[2] for s in seqs}) == 4  # the partial block was copied per sample
-    assert [engine.blocks.ref_count(b) for b in shared] == [4, 4]
-    assert engine.blocks.num_used == 2 + 4  # 12 without sharing
+    assert [engine.scheduler.blocks.ref_count(b) for b in shared] == [4, 4]
+    assert engine.scheduler.blocks.num_used == 2 + 4  # 12 without sharing
     assert engine.stats()["prefix_blocks_saved"] == 6
     samples = []
     while engine.has_unfinished():
         samples += engine.step()
-    assert engine.blocks.num_used == 0
+    assert engine.scheduler.blocks.num_used == 0
     for s in samples:  # every sample's cache was right: its logprobs equal a dense teacher-forced recompute
         forced = engine.teacher_forced_logprobs(list(prompt) + s.token_ids.tolist(), len(prompt))
         assert (forced.logprobs - s.logprobs).abs().max().item() < 1e-4
@@ -58,7 +58,7 @@ def test_preemption_under_a_tiny_pool_gives_identical_samples(tiny_qwen3, schedu
         engine.set_schedule(schedule)
         results[blocks] = engine.generate(requests())
         results[f"{blocks}-preemptions"] = engine.stats()["preemptions"]
-        assert engine.blocks.num_used == 0
+        assert engine.scheduler.blocks.num_used == 0
     assert results["256-preemptions"] == 0 and results["20-preemptions"] > 0
     assert_same_samples(results[256], results[20])
 
@@ -92,4 +92,4 @@ def test_closing_a_stream_early_frees_the_cache(tiny_qwen3):
         return sample
 
     assert len(asyncio.run(first()).token_ids) == 5
-    assert engine.blocks.num_used == 0 and not engine.has_unfinished()
+    assert engine.scheduler.blocks.num_used == 0 and not engine.has_unfinished()

@@ -35,14 +35,14 @@ def test_sparse_decode_equals_teacher_forced_reference(family, landmark, request
     for s in samples:
         tokens = list(s.prompt_token_ids) + s.token_ids.tolist()
         prompt_len = len(s.prompt_token_ids)
-        forced = teacher_forced_logprobs(engine.model, tokens, prompt_len, SMALL, engine.attention)
+        forced = teacher_forced_logprobs(engine.runner.model, tokens, prompt_len, SMALL, engine.layout)
         assert (forced.logprobs - s.logprobs).abs().max().item() < 1e-4
         assert torch.equal(forced.blocks_attended.int(), s.blocks_attended)
         # The same from the sample's own block counts, without the schedule (what a trainer has).
-        replay = teacher_forced_logprobs(engine.model, tokens, prompt_len, attention=engine.attention,
+        replay = teacher_forced_logprobs(engine.runner.model, tokens, prompt_len, attention=engine.layout,
                                          blocks_attended=s.blocks_attended)
         assert (replay.logprobs - s.logprobs).abs().max().item() < 1e-4
-        dense = teacher_forced_logprobs(engine.model, tokens, prompt_len, None, engine.attention)
+        dense = teacher_forced_logprobs(engine.runner.model, tokens, prompt_len, None, engine.layout)
         sparse_seen |= (dense.logprobs - s.logprobs).abs().max().item() > 1e-2
         lengths = prompt_len + torch.arange(len(tokens) - prompt_len)  # context of the producing query
         expected = torch.minimum((lengths + 15) // 16, SMALL.budgets_for_lengths(lengths))

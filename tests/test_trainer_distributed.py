@@ -12,7 +12,7 @@ ray = pytest.importorskip("ray")
 from sparrow.acceptance import AlphaHistogram, acceptance_bounds_topk  # noqa: E402
 from sparrow.schedule import load_schedule  # noqa: E402
 from sparrow.trainer import LossConfig, Trajectory, TrajectoryBatch, policy_loss  # noqa: E402
-from sparrow.trainer.publish import HandleSource, WeightReceiver, WeightsRefused, receive_state_dict  # noqa: E402
+from sparrow.weight_sync import HandleSource, WeightReceiver, WeightsRefused, receive_state_dict  # noqa: E402
 
 pytestmark = pytest.mark.slow
 SCHEDULE = "qwen3-1.7b-0.86"
@@ -230,12 +230,12 @@ class RolloutWorker:
         self.receiver = WeightReceiver(self.engine)
 
     def join(self, host, port, world_size, rank):
-        from sparrow.trainer.publish import CollectiveGroup
+        from sparrow.weight_sync import CollectiveGroup
 
         self.group = CollectiveGroup(host, port, rank, world_size)
 
     def receive_collective(self):
-        from sparrow.trainer.publish import CollectiveSource
+        from sparrow.weight_sync import CollectiveSource
 
         return self.receiver.receive(CollectiveSource(self.group)).version
 
@@ -243,7 +243,7 @@ class RolloutWorker:
         return self.receiver.receive(HandleSource(handle)).version
 
     def weights(self):
-        return {k: v.clone() for k, v in self.engine.model.named_parameters()}, self.engine.policy_version
+        return {k: v.clone() for k, v in self.engine.runner.model.named_parameters()}, self.engine.policy_version
 
     def greedy(self, prompt):
         from sparrow.rollout_workers.api import RolloutRequest, SamplingParams
@@ -253,7 +253,8 @@ class RolloutWorker:
 
 
 def test_publish_into_native_engine_and_refuse_bad_updates(ray_session, tiny_qwen3):
-    from sparrow.trainer.publish import ObjectStoreSender, publish_state_dict
+    from sparrow.trainer.publish import publish_state_dict
+    from sparrow.weight_sync import ObjectStoreSender
 
     group = _group(tiny_qwen3, 2, publish={"bucket_mb": 0.05})
     workers = [RolloutWorker.remote(str(tiny_qwen3)) for _ in range(2)]

@@ -9,7 +9,7 @@ ray = pytest.importorskip("ray")
 from sparrow.rollout_workers.api import RolloutRequest, SamplingParams  # noqa: E402
 from sparrow.rollout_workers.native import NativeEngine  # noqa: E402
 from sparrow.trainer import TrajectoryBatch  # noqa: E402
-from sparrow.trainer.publish import HandleSource, WeightReceiver  # noqa: E402
+from sparrow.weight_sync import HandleSource, WeightReceiver  # noqa: E402
 
 pytestmark = pytest.mark.slow
 TARGET = 1024  # reward: share of response tokens with id < TARGET (half the vocabulary; 0.5 for a random model)

@@ -12,7 +12,7 @@ from sparrow.trainer.config import OptimizerConfig, TrainerConfig
 from sparrow.trainer.engine import lr_lambda
 from sparrow.trainer.logprobs import token_stats
 from sparrow.trainer.microbatch import collate, plan_micro_batches
-from sparrow.trainer.publish import Manifest, pack, plan_buckets, unpack
+from sparrow.weight_sync import Manifest, pack, plan_buckets, unpack
 
 
 def _traj(p, r, seed=0, k=4, **kw):

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from sparrow.acceptance import acceptance_exact
-from sparrow.rollout_workers.api import RolloutRequest, SamplingParams
+from sparrow.rollout_workers.api import ABORTED, RequestFeed, RolloutRequest, SamplingParams
 from sparrow.rollout_workers.native import NativeEngine
 from sparrow.schedule import SparsitySchedule
 
@@ -202,6 +202,36 @@ def test_stream_yields_the_same_samples_as_generate(sparse_qwen3):
     assert sorted((s.request_id, s.sample_index) for s in streamed) == sorted(expected)
     for s in streamed:
         assert torch.equal(s.token_ids, expected[(s.request_id, s.sample_index)].token_ids)
+
+
+def test_fed_requests_match_generate_and_abort_ends_a_generation(sparse_qwen3):
+    requests = greedy_requests(random_prompts((90, 170, 60), seed=6), max_tokens=12)
+    long = RolloutRequest("long", random_prompts((50,), seed=7)[0],
+                          SamplingParams(max_tokens=600, temperature=0.0, logprobs=20, ignore_eos=True))
+    sparse_qwen3.set_schedule(SMALL)
+    expected = {(s.request_id, s.sample_index): s for s in sparse_qwen3.generate(requests)}
+    feed = RequestFeed([requests[0], long])
+
+    async def collect(feed):
+        out = []
+        async for sample in sparse_qwen3.stream(feed):
+            out.append(sample)
+            if sample.request_id == "p0":  # mid-stream: more requests arrive, the long one is aborted
+                feed.put(requests[1])
+                feed.put(requests[2])
+                sparse_qwen3.abort("long")
+                feed.close()
+        return out
+
+    streamed = {(s.request_id, s.sample_index): s for s in asyncio.run(collect(feed))}
+    assert sorted(streamed) == sorted([*expected, ("long", 0)])
+    aborted = streamed[("long", 0)]
+    assert (aborted.finish_reason, aborted.error, aborted.token_ids.numel()) == ("error", ABORTED, 0)
+    assert_same_rollouts([streamed[k] for k in sorted(expected)], [expected[k] for k in sorted(expected)])
+    assert sparse_qwen3.counters().samples_running == 0
+    empty = RequestFeed()
+    empty.close()
+    assert asyncio.run(collect(empty)) == []
 
 
 def test_bad_requests_fail_alone_with_a_reason(sparse_qwen3):

@@ -138,7 +138,7 @@ def test_config_errors_name_field_and_fix():
         VllmEngineConfig(block_size=24)
     with pytest.raises(ValueError, match="extra"):
         VllmEngineConfig(blocksize=16)
-    assert VllmEngineConfig(dense_layers=(1, 0, 1)).sparse_attention().dense_layers == (0, 1)
+    assert VllmEngineConfig(dense_layers=(1, 0, 1)).layout().dense_layers == (0, 1)
 
 
 @settings(max_examples=200, deadline=None)

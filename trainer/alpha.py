@@ -15,15 +15,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sparrow.acceptance import AlphaHistogram, acceptance_bounds_topk
+from sparrow.acceptance import AlphaHistogram, acceptance_bounds_topk, token_context_lengths
 from sparrow.schedule import SparsitySchedule
 
 from .batch import Trajectory
-
-
-def token_context_lengths(prompt_len: int, response_len: int) -> torch.Tensor:
-    """L = prompt_len + t for each generated token t."""
-    return prompt_len + torch.arange(response_len)
 
 
 @dataclass

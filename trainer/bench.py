@@ -65,7 +65,7 @@ def _trainer(rank, world, config, master_port, weight_port, args, queue):
 
 
 def _receiver(weight_port, args, device, queue):
-    from .publish import CollectiveGroup, CollectiveSource, receive_state_dict
+    from sparrow.weight_sync import CollectiveGroup, CollectiveSource, receive_state_dict
 
     group = CollectiveGroup("127.0.0.1", weight_port, 1, 2, backend="nccl" if device.startswith("cuda") else "gloo", device=device)
     times = []

@@ -4,6 +4,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from sparrow.layout_settings import SparseLayerSettings
+
 
 class OptimizerConfig(BaseModel):
     """Client-side torch AdamW (no DeepSpeed op compilation) with warmup and an optional decay."""
@@ -65,10 +67,9 @@ class LossConfig(BaseModel):
         return self.mini_batches == 1 and self.epochs == 1
 
 
-class DistillSparseConfig(BaseModel):
-    """A LoRA adapter trained only through the trainer's sparse-attention forward (Sparrow §6)."""
-
-    model_config = ConfigDict(extra="forbid")
+class DistillSparseConfig(SparseLayerSettings):
+    """A LoRA adapter trained only through the trainer's sparse-attention forward (Sparrow §6); its
+    `dense_layers` and `landmark` are those of that forward (block size, sink and recent: the schedule's)."""
 
     enabled: bool = False
     rank: int = Field(8, ge=1, description="LoRA rank r")
@@ -78,15 +79,6 @@ class DistillSparseConfig(BaseModel):
     kl_coef: float = Field(1e-3, ge=0, description="λ of the k3 KL(sparse+LoRA ‖ dense) at the sampled tokens")
     policy_loss: bool = Field(True, description="include the PPO term on the sparse logprobs")
     tis_cap: float | None = Field(None, gt=0, description="TIS cap of the sparse PPO term against the rollout; None = off")
-    dense_layers: tuple[int, ...] = Field((0, 1), description="layers that stay dense in the sparse forward")
-    landmark: Literal["mean", "minmax"] = "mean"
-
-    @field_validator("dense_layers")
-    @classmethod
-    def _layers(cls, value):
-        if any(i < 0 for i in value):
-            raise ValueError(f"dense_layers={list(value)}: layer indices must be >= 0")
-        return tuple(sorted(set(value)))
 
 
 class PublishConfig(BaseModel):

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import torch
 
-from sparrow.acceptance import acceptance_exact
-from sparrow.kernels import SparseAttentionConfig
+from sparrow.acceptance import acceptance_exact, token_context_lengths
 from sparrow.schedule import SPARROW_EDGES, SparsitySchedule, load_schedule
+from sparrow.weight_sync import CollectiveGroup, CollectiveSender, Manifest, ObjectStoreSender, plan_buckets
 
 from . import sparse_attention
-from .alpha import AlphaReport, add_trajectory_alpha, token_context_lengths
+from .alpha import AlphaReport, add_trajectory_alpha
 from .batch import Trajectory, TrajectoryBatch
 from .collectives import all_gather_objects, all_reduce_dict, all_reduce_grads, all_reduce_scalar
 from .config import TrainerConfig
@@ -36,7 +36,7 @@ from .hf_export import DEFAULT_MAX_SHARD_SIZE, write_hf_dir
 from .lora import adapter_state, attach_lora, is_lora_param
 from .losses import k3_kl, policy_loss, ppo_clip_loss, rollout_correction
 from .microbatch import MicroBatch, collate, plan_micro_batches
-from .publish import CollectiveGroup, CollectiveSender, Manifest, ObjectStoreSender, PublishReport, plan_buckets, send_buckets
+from .publish import PublishReport, send_buckets
 from .results import RecomputeResult, StepResult
 
 DENSE_BINS = SparsitySchedule(name="dense-bins", topk_blocks=(None,) * (len(SPARROW_EDGES) + 1))
@@ -112,9 +112,7 @@ class TrainerRank:
         if cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if distill:
-            bad = [i for i in cfg.distill_sparse.dense_layers if i >= self.num_layers]
-            if bad:
-                raise ValueError(f"distill_sparse.dense_layers={list(cfg.distill_sparse.dense_layers)}: layers {bad} do not exist")
+            cfg.distill_sparse.layout_for(None).check_layers(self.num_layers, "distill_sparse.dense_layers")
             model = attach_lora(model, cfg.distill_sparse)
         module = PolicyModule(model, cfg.temperature, cfg.recompute_topk, cfg.logprob_chunk_tokens)
         named = list(module.named_parameters())
@@ -361,13 +359,9 @@ class TrainerRank:
 
     # ------------------------------------------------------------------ DistillSparse
 
-    def _sparse_config(self) -> SparseAttentionConfig:
-        s, d = self.schedule, self.config.distill_sparse
-        return SparseAttentionConfig(block_size=s.block_size, sink=s.sink, recent=s.recent, dense_layers=d.dense_layers, landmark=d.landmark)
-
     def _sparse_forward(self, mb: MicroBatch) -> sparse_attention.SparseForward:
         budgets = sparse_attention.query_budgets(mb.prompt_lens, mb.input_ids.shape[1], self.schedule)
-        return sparse_attention.SparseForward(self._sparse_config(), budgets)
+        return sparse_attention.SparseForward(self.config.distill_sparse.layout_for(self.schedule), budgets)
 
     def distill_step(self, batch: TrajectoryBatch, dense_logprobs: list[torch.Tensor]) -> dict[str, float]:
         """One LoRA update through the sparse forward (adapter on, base frozen).

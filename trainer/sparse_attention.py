@@ -6,10 +6,10 @@
 each query with the budget of its own context; any other forward (no such argument, or a dense
 layer) is plain sdpa, so one loaded model serves both the dense policy and the sparse forward.
 
-Budgets per query position i (context L = i + 1), as the rollout engines use them: the prompt
-positions i < P (prefill, and the pass that samples the first response token) are dense; the others
-get `schedule.budgets_for_lengths(i + 1)`. The reference is O(T²) in memory per layer, which suits
-CPU tests and moderate lengths on GPU; long contexts need a fused kernel behind the same function.
+Budgets per query position are those of the rollout engines (`SparsitySchedule.query_budgets`): dense
+at the prompt positions, the schedule's at context L = i + 1 after them. The reference is O(T²) in
+memory per layer, which suits CPU tests and moderate lengths on GPU; long contexts need a fused
+kernel behind the same function.
 """
 
 from dataclasses import dataclass
@@ -18,7 +18,7 @@ import torch
 
 from sparrow.kernels import SparseAttentionConfig
 from sparrow.kernels.reference import block_sparse_causal_attention
-from sparrow.schedule import DENSE_BUDGET, SparsitySchedule
+from sparrow.schedule import SparsitySchedule
 
 ATTENTION_NAME = "sparrow_block_sparse"
 
@@ -32,12 +32,8 @@ class SparseForward:
 
 
 def query_budgets(prompt_lens: list[int], seq_len: int, schedule: SparsitySchedule) -> torch.Tensor:
-    """`[B, seq_len]` budgets: dense for prompt positions, the schedule's at L = i + 1 after them."""
-    budgets = torch.full((len(prompt_lens), seq_len), DENSE_BUDGET, dtype=torch.long)
-    scheduled = schedule.budgets_for_lengths(torch.arange(seq_len) + 1)
-    for b, p in enumerate(prompt_lens):
-        budgets[b, p:] = scheduled[p:]
-    return budgets
+    """`[B, seq_len]` budgets of a padded batch: `schedule.query_budgets` per row."""
+    return torch.stack([schedule.query_budgets(p, seq_len) for p in prompt_lens])
 
 
 def sparrow_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sparrow_sparse=None, **kwargs):

@@ -5,8 +5,9 @@ import math
 
 import torch
 
+from sparrow.acceptance import token_context_lengths
+from sparrow.layout import BLOCK_SIZE, DEFAULT_LAYOUT
 from sparrow.schedule import SPARROW_EDGES, SparsitySchedule
-from sparrow.trainer.alpha import token_context_lengths
 
 PAPER_BUDGETS = (32, 48, 64, 80, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512, 640, 768, 896, 1024)
 """Sparrow's 18 profiled configurations, total blocks of 16 tokens (Fig. 3's "16 32" … "16 1024")."""
@@ -15,11 +16,11 @@ SHORT_BUDGETS = (4, 8, 16, 24)
 """Below the paper's ladder, for contexts of a few hundred tokens (CPU runs, small models)."""
 
 
-def context_blocks(length: int, block_size: int = 16) -> int:
+def context_blocks(length: int, block_size: int = BLOCK_SIZE) -> int:
     return math.ceil(length / block_size)
 
 
-def default_budgets(longest_context: int, reserved: int, block_size: int = 16) -> list[int]:
+def default_budgets(longest_context: int, reserved: int, block_size: int = BLOCK_SIZE) -> list[int]:
     """The ladder's budgets that are sparse somewhere: above the reserved sink + recent blocks and
     below the longest context's block count (a budget covering every context is the dense baseline)."""
     blocks = context_blocks(longest_context, block_size)
@@ -34,7 +35,8 @@ def bin_edges(bin_width: int, longest_context: int) -> list[int]:
 
 
 def calibration_template(
-    edges: list[int] | tuple[int, ...] | None, sink: int = 1, recent: int = 2, block_size: int = 16
+    edges: list[int] | tuple[int, ...] | None, sink: int = DEFAULT_LAYOUT.sink, recent: int = DEFAULT_LAYOUT.recent,
+    block_size: int = BLOCK_SIZE,
 ) -> SparsitySchedule:
     """A dense schedule carrying the run's bins, block size, sink and recent."""
     edges = tuple(SPARROW_EDGES if edges is None else edges)
@@ -61,7 +63,7 @@ def token_length_bins(template: SparsitySchedule, prompt_len: int, num_tokens: i
     return template.bins_for_lengths(token_context_lengths(prompt_len, num_tokens))
 
 
-def sparse_token_mask(blocks_attended: torch.Tensor, prompt_len: int, block_size: int = 16) -> torch.Tensor:
+def sparse_token_mask(blocks_attended: torch.Tensor, prompt_len: int, block_size: int = BLOCK_SIZE) -> torch.Tensor:
     """Which generated tokens came from a pass that attended fewer blocks than its context held."""
     lengths = token_context_lengths(prompt_len, blocks_attended.shape[0])
     return blocks_attended.long().cpu() < (lengths + block_size - 1) // block_size

@@ -18,13 +18,14 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from sparrow.acceptance import token_context_lengths
 from sparrow.coordinator.config import DataConfig
-from sparrow.coordinator.data import PromptSource, render_prompt, stable_seed
+from sparrow.coordinator.data import PromptSource, render_prompt
 from sparrow.cost import CostModel, ModelShape, RolloutSpec, resolve_hardware
-from sparrow.rollout_workers.api import RolloutRequest, RolloutSample, SamplingParams
+from sparrow.rollout_workers.api import PromptScorer, RolloutEngine, RolloutRequest, RolloutSample, SamplingParams
 from sparrow.rollout_workers.native import NativeEngine, NativeEngineConfig, load_spec
 from sparrow.schedule import SPARROW_EDGES, SparsitySchedule
-from sparrow.trainer.alpha import token_context_lengths
+from sparrow.seeds import stable_seed
 
 from .config import CalibrationConfig
 from .measure import BudgetRun, sample_alpha
@@ -33,7 +34,6 @@ from .plan import (
     token_length_bins,
 )
 from .plot import plot_alpha_vs_length
-from .recompute import PromptRecompute
 from .report import console_summary, report_markdown
 from .table import CalibrationResult, assemble, measurement_file
 
@@ -116,7 +116,7 @@ def make_plan(config: CalibrationConfig, prompt_lens: list[int]) -> Plan:
     return Plan(template, budgets, longest, notes)
 
 
-def measure_sample(recompute: PromptRecompute, sample: RolloutSample, template: SparsitySchedule, run: BudgetRun) -> None:
+def measure_sample(recompute: PromptScorer, sample: RolloutSample, template: SparsitySchedule, run: BudgetRun) -> None:
     """Exact α of every generated token from teacher-forced recomputes over the full vocabulary:
     dense, and sparse with the engine's own blocks replayed. A sample none of whose passes was
     sparse was drawn from the dense policy itself, so its dense recompute serves as both."""
@@ -135,10 +135,10 @@ def measure_sample(recompute: PromptRecompute, sample: RolloutSample, template: 
     )
 
 
-def recompute_all(engine: NativeEngine, generated: dict[int | None, list[RolloutSample]], runs: dict[int | None, BudgetRun],
+def recompute_all(engine: RolloutEngine, generated: dict[int | None, list[RolloutSample]], runs: dict[int | None, BudgetRun],
                   template: SparsitySchedule, temperature: float, progress: bool) -> float:
     """Measure every sample, prompt by prompt: each prompt is encoded once for all its samples at
-    every budget (`PromptRecompute`). Returns the seconds spent encoding prompts."""
+    every budget (`RolloutEngine.prompt_scorer`). Returns the seconds spent encoding prompts."""
     by_prompt: dict[str, list[tuple[int | None, RolloutSample]]] = {}
     for budget, samples in generated.items():
         for sample in samples:
@@ -148,7 +148,7 @@ def recompute_all(engine: NativeEngine, generated: dict[int | None, list[Rollout
               disable=not progress) as bar:
         for items in by_prompt.values():
             t0 = time.perf_counter()
-            recompute = PromptRecompute(engine.model, items[0][1].prompt_token_ids, engine.attention, temperature)
+            recompute = engine.prompt_scorer(items[0][1].prompt_token_ids, temperature)
             encode_seconds += time.perf_counter() - t0
             for budget, sample in items:
                 t0 = time.perf_counter()
@@ -158,7 +158,7 @@ def recompute_all(engine: NativeEngine, generated: dict[int | None, list[Rollout
     return encode_seconds
 
 
-def cost_model(config: CalibrationConfig, model_dir: Path, engine: NativeEngine, prompt_lens: list[int],
+def cost_model(config: CalibrationConfig, model_dir: Path, engine: RolloutEngine, prompt_lens: list[int],
                log: Callable[[str], None]) -> CostModel | None:
     try:
         shape = ModelShape.from_hf_config(model_dir)
@@ -166,8 +166,8 @@ def cost_model(config: CalibrationConfig, model_dir: Path, engine: NativeEngine,
         log(f"no cost model for {model_dir} ({exc}); bins get no cost share")
         return None
     spec = RolloutSpec(prompt_len=round(statistics.fmean(prompt_lens)), gen_len=config.max_tokens, samples=config.samples,
-                       batch=len(prompt_lens), dense_layers=len(engine.attention.dense_layers),
-                       landmark=engine.attention.landmark)
+                       batch=len(prompt_lens), dense_layers=len(engine.layout.dense_layers),
+                       landmark=engine.layout.landmark)
     return CostModel(shape, resolve_hardware(config.hardware), spec)
 
 
@@ -246,7 +246,7 @@ def run_calibration(config: CalibrationConfig, command: str = "sparrow calibrate
         "temperature": config.temperature, "prompt_tokens": f"{min(prompt_lens)}-{max(prompt_lens)}",
         "budgets": plan.budgets, "reserved_blocks": reserved, "edges": list(plan.template.edges),
         "percentile": config.percentile, "statistic": config.statistic, "target": config.target, "logprobs": config.logprobs, "hardware": config.hardware,
-        "device": config.device, "dtype": str(engine.model.dtype).removeprefix("torch."), "seed": config.seed,
+        "device": config.device, "dtype": engine.stats()["dtype"], "seed": config.seed,
         "generate_s": round(sum(r.generate_seconds for r in runs.values()), 1),
         "recompute_s": round(recompute_seconds, 1), "elapsed_s": round(elapsed, 1),
     }

@@ -8,6 +8,7 @@ conversions' torch, and `from sparrow.coordinator.transport import X` works as b
 import importlib
 
 _WHERE = {
+    "address": ("advertised_host",),
     "client": ("ControlClient", "Rejection", "SendReport", "StatsClient", "TrajectoryClient", "TransportError"),
     "config": ("RetryConfig", "SecurityConfig", "TransportConfig"),
     "control": ("ControlHandler", "ControlServicer", "Health", "PoolStatus", "ResizeRequests", "ScheduleState"),

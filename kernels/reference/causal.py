@@ -8,7 +8,8 @@ count, a prompt position, or a dense layer attends densely with an ordinary caus
 
 import torch
 
-from ..config import SparseAttentionConfig
+from sparrow.layout import SparseAttentionConfig
+
 from .landmarks import landmarks_from_keys
 from .scoring import group_mean_queries, score_landmarks
 from .selection import candidate_rank

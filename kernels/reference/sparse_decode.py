@@ -2,7 +2,8 @@
 
 import torch
 
-from ..config import SparseAttentionConfig
+from sparrow.layout import SparseAttentionConfig
+
 from .attention import paged_decode_attention
 from .scoring import score_paged_blocks
 from .selection import select_blocks

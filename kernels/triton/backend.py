@@ -22,8 +22,9 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from sparrow.layout import SparseAttentionConfig
+
 from ..backend import AttentionBackend
-from ..config import SparseAttentionConfig
 from .attention import AttentionTiling, cache_strides, decode_attention
 from .kv_write import write_kv as triton_write_kv
 from .scoring import score_blocks

@@ -22,15 +22,14 @@ from pathlib import Path
 
 import torch
 
+from sparrow.layout import BLOCK_SIZE, SparseAttentionConfig
 from sparrow.tables import format_table
 
-from ..config import SparseAttentionConfig
 from .attention import AttentionTiling, attention_partials, attention_tiling, merge_splits
 from .backend import SPLIT_WAVES, TritonBackend, choose_splits
 from .scoring import score_blocks
 from .selection import select_blocks
 
-BS = 16
 DEVICE = "cuda"
 RESULTS_DIR = Path("benchmarks/results")
 
@@ -108,7 +107,7 @@ class Pool:
     permutations of its blocks, as in a long-running engine."""
 
     def __init__(self, num_blocks: int, num_kv_heads: int, head_dim: int):
-        shape = (num_blocks, num_kv_heads, BS, head_dim)
+        shape = (num_blocks, num_kv_heads, BLOCK_SIZE, head_dim)
         self.k = torch.empty(shape, dtype=torch.bfloat16, device=DEVICE).normal_()
         self.v = torch.empty(shape, dtype=torch.bfloat16, device=DEVICE).normal_()
         self.mean = torch.empty(num_blocks, num_kv_heads, head_dim, dtype=torch.bfloat16, device=DEVICE).normal_()
@@ -134,8 +133,8 @@ class Case:
 
 def make_case(pool: Pool, batch: int, context: int, group: int, num_kv_heads: int, head_dim: int, seed: int) -> Case:
     gen = torch.Generator(device=DEVICE).manual_seed(seed)
-    lengths = [context - (7 * b) % 16 for b in range(batch)]  # mixed partial blocks, about `context` tokens
-    width = math.ceil(context / BS)
+    lengths = [context - (7 * b) % BLOCK_SIZE for b in range(batch)]  # mixed partial blocks, about `context` tokens
+    width = math.ceil(context / BLOCK_SIZE)
     perm = torch.randperm(pool.num_blocks, device=DEVICE, generator=gen)[: batch * width]
     q = torch.randn(batch, num_kv_heads * group, head_dim, device=DEVICE, generator=gen).to(torch.bfloat16)
     return Case(batch, context, group, torch.tensor(lengths, dtype=torch.int32, device=DEVICE),
@@ -150,12 +149,12 @@ def sparse_bytes(case: Case, budget_blocks: int, config: SparseAttentionConfig, 
                  head_dim: int) -> dict[str, int]:
     kv = scan = scores = 0
     for length in case.lengths:
-        n = math.ceil(length / BS)
+        n = math.ceil(length / BLOCK_SIZE)
         budget = max(budget_blocks, config.reserved_blocks)
         if n <= budget:
             kv += length
             continue
-        kv += (budget - 1) * BS + length - (n - 1) * BS
+        kv += (budget - 1) * BLOCK_SIZE + length - (n - 1) * BLOCK_SIZE
         candidates = n - config.reserved_blocks
         scan += candidates * config.landmark_width(head_dim) * 2
         scores += candidates * 4 * 2
@@ -169,9 +168,9 @@ def sdpa_dense_us(pool: Pool, case: Case, num_kv_heads: int, head_dim: int, rep_
     """torch SDPA on a contiguous [B, H_kv, L, D] cache at uniform length L = context (flash if available)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    n = math.ceil(case.context / BS)
-    k = pool.k[case.tables[:, :n].long()].permute(0, 2, 1, 3, 4).reshape(case.batch, num_kv_heads, n * BS, head_dim)
-    v = pool.v[case.tables[:, :n].long()].permute(0, 2, 1, 3, 4).reshape(case.batch, num_kv_heads, n * BS, head_dim)
+    n = math.ceil(case.context / BLOCK_SIZE)
+    k = pool.k[case.tables[:, :n].long()].permute(0, 2, 1, 3, 4).reshape(case.batch, num_kv_heads, n * BLOCK_SIZE, head_dim)
+    v = pool.v[case.tables[:, :n].long()].permute(0, 2, 1, 3, 4).reshape(case.batch, num_kv_heads, n * BLOCK_SIZE, head_dim)
     k, v = k[:, :, : case.context].contiguous(), v[:, :, : case.context].contiguous()
     q = case.q[:, :, None, :]
     for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
@@ -201,10 +200,10 @@ def time_attention(pool: Pool, case: Case, tiling: AttentionTiling, splits: int,
         scores = torch.empty(rows, case.tables.shape[1], device=DEVICE)
         selected = torch.empty(rows, case.tables.shape[1], device=DEVICE, dtype=torch.int32)
         counts = torch.empty(case.batch, dtype=torch.long, device=DEVICE)
-        score_blocks(case.q, pool.mean, case.tables, case.seq_lens, budgets, scores, block_size=BS, sink=config.sink,
+        score_blocks(case.q, pool.mean, case.tables, case.seq_lens, budgets, scores, block_size=BLOCK_SIZE, sink=config.sink,
                      recent=config.recent, minmax=False)
         select_blocks(scores, case.tables, case.seq_lens, budgets, selected, counts, num_kv_heads=pool.k.shape[1],
-                      block_size=BS, sink=config.sink, recent=config.recent)
+                      block_size=BLOCK_SIZE, sink=config.sink, recent=config.recent)
         kwargs = dict(budgets=budgets, selected=selected, sink=config.sink, recent=config.recent)
     fn = lambda: attention_partials(case.q, pool.k, pool.v, case.tables, case.seq_lens, out, o_part, lse,  # noqa: E731
                                     scale=d**-0.5, splits=splits, tiling=tiling, **kwargs)
@@ -255,7 +254,7 @@ def run(spec: BenchSpec, out_path: Path | None, command: str, log=print) -> dict
     log(f"{props.name}: {num_sms} SMs, device-to-device copy {copy_gbps:.0f} GB/s (read + write); "
         f"a one-element kernel in a graph times {launch_us:.1f} us (the per-measurement floor)")
     max_tokens = max(spec.batches) * max(spec.contexts)
-    pool = Pool(math.ceil(max_tokens / BS) + max(spec.batches), h, d)
+    pool = Pool(math.ceil(max_tokens / BLOCK_SIZE) + max(spec.batches), h, d)
 
     tiling, waves, sweep_rows = attention_tiling(d), SPLIT_WAVES, []
     if spec.sweep:
@@ -296,7 +295,7 @@ def run(spec: BenchSpec, out_path: Path | None, command: str, log=print) -> dict
                                                    if context in spec.minmax_contexts else [])
         for mode, cfg, landmarks in modes:
             for budget_tokens in spec.budgets:
-                row = time_sparse(backend, pool, case, landmarks, cfg, budget_tokens // BS, splits, tiling, spec.rep_ms)
+                row = time_sparse(backend, pool, case, landmarks, cfg, budget_tokens // BLOCK_SIZE, splits, tiling, spec.rep_ms)
                 row.update(base, kind="sparse", landmark=mode, budget_tokens=budget_tokens,
                            speedup_vs_dense=dense_us / row["layer_us"])
                 total = row["bytes"]["total"]
@@ -329,10 +328,10 @@ def time_sparse(backend: TritonBackend, pool: Pool, case: Case, landmarks: torch
     counts = torch.empty(case.batch, dtype=torch.long, device=DEVICE)
     out = torch.empty_like(case.q)
     minmax = cfg.landmark == "minmax"
-    score = lambda: score_blocks(case.q, landmarks, case.tables, case.seq_lens, budgets, ws.scores, block_size=BS,  # noqa: E731
+    score = lambda: score_blocks(case.q, landmarks, case.tables, case.seq_lens, budgets, ws.scores, block_size=BLOCK_SIZE,  # noqa: E731
                                  sink=cfg.sink, recent=cfg.recent, minmax=minmax)
     select = lambda: select_blocks(ws.scores, case.tables, case.seq_lens, budgets, ws.selected, counts,  # noqa: E731
-                                   num_kv_heads=h, block_size=BS, sink=cfg.sink, recent=cfg.recent)
+                                   num_kv_heads=h, block_size=BLOCK_SIZE, sink=cfg.sink, recent=cfg.recent)
     attend = lambda: attention_partials(case.q, pool.k, pool.v, case.tables, case.seq_lens, out, ws.o_part,  # noqa: E731
                                         ws.lse_part, scale=d**-0.5, splits=splits, budgets=budgets,
                                         selected=ws.selected, sink=cfg.sink, recent=cfg.recent, tiling=tiling)
@@ -389,8 +388,8 @@ def run_from_args(args, command: str) -> dict:
     spec = BenchSpec(batches=pick("batches"), contexts=pick("contexts"), budgets=pick("budgets"), groups=pick("groups"),
                      minmax_contexts=pick("minmax_contexts"), sweep=not args.no_sweep, rep_ms=pick("rep_ms"))
     for budget in spec.budgets:
-        if budget <= 0 or budget % BS:
-            raise ValueError(f"--budgets {budget}: use positive multiples of the block size {BS}")
+        if budget <= 0 or budget % BLOCK_SIZE:
+            raise ValueError(f"--budgets {budget}: use positive multiples of the block size {BLOCK_SIZE}")
     out = args.out
     if out is None and torch.cuda.is_available():
         out = default_out_path(torch.cuda.get_device_properties(0).name)
@@ -398,10 +397,10 @@ def run_from_args(args, command: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from sparrow.cli.bench_cmd import register_kernels
+    from ..bench_cli import register
 
     parser = argparse.ArgumentParser(prog="python -m sparrow.kernels.triton.bench")
-    register_kernels(parser.add_subparsers(dest="action", required=True))
+    register(parser.add_subparsers(dest="action", required=True))
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(["kernels", *argv])
     run_from_args(args, "python -m sparrow.kernels.triton.bench " + " ".join(argv))

@@ -2,19 +2,21 @@
 sparsity schedule, continuous batching, prefix sharing within GRPO groups. CPU default; CUDA-ready."""
 
 from .config import NativeEngineConfig
-from .engine import NativeEngine, load_model
+from .engine import NativeEngine
 from .model import DecoderModel
+from .model_loader import load_model
 from .model_spec import ModelLoadError, ModelSpec, load_spec
-from .teacher_forced import TeacherForcedOutput, teacher_forced_logprobs
+from .prompt_recompute import PromptRecompute
+from .teacher_forced import teacher_forced_logprobs
 from .weights import WeightsError
 
 __all__ = [
     "DecoderModel",
     "ModelLoadError",
     "ModelSpec",
+    "PromptRecompute",
     "NativeEngine",
     "NativeEngineConfig",
-    "TeacherForcedOutput",
     "WeightsError",
     "load_model",
     "load_spec",

@@ -4,15 +4,15 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from ..sparse_settings import SparseLayoutSettings
+from ..engine_settings import EngineSettings
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 
 
-class NativeEngineConfig(SparseLayoutSettings):
+class NativeEngineConfig(EngineSettings):
     """Everything the native rollout engine needs besides the requests.
 
-    The KV pool is `num_kv_blocks` blocks of `block_size` (16) tokens in every layer. Left unset, it is
+    The KV pool is `num_kv_blocks` blocks of `sparrow.layout.BLOCK_SIZE` tokens in every layer. Left unset, it is
     sized from `kv_memory_fraction` of the memory free after the weights are loaded, capped at what
     `max_num_seqs` sequences of `max_model_len` tokens could ever use.
     """
@@ -30,7 +30,6 @@ class NativeEngineConfig(SparseLayoutSettings):
         description="replay the decode step from CUDA graphs (one per batch-size and block-table-width bucket); "
         "None = on for CUDA with the triton backend, False = eager launches",
     )
-    max_num_seqs: int = Field(64, ge=1, description="sequences decoded together (a GRPO group counts n)")
     num_kv_blocks: int | None = Field(None, ge=1, description="KV pool size in blocks; None = from kv_memory_fraction")
     kv_memory_fraction: float = Field(0.3, gt=0, le=0.95, description="share of free memory for the KV pool")
     max_model_len: int | None = Field(None, ge=2, description="prompt + generated tokens; None = model maximum")

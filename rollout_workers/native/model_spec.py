@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sparrow.architecture import decoder_facts
+
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
@@ -110,10 +112,11 @@ def spec_from_config(config: dict, origin: str = "config.json", generation_confi
         return value
 
     hidden, heads = need("hidden_size"), need("num_attention_heads")
-    kv_heads = config.get("num_key_value_heads") or heads
-    if heads % kv_heads:
-        raise ModelLoadError(f"{origin}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
-    head_dim = config.get("head_dim") or hidden // heads
+    facts = decoder_facts(config, family)
+    if heads % facts.num_kv_heads:
+        raise ModelLoadError(
+            f"{origin}: num_attention_heads={heads} is not a multiple of num_key_value_heads={facts.num_kv_heads}"
+        )
     if config.get("hidden_act", "silu") != "silu":
         raise ModelLoadError(f"{origin}: hidden_act={config['hidden_act']!r} is not supported (need 'silu')")
     if config.get("use_sliding_window") or (family == "llama" and config.get("sliding_window")):
@@ -129,15 +132,15 @@ def spec_from_config(config: dict, origin: str = "config.json", generation_confi
         intermediate_size=need("intermediate_size"),
         num_layers=need("num_hidden_layers"),
         num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
+        num_kv_heads=facts.num_kv_heads,
+        head_dim=facts.head_dim,
         rms_norm_eps=float(need("rms_norm_eps", float)),
         max_position_embeddings=need("max_position_embeddings"),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-        qkv_bias=family == "qwen2" or bool(config.get("attention_bias", False)),
-        o_bias=family != "qwen2" and bool(config.get("attention_bias", False)),
-        mlp_bias=bool(config.get("mlp_bias", False)),
-        qk_norm=family == "qwen3",
+        qkv_bias=facts.qkv_bias,
+        o_bias=facts.o_bias,
+        mlp_bias=facts.mlp_bias,
+        qk_norm=facts.qk_norm,
         rope=rope_parameters(config, origin),
         eos_token_ids=_eos_ids(config.get("eos_token_id"), gen.get("eos_token_id")),
     )

@@ -11,16 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-MASK64 = (1 << 64) - 1
-
-
-def mix_seed(seed: int, counter: int) -> int:
-    """splitmix64 of (seed, counter): distinct, well-spread generator seeds per sample and position."""
-    x = (seed * 0x9E3779B97F4A7C15 + counter + 1) & MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
-    return x ^ (x >> 31)
-
+from sparrow.seeds import mix_seed
 
 @dataclass
 class SamplingBatch:

@@ -7,12 +7,18 @@ import torch
 from sparrow.rollout_workers.api import RolloutRequest, RolloutSample
 from sparrow.schedule import DENSE_BUDGET
 
-from .sampler import SampleOutput, mix_seed
+from .sampler import SampleOutput
 
 
-def sample_seed(base: int, index: int) -> int:
-    """Seed of sample `index` of a request seeded `base`."""
-    return mix_seed(base, index)
+@dataclass
+class Draws:
+    """One step's draw for a batch of sequences: the tokens and whether each row's logits were finite (on the
+    host), and what a sample keeps per token (the sampler's output and the blocks attended, on the device)."""
+
+    output: SampleOutput
+    blocks: torch.Tensor
+    tokens: list[int]
+    finite: list[int]
 
 
 @dataclass(eq=False)
@@ -65,9 +71,10 @@ class Sequence:
                 out.append(last_budget)
         return out
 
-    def record(self, output: SampleOutput, blocks: torch.Tensor, row: int, token: int, schedule_version: int) -> None:
-        self.token_ids.append(token)
-        self.records.append((output, blocks, row))
+    def record(self, draws: Draws, row: int, schedule_version: int) -> None:
+        """Append the token drawn for this sequence at `row` of a step's batch."""
+        self.token_ids.append(draws.tokens[row])
+        self.records.append((draws.output, draws.blocks, row))
         if not self.schedule_versions or self.schedule_versions[-1] != schedule_version:
             self.schedule_versions.append(schedule_version)
 

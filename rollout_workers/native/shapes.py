@@ -43,7 +43,7 @@ def spec_for_shape(name: str) -> ModelSpec:
 
 def build_model(name: str, device, dtype, max_len: int, seed: int = 0):
     """An HF directory's model, or a shape with random weights (positions up to the shape's maximum)."""
-    from .engine import load_model
+    from .model_loader import load_model
     from .model import DecoderModel
 
     if Path(name).is_dir():

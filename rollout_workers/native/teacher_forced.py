@@ -8,25 +8,14 @@ by a schedule or, exactly as the engine used it, by the sample's own `blocks_att
 equal to the context's block count means dense).
 """
 
-from dataclasses import dataclass
-
 import torch
 
 from sparrow.kernels import SparseAttentionConfig
+from sparrow.rollout_workers.api import TeacherForcedOutput
 from sparrow.schedule import DENSE_BUDGET, SparsitySchedule
 
 from .attention import TeacherForced, blocks_attended as count_blocks
 from .model import DecoderModel
-
-
-@dataclass
-class TeacherForcedOutput:
-    logprobs: torch.Tensor
-    """`[G]` log q of each generated token."""
-    blocks_attended: torch.Tensor
-    """`[G]` blocks per KV head the producing query attended in the sparse layers."""
-    full_logprobs: torch.Tensor | None
-    """`[G, V]` the whole log-distribution per generated token (with `full=True`)."""
 
 
 def query_budgets(
@@ -40,10 +29,9 @@ def query_budgets(
         raise ValueError("give either schedule or blocks_attended, not both")
     if schedule is None and blocks_attended is None:
         return None
-    budgets = torch.full((num_tokens,), DENSE_BUDGET, dtype=torch.long)
     if schedule is not None:
-        budgets[prompt_len:] = schedule.budgets_for_lengths(torch.arange(prompt_len, num_tokens) + 1)
-        return budgets
+        return schedule.query_budgets(prompt_len, num_tokens)
+    budgets = torch.full((num_tokens,), DENSE_BUDGET, dtype=torch.long)
     generated = num_tokens - prompt_len
     if blocks_attended.shape != (generated,):
         raise ValueError(f"blocks_attended has shape {tuple(blocks_attended.shape)}; expected ({generated},), one per generated token")
@@ -71,9 +59,7 @@ def teacher_forced_logprobs(
     total = tokens.shape[0]
     if not 1 <= prompt_len < total:
         raise ValueError(f"prompt_len={prompt_len}: need 1 <= prompt_len < len(token_ids)={total}")
-    attention = attention or SparseAttentionConfig(
-        sink=schedule.sink if schedule else 1, recent=schedule.recent if schedule else 2
-    )
+    attention = attention or SparseAttentionConfig.of_schedule(schedule)
     budgets = query_budgets(total, prompt_len, schedule, blocks_attended)
     if all(attention.is_dense_layer(i) for i in range(model.spec.num_layers)):
         budgets = None

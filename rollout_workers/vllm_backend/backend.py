@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from sparrow.layout import BLOCK_SIZE
+
 from . import _vllm, runtime
 from .names import BACKEND_NAME
 from .paged_kv import paged_prefill_attention, sparse_block_table, sparse_block_views
@@ -155,7 +157,7 @@ class SparrowSparseBackend(_vllm.AttentionBackend):
 
     @staticmethod
     def get_supported_kernel_block_sizes(kv_cache_spec=None):
-        return [_vllm.MultipleOf(16)]
+        return [_vllm.MultipleOf(BLOCK_SIZE)]
 
     @classmethod
     def supported_kv_cache_layouts(cls):

@@ -4,12 +4,16 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from ..sparse_settings import SparseLayoutSettings
+from sparrow.layout import BLOCK_SIZE
+from sparrow.schedule import SparsitySchedule
+
+from ..api import SamplingParams
+from ..engine_settings import EngineSettings
 
 GiB = 1 << 30
 
 
-class VllmEngineConfig(SparseLayoutSettings):
+class VllmEngineConfig(EngineSettings):
     """Everything `VllmEngine` needs besides the requests.
 
     `kv_cache_memory_bytes` is the whole per-worker budget: vLLM's KV pages plus the landmark side
@@ -24,9 +28,10 @@ class VllmEngineConfig(SparseLayoutSettings):
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="auto = float32 on CPU, bfloat16 on CUDA")
     tensor_parallel_size: int = Field(1, ge=1)
-    max_num_seqs: int = Field(64, ge=1, description="sequences decoded together (a GRPO group counts n)")
     max_model_len: int | None = Field(None, ge=2, description="prompt + generated tokens; None = model maximum")
-    block_size: int | None = Field(None, description="vLLM page size in tokens, a multiple of 16; None = 32 on CPU, 16 on CUDA")
+    block_size: int | None = Field(
+        None, description=f"vLLM page size in tokens, a multiple of {BLOCK_SIZE}; None = {2 * BLOCK_SIZE} on CPU, {BLOCK_SIZE} on CUDA"
+    )
     kv_cache_memory_bytes: int = Field(GiB, ge=1 << 20, description="per worker: KV pages + landmark side tables")
     enable_prefix_caching: bool = True
     enforce_eager: bool | None = Field(None, description="None = eager on CPU, CUDA graphs (piecewise) on CUDA")
@@ -44,11 +49,25 @@ class VllmEngineConfig(SparseLayoutSettings):
     trace_steps: int = Field(0, ge=0, description="keep the last N decode steps' blocks attended (tests, debugging)")
     engine_args: dict[str, Any] = Field(default_factory=dict, description="extra vllm AsyncEngineArgs (escape hatch)")
 
+    def check_job(self, sampling: SamplingParams, schedule: SparsitySchedule, section: str, name: str) -> None:
+        """The shared rules, and vLLM's: unfiltered logprobs (no top-p / top-k) and enough top-k logprobs."""
+        super().check_job(sampling, schedule, section, name)
+        if sampling.top_p != 1.0 or sampling.top_k != 0:
+            raise ValueError(
+                f"{section}.sampling.top_p/top_k: the vLLM backend returns renormalised logprobs under top-p/top-k; "
+                f"leave top_p=1 and top_k=0 with {section}.engine={name!r}"
+            )
+        if self.max_logprobs < sampling.logprobs:
+            raise ValueError(
+                f"{section}.sampling.logprobs={sampling.logprobs} exceeds {section}.{name}.max_logprobs={self.max_logprobs}"
+            )
+
     @field_validator("block_size")
     @classmethod
     def _block_size(cls, value: int | None) -> int | None:
-        if value is not None and (value < 16 or value % 16):
-            raise ValueError(f"block_size={value}: must be a multiple of 16 (Sparrow's block); use 16 on CUDA, 32 on CPU")
+        if value is not None and (value < BLOCK_SIZE or value % BLOCK_SIZE):
+            raise ValueError(f"block_size={value}: must be a multiple of {BLOCK_SIZE} (Sparrow's block); "
+                             f"use {BLOCK_SIZE} on CUDA, {2 * BLOCK_SIZE} on CPU")
         return value
 
 
@@ -56,10 +75,10 @@ def split_kv_budget(total_bytes: int, num_layers: int, num_sparse_layers: int, n
                     landmark_width: int) -> int:
     """Bytes to give vLLM's KV pages so that pages + landmark side tables fit in `total_bytes`.
 
-    Per 16-token block: K and V of every layer (2·16·D per KV head) and one landmark of W values
+    Per Sparrow block: K and V of every layer (2·BLOCK_SIZE·D per KV head) and one landmark of W values
     per sparse layer. vLLM rounds its page count down, so the side tables, sized from that count,
     never push the total over the budget.
     """
-    kv = num_layers * 2 * 16 * head_dim * num_kv_heads
+    kv = num_layers * 2 * BLOCK_SIZE * head_dim * num_kv_heads
     landmarks = num_sparse_layers * landmark_width * num_kv_heads
     return total_bytes * kv // (kv + landmarks)

@@ -12,6 +12,7 @@ asks for them would get renormalised logprobs; such requests fail with a clear e
 """
 
 import asyncio
+import functools
 import gc
 import itertools
 import json
@@ -23,14 +24,18 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
-from sparrow.rollout_workers.api import RolloutEngine, RolloutRequest, RolloutSample, WeightsSource
-from sparrow.rollout_workers.native.sequence import sample_seed
+from sparrow.architecture import decoder_facts
+from sparrow.layout import BLOCK_SIZE
+from sparrow.rollout_workers.api import (
+    ABORTED, EngineCounters, RequestFeed, RolloutEngine, RolloutRequest, RolloutSample, WeightsSource,
+)
 from sparrow.schedule import SparsitySchedule, load_schedule
+from sparrow.seeds import sample_seed
 
 from . import _vllm
 from .config import VllmEngineConfig, split_kv_budget
 from .names import SPARSE_ARCHITECTURES, WORKER_EXTENSION
-from .runtime import OPTIONS_KEY, WorkerOptions, check_schedule
+from .runtime import OPTIONS_KEY, WorkerOptions
 from .samples import SampleBuilder
 from .weights import save_checkpoint
 
@@ -50,18 +55,24 @@ class VllmEngine(RolloutEngine):
     def __init__(self, config: VllmEngineConfig):
         if config.model is None:
             raise ValueError("VllmEngineConfig.model is not set: give a Hugging Face model directory")
+        super().__init__(config.layout())
         self.config = config
         self.model_dir = Path(config.model)
-        self.attention = config.sparse_attention()
         self.hf_config = read_hf_config(self.model_dir)
         self.architecture = self._architecture()
         self.platform = _vllm.current_platform
-        self._schedule = load_schedule(config.schedule) if config.schedule else None
-        self._check_schedule(self._schedule)
-        self._policy_version = 0
+        if config.schedule:
+            self._schedule = load_schedule(config.schedule)
+            self.check_schedule(self._schedule)
         self._rng = random.Random(config.seed)
         self._ids = itertools.count()
         self._samples: dict[str, SampleBuilder] = {}
+        self._running: dict[str, set[asyncio.Task]] = {}
+        """Sample tasks of the running call by request id (abort cancels them)."""
+        self._aborting: set[str] = set()
+        self._feed: RequestFeed | None = None
+        self._deliver = None
+        """Where the running call's samples go (`_run`)."""
         self._counters = dict.fromkeys(("tokens_generated", "samples_finished", "samples_failed", "engine_starts"), 0)
         self._busy_seconds = 0.0
         self._busy_since = 0.0
@@ -91,11 +102,7 @@ class VllmEngine(RolloutEngine):
                 f"model={str(self.model_dir)!r} has architectures {archs}; the Sparrow vLLM backend supports "
                 f"{sorted(SPARSE_ARCHITECTURES)} (or set attention='stock' for plain vLLM)"
             )
-        num_layers = self.hf_config["num_hidden_layers"]
-        missing = [i for i in self.attention.dense_layers if i >= num_layers]
-        if missing:
-            raise ValueError(f"dense_layers={list(self.attention.dense_layers)}: layers {missing} do not exist "
-                             f"(the model has {num_layers})")
+        self.layout.check_layers(self.hf_config["num_hidden_layers"])
         return SPARSE_ARCHITECTURES[supported[0]]
 
     @property
@@ -108,11 +115,11 @@ class VllmEngine(RolloutEngine):
             return self.config.kv_cache_memory_bytes
         hf = self.hf_config
         num_layers = hf["num_hidden_layers"]
-        head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
-        num_sparse = sum(not self.attention.is_dense_layer(i) for i in range(num_layers))
+        facts = decoder_facts(hf, hf.get("model_type", ""))
+        num_sparse = sum(not self.layout.is_dense_layer(i) for i in range(num_layers))
         return split_kv_budget(
-            self.config.kv_cache_memory_bytes, num_layers, num_sparse,
-            hf.get("num_key_value_heads", hf["num_attention_heads"]), head_dim, self.attention.landmark_width(head_dim),
+            self.config.kv_cache_memory_bytes, num_layers, num_sparse, facts.num_kv_heads, facts.head_dim,
+            self.layout.landmark_width(facts.head_dim),
         )
 
     def engine_args(self, model_dir: Path):
@@ -125,7 +132,7 @@ class VllmEngine(RolloutEngine):
             seed=c.seed,
             max_model_len=c.max_model_len,
             max_num_seqs=c.max_num_seqs,
-            block_size=c.block_size or (32 if self.on_cpu else 16),
+            block_size=c.block_size or (2 * BLOCK_SIZE if self.on_cpu else BLOCK_SIZE),
             enable_prefix_caching=c.enable_prefix_caching,
             enforce_eager=self.on_cpu if c.enforce_eager is None else c.enforce_eager,
             tensor_parallel_size=c.tensor_parallel_size,
@@ -137,7 +144,7 @@ class VllmEngine(RolloutEngine):
         )
         if c.attention == "sparrow":
             options = WorkerOptions(
-                attention=self.attention, attention_backend=c.attention_backend,
+                attention=self.layout, attention_backend=c.attention_backend,
                 schedule=None if self._schedule is None else self._schedule.to_dict(), trace_steps=c.trace_steps,
             )
             kwargs.update(
@@ -174,18 +181,15 @@ class VllmEngine(RolloutEngine):
 
     # ------------------------------------------------------------------ RolloutEngine contract
 
-    @property
-    def policy_version(self) -> int:
-        return self._policy_version
-
-    @property
-    def schedule(self) -> SparsitySchedule | None:
-        return self._schedule
-
     def generate(self, requests: Sequence[RolloutRequest]) -> list[RolloutSample]:
-        return self._call(self._generate(requests))
+        order = {id(r): i for i, r in enumerate(requests)}
+        results: list[tuple[RolloutRequest, RolloutSample]] = []
+        with self._serving_call():
+            self._call(self._run(RequestFeed.of(requests), results.append))
+        results.sort(key=lambda pair: (order[id(pair[0])], pair[1].sample_index))
+        return [s for _, s in results]
 
-    async def stream(self, requests: Sequence[RolloutRequest]) -> AsyncIterator[RolloutSample]:
+    async def stream(self, requests: Sequence[RolloutRequest] | RequestFeed) -> AsyncIterator[RolloutSample]:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -193,43 +197,37 @@ class VllmEngine(RolloutEngine):
             loop.call_soon_threadsafe(queue.put_nowait, item)
 
         async def produce():
-            tasks = []
             try:
-                tasks = [asyncio.ensure_future(self._sample(r, i)) for r in requests for i in range(r.sampling.n)]
-                for done in asyncio.as_completed(tasks):
-                    deliver(await done)
+                await self._run(RequestFeed.of(requests), deliver)
                 deliver(_STOP)
             except BaseException as exc:
-                for task in tasks:
-                    task.cancel()
                 deliver(exc)
                 raise
 
-        future = asyncio.run_coroutine_threadsafe(produce(), self._loop)
-        try:
-            while (item := await queue.get()) is not _STOP:
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-        finally:
-            future.cancel()
+        with self._serving_call():
+            future = asyncio.run_coroutine_threadsafe(produce(), self._loop)
+            try:
+                while (item := await queue.get()) is not _STOP:
+                    if isinstance(item, BaseException):
+                        raise item
+                    yield item[1]
+            finally:
+                future.cancel()
 
-    def set_schedule(self, schedule: SparsitySchedule | None) -> None:
+    def abort(self, request_id: str) -> None:
+        self._loop.call_soon_threadsafe(self._abort, request_id)
+
+    def _set_schedule(self, schedule: SparsitySchedule | None) -> None:
         if self.config.attention == "stock":
             raise RuntimeError("set_schedule: this engine runs vLLM's stock attention (attention='stock'), it has no sparse layers")
-        self._check_schedule(schedule)
         self._call(self._switch_schedule(schedule))
 
-    def load_weights(self, weights: WeightsSource, version: int) -> None:
-        """New policy weights (a state dict with HF names, or an HF directory) and their version.
+    def _load_weights(self, weights: WeightsSource, version: int) -> None:
+        """New policy weights (a state dict with HF names, or an HF directory).
 
         On CPU vLLM's in-place reload is wrong (its CPU GEMMs keep a prepacked copy of each weight), so
         the engine restarts vLLM on a checkpoint of the new weights; elsewhere it reloads in place.
         """
-        if not isinstance(version, int) or isinstance(version, bool) or version < 0:
-            raise ValueError(f"version={version!r}: must be an integer >= 0")
-        if self._samples:
-            raise RuntimeError(f"load_weights with {len(self._samples)} samples in flight; call it between generate() calls")
         if isinstance(weights, (str, Path)):
             model_dir = Path(weights)
             read_hf_config(model_dir)
@@ -248,7 +246,14 @@ class VllmEngine(RolloutEngine):
         if self._current_dir.is_relative_to(self._weights_root) and self._current_dir != model_dir:
             shutil.rmtree(self._current_dir, ignore_errors=True)
         self._current_dir = model_dir
-        self._policy_version = version
+
+    @property
+    def max_concurrent_samples(self) -> int:
+        return self.config.max_num_seqs
+
+    def counters(self) -> EngineCounters:
+        c = self._counters
+        return EngineCounters(c["tokens_generated"], c["samples_finished"], c["samples_failed"], len(self._samples))
 
     def stats(self) -> dict:
         c = self._counters
@@ -315,11 +320,83 @@ class VllmEngine(RolloutEngine):
 
     # ------------------------------------------------------------------ internals (engine loop)
 
-    def _check_schedule(self, schedule: SparsitySchedule | None) -> None:
-        check_schedule(schedule, self.attention)
+    async def _run(self, feed: RequestFeed, deliver) -> None:
+        """Start the samples of each request as it arrives from the feed; `deliver((request, sample))` for
+        each as it ends. Returns once the feed is exhausted and every sample delivered; an engine-wide
+        failure of one sample cancels the others and raises."""
+        self._feed, self._deliver = feed, deliver
+        run = asyncio.current_task()
+        started: set[asyncio.Task] = set()
+        """Unfinished sample tasks (a long-running feed must not keep finished ones)."""
+        failure: list[BaseException] = []
 
-    async def _generate(self, requests: Sequence[RolloutRequest]) -> list[RolloutSample]:
-        return list(await asyncio.gather(*(self._sample(r, i) for r in requests for i in range(r.sampling.n))))
+        def done(request: RolloutRequest, index: int, task: asyncio.Task) -> None:
+            started.discard(task)
+            self._sample_done(request, index, task)
+            if not task.cancelled() and task.exception() is not None and not failure:
+                failure.append(task.exception())
+                run.cancel()
+
+        try:
+            async for request in feed:
+                for index in range(request.sampling.n):
+                    task = asyncio.ensure_future(self._sample_or_aborted(request, index))
+                    task.add_done_callback(functools.partial(done, request, index))
+                    self._running.setdefault(request.request_id, set()).add(task)
+                    started.add(task)
+            await asyncio.gather(*started, return_exceptions=True)
+        except BaseException:
+            for task in list(started):
+                task.cancel()
+            if failure:
+                raise failure[0] from None
+            raise
+        finally:
+            self._feed = self._deliver = None
+        if failure:
+            raise failure[0]
+
+    async def _sample_or_aborted(self, request: RolloutRequest, index: int) -> RolloutSample:
+        try:
+            return await self._sample(request, index)
+        except asyncio.CancelledError:
+            if request.request_id not in self._aborting:
+                raise
+            return self._failed(request, index, ABORTED)
+
+    def _sample_done(self, request: RolloutRequest, index: int, task: asyncio.Task) -> None:
+        """Deliver a sample's outcome; a sample aborted before it started is delivered failed here."""
+        tasks = self._running.get(request.request_id, set())
+        tasks.discard(task)
+        if not tasks:
+            self._running.pop(request.request_id, None)
+        aborted = request.request_id in self._aborting
+        if not tasks:
+            self._aborting.discard(request.request_id)
+        if self._deliver is None:  # the call has ended (a stream closed early)
+            return
+        if task.cancelled():
+            if aborted:
+                self._deliver((request, self._failed(request, index, ABORTED)))
+        elif task.exception() is None:
+            self._deliver((request, task.result()))
+
+    def _abort(self, request_id: str) -> None:
+        """On the engine loop: fail the request's samples still in the feed, cancel its running ones (vLLM
+        aborts a cancelled generation and frees its KV pages)."""
+        if self._feed is not None and self._deliver is not None:
+            for request in self._feed.withdraw(request_id):
+                for index in range(request.sampling.n):
+                    self._deliver((request, self._failed(request, index, ABORTED)))
+        tasks = self._running.get(request_id)
+        if tasks:
+            self._aborting.add(request_id)
+            for task in tasks:
+                task.cancel()
+
+    def _failed(self, request: RolloutRequest, index: int, error: str) -> RolloutSample:
+        self._counters["samples_failed"] += 1
+        return RolloutSample.failed(request, index, error, self._policy_version, self.schedule_version)
 
     def _request_error(self, request: RolloutRequest) -> str | None:
         sp = request.sampling
@@ -351,8 +428,7 @@ class VllmEngine(RolloutEngine):
     async def _sample(self, request: RolloutRequest, index: int) -> RolloutSample:
         error = self._request_error(request)
         if error is not None:
-            self._counters["samples_failed"] += 1
-            return RolloutSample.failed(request, index, error, self._policy_version, self.schedule_version)
+            return self._failed(request, index, error)
         request_id = f"{request.request_id}/{index}/{next(self._ids)}"
         builder = SampleBuilder(request, index, request.sampling.logprobs, [(0, self._schedule)])
         if not self._samples:
@@ -374,7 +450,7 @@ class VllmEngine(RolloutEngine):
             self._samples.pop(request_id, None)
             if not self._samples:
                 self._busy_seconds += time.perf_counter() - self._busy_since
-        sample = builder.build(self._policy_version, self.attention.block_size)
+        sample = builder.build(self._policy_version, self.layout.block_size)
         self._counters["samples_finished" if sample.error is None else "samples_failed"] += 1
         return sample
 

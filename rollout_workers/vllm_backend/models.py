@@ -19,11 +19,7 @@ def install_sparse_attention(model, vllm_config) -> list[int]:
             "options (build the engine with sparrow.rollout_workers.vllm_backend.VllmEngine)"
         )
     state = runtime.configure(options)
-    num_layers = vllm_config.model_config.hf_config.num_hidden_layers
-    missing = [i for i in state.attention.dense_layers if i >= num_layers]
-    if missing:
-        raise ValueError(f"dense_layers={list(state.attention.dense_layers)}: layers {missing} do not exist "
-                         f"(the model has {num_layers})")
+    state.attention.check_layers(vllm_config.model_config.hf_config.num_hidden_layers)
     attention_cls = _vllm.Attention
     context = vllm_config.compilation_config.static_forward_context
     sparse = []

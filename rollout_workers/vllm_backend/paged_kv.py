@@ -15,7 +15,7 @@ On CPU the dense layers' `CPU_ATTN` forces pages of 32 tokens (m = 2); on CUDA p
 import torch
 import torch.nn.functional as F
 
-SPARROW_BLOCK = 16
+from sparrow.layout import BLOCK_SIZE
 
 
 def _page_memory(kv_cache: torch.Tensor) -> torch.Tensor:
@@ -37,24 +37,24 @@ def sparse_block_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     `kv_cache` is vLLM's logical `[num_pages, H_kv, page_size, 2·D]` tensor of one layer.
     """
     num_pages, num_kv_heads, page_size, two_d = kv_cache.shape
-    if page_size % SPARROW_BLOCK:
-        raise ValueError(f"vLLM block_size={page_size}: the sparse layers need a multiple of {SPARROW_BLOCK}")
-    per_page = page_size // SPARROW_BLOCK
+    if page_size % BLOCK_SIZE:
+        raise ValueError(f"vLLM block_size={page_size}: the sparse layers need a multiple of {BLOCK_SIZE}")
+    per_page = page_size // BLOCK_SIZE
     head_dim = two_d // 2
-    blocks = _page_memory(kv_cache).view(num_pages, per_page, 2, num_kv_heads, SPARROW_BLOCK, head_dim)
-    shape = (num_pages * per_page, num_kv_heads, SPARROW_BLOCK, head_dim)
+    blocks = _page_memory(kv_cache).view(num_pages, per_page, 2, num_kv_heads, BLOCK_SIZE, head_dim)
+    shape = (num_pages * per_page, num_kv_heads, BLOCK_SIZE, head_dim)
     try:
         return blocks[:, :, 0].view(shape), blocks[:, :, 1].view(shape)
     except RuntimeError:
         raise ValueError(
             f"vLLM block_size={page_size} packs {per_page} Sparrow blocks per page, which needs the layer's pages "
-            "to be contiguous (layer-outermost KV layout); use block_size=16 or an LBHNC/LBNHC layout"
+            f"to be contiguous (layer-outermost KV layout); use block_size={BLOCK_SIZE} or an LBHNC/LBNHC layout"
         ) from None
 
 
 def sparse_block_table(block_table: torch.Tensor, page_size: int) -> torch.Tensor:
     """vLLM's page table `[B, P]` → Sparrow's block table `[B, P·m]` (block = page·m + j)."""
-    per_page = page_size // SPARROW_BLOCK
+    per_page = page_size // BLOCK_SIZE
     if per_page == 1:
         return block_table
     offsets = torch.arange(per_page, device=block_table.device, dtype=block_table.dtype)
@@ -85,7 +85,7 @@ def paged_prefill_attention(
         num_queries = end - start
         if num_queries == 0:
             continue
-        ids = block_table[row, : (seq_len + SPARROW_BLOCK - 1) // SPARROW_BLOCK].long()
+        ids = block_table[row, : (seq_len + BLOCK_SIZE - 1) // BLOCK_SIZE].long()
         keys = k_blocks[ids].transpose(0, 1).reshape(num_kv_heads, -1, head_dim)[:, :seq_len]
         values = v_blocks[ids].transpose(0, 1).reshape(num_kv_heads, -1, head_dim)[:, :seq_len]
         pos_q = torch.arange(seq_len - num_queries, seq_len, device=query.device)

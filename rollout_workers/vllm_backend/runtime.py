@@ -12,8 +12,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from sparrow.kernels import AttentionBackend, ReferenceBackend, SparseAttentionConfig
-from sparrow.schedule import ScheduleError, SparsitySchedule
+from sparrow.kernels import AttentionBackend, SparseAttentionConfig, make_backend
+from sparrow.schedule import SparsitySchedule
 
 OPTIONS_KEY = "sparrow"
 """Key of Sparrow's section in vLLM's `additional_config`."""
@@ -48,32 +48,15 @@ class WorkerOptions:
         )
 
 
-def check_schedule(schedule: SparsitySchedule | None, attention: SparseAttentionConfig) -> None:
-    """A schedule must speak about the same blocks the layers select from."""
-    if schedule is None:
-        return
-    for name in ("block_size", "sink", "recent"):
-        theirs, ours = getattr(schedule, name), getattr(attention, name)
-        if theirs != ours:
-            raise ScheduleError(
-                f"schedule {schedule.name!r}: {name}={theirs} but the engine's sparse attention uses {name}={ours}; "
-                f"make them equal (VllmEngineConfig.{name})"
-            )
-
-
 def make_attention_backend(kind: str, device: torch.device) -> AttentionBackend:
-    """The torch reference on CPU, the Triton kernels on CUDA (imported only there)."""
+    """This backend's rule: `auto` = the reference on CPU, the Triton kernels on CUDA (which they need)."""
     if kind not in BACKENDS:
         raise ValueError(f"attention_backend={kind!r}: use one of {BACKENDS}")
     if kind == "auto":
         kind = "triton" if device.type == "cuda" else "reference"
-    if kind == "reference":
-        return ReferenceBackend()
-    if device.type != "cuda":
+    if kind == "triton" and device.type != "cuda":
         raise ValueError(f"attention_backend='triton' needs a CUDA device, the KV cache is on {device}")
-    from sparrow.kernels.triton import TritonBackend
-
-    return TritonBackend()
+    return make_backend(kind, device)
 
 
 class SparseRuntime:
@@ -99,7 +82,7 @@ class SparseRuntime:
 
     def set_schedule(self, payload: dict | None) -> None:
         schedule = None if payload is None else SparsitySchedule.from_dict(payload, origin="sparrow_set_schedule")
-        check_schedule(schedule, self.attention)
+        self.attention.check_compatible(schedule)
         self.schedule = schedule
 
     def backend(self, device: torch.device) -> AttentionBackend:

@@ -2,7 +2,7 @@
 
 vLLM does not report which KV blocks a forward pass read, but Sparrow's budget is a function of the
 total length L alone: the pass that produced generated token t had context L = prompt_len + t
-(token 0 comes from the prefill, which is dense) and attended `min(ceil(L / 16), budget(L))` blocks
+(token 0 comes from the prefill, which is dense) and attended `min(ceil(L / block_size), budget(L))` blocks
 per KV head in every sparse layer, budget(L) from the schedule in force at that step. So the engine
 only needs to know which schedule was in force for which tokens: each sample keeps a list of
 (first token index, schedule) segments, extended at every `set_schedule` with the token count the
@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from sparrow.layout import BLOCK_SIZE
 from sparrow.rollout_workers.api import RolloutRequest, RolloutSample
 from sparrow.schedule import SparsitySchedule
 
@@ -23,7 +24,7 @@ def blocks_attended_per_token(
     prompt_len: int,
     num_tokens: int,
     segments: list[tuple[int, SparsitySchedule | None]],
-    block_size: int = 16,
+    block_size: int = BLOCK_SIZE,
 ) -> torch.Tensor:
     """Blocks per KV head the sparse layers attended when producing each of `num_tokens` tokens.
 
@@ -91,7 +92,7 @@ class SampleBuilder:
                 used.append(schedule_version(schedule))
         return used or [schedule_version(self.segments[-1][1])]
 
-    def build(self, policy_version: int, block_size: int = 16) -> RolloutSample:
+    def build(self, policy_version: int, block_size: int = BLOCK_SIZE) -> RolloutSample:
         reason = FINISH_REASONS.get(self.finish_reason)
         versions = self.versions()
         if reason is None:

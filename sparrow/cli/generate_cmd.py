@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 from sparrow.jsonl import iter_jsonl
+from sparrow.layout import BLOCK_SIZE
 from sparrow.tables import format_table
 
 
@@ -27,7 +28,7 @@ def configure(p) -> None:
     p.add_argument("--json", action="store_true", help="one JSON line per sample")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in 16-token blocks")
+    p.add_argument("--num-kv-blocks", type=int, default=None, help=f"KV pool size in {BLOCK_SIZE}-token blocks")
     p.set_defaults(handler=run)
 
 

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
+from sparrow.architecture import decoder_facts
+
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -115,20 +117,16 @@ class ModelShape:
 
         hidden, heads = need("hidden_size"), need("num_attention_heads")
         intermediate, layers, vocab = need("intermediate_size"), need("num_hidden_layers"), need("vocab_size")
-        kv_heads = config.get("num_key_value_heads") or heads
-        head_dim = config.get("head_dim") or hidden // heads
-        q, kv = heads * head_dim, kv_heads * head_dim
-        if model_type == "qwen2":
-            bias = q + 2 * kv  # q/k/v biases are hard-wired in Qwen2 attention
-        else:
-            bias = q + 2 * kv + hidden if config.get("attention_bias") else 0  # q/k/v/o biases
-        if config.get("mlp_bias"):
+        facts = decoder_facts(config, model_type)
+        q, kv = facts.num_heads * facts.head_dim, facts.num_kv_heads * facts.head_dim
+        bias = (q + 2 * kv if facts.qkv_bias else 0) + (hidden if facts.o_bias else 0)
+        if facts.mlp_bias:
             bias += 2 * intermediate + hidden
         return cls(
             name=name or config.get("_name_or_path") or model_type or "model",
-            layers=layers, q_heads=heads, kv_heads=kv_heads, head_dim=head_dim, hidden=hidden,
+            layers=layers, q_heads=heads, kv_heads=facts.num_kv_heads, head_dim=facts.head_dim, hidden=hidden,
             intermediate=intermediate, vocab=vocab, tied_embeddings=bool(config.get("tie_word_embeddings", False)),
-            qk_norm=model_type == "qwen3", bias_per_layer=bias,
+            qk_norm=facts.qk_norm, bias_per_layer=bias,
         )
 
 

@@ -4,7 +4,7 @@
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    from sparrow.cli.bench_cmd import register_decode_step, register_rollout_paper
+    from .cli import register_decode_step, register_rollout_paper
 
     parser = argparse.ArgumentParser(prog="python -m sparrow.rollout_workers.native.bench")
     actions = parser.add_subparsers(dest="action", required=True)

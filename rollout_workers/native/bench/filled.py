@@ -11,7 +11,6 @@ from ..cuda_graphs import DecodeGraphs, DecodeStep
 from ..kv_cache import KVCache, bytes_per_block
 from ..model import DecoderModel
 from ..sampler import SamplingBatch, sample
-from ..scheduler import blocks_for
 
 
 def free_gpu_memory() -> int:
@@ -27,9 +26,8 @@ class FilledDecode:
     any context ≤ max_len replay from the engine's `DecodeGraphs`, then sample (T = 1, top-20 logprobs)."""
 
     def __init__(self, model: DecoderModel, attention: SparseAttentionConfig, batch: int, max_len: int, seed: int = 0):
-        bs = attention.block_size
         self.attention, self.batch = attention, batch
-        self.max_blocks = blocks_for(max_len, bs)
+        self.max_blocks = attention.blocks_for(max_len)
         num_blocks = batch * self.max_blocks + 1
         need = num_blocks * bytes_per_block(model.spec, attention, model.dtype)
         free = free_gpu_memory()

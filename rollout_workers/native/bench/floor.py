@@ -4,7 +4,6 @@ from sparrow.kernels import SparseAttentionConfig
 from sparrow.schedule import SparsitySchedule
 
 from ..model import DecoderModel
-from ..scheduler import blocks_for
 from ..shapes import spec_for_shape
 from .common import DTYPE
 
@@ -25,7 +24,7 @@ def step_bytes(model: DecoderModel, attention: SparseAttentionConfig, batch: int
     spec, item = model.spec, model.dtype.itemsize
     bs = attention.block_size
     kv_tok = spec.num_kv_heads * spec.head_dim * 2 * item  # K and V of one token in one layer
-    n = blocks_for(context, bs)
+    n = attention.blocks_for(context)
     dense_layers = sum(1 for i in range(spec.num_layers) if attention.is_dense_layer(i))
     sparse_layers = spec.num_layers - dense_layers
     out = {"weights": weight_bytes(model), "dense_kv": dense_layers * batch * context * kv_tok}

@@ -12,7 +12,6 @@ from sparrow.tables import format_table
 
 from ..kv_cache import bytes_per_block
 from ..model import DecoderModel
-from ..scheduler import blocks_for
 from ..shapes import spec_for_shape
 from .common import (DEVICE, DTYPE, PAPER_ROLLOUT_SPEEDUP, TARGET_OVER_PAPER, device_report, require_cuda, write_report,
                      default_out_path)
@@ -24,7 +23,7 @@ def protocol_batch(model: DecoderModel, attention: SparseAttentionConfig, max_le
                    memory_fraction: float) -> int:
     """The most sequences, in whole groups of `samples`, whose `max_len`-token KV fits in
     `memory_fraction` of the free memory (what a continuous-batching engine would keep running)."""
-    per_seq = blocks_for(max_len, attention.block_size) * bytes_per_block(model.spec, attention, model.dtype)
+    per_seq = attention.blocks_for(max_len) * bytes_per_block(model.spec, attention, model.dtype)
     fits = int(memory_fraction * free_gpu_memory() // per_seq)
     if fits < samples:
         raise ValueError(f"one group of {samples} sequences of {max_len} tokens does not fit ({fits} sequences do)")
@@ -97,7 +96,7 @@ def real_rollout(engine, prompts, samples: int, gen_len: int, time_cap_s: float)
         engine.step()
         step_s.append(time.perf_counter() - t0)
         if time.perf_counter() - start > time_cap_s:
-            engine.abort()
+            engine.drop_unfinished()
             truncated = True
             break
     wall = time.perf_counter() - start
@@ -133,7 +132,7 @@ def run_model(name: str, schedules: list[str], real_prompt: int, real_gen: int, 
     # (a) real end-to-end run, CUDA graphs captured up front
     engine = NativeEngine(NativeEngineConfig(
         device=DEVICE, dtype=str(DTYPE).removeprefix("torch."), attention_backend="triton", max_num_seqs=batch,
-        num_kv_blocks=batch * blocks_for(real_len + 1, bs) + 2 * batch, max_model_len=real_len + bs,
+        num_kv_blocks=batch * attention.blocks_for(real_len + 1) + 2 * batch, max_model_len=real_len + bs,
         prefill_chunk_size=max(2048, real_prompt)), model=model)
     schedule = load_schedule(schedules[0])
     engine.set_schedule(schedule)

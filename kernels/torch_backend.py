@@ -10,8 +10,10 @@ functions, so selection is identical by construction; outputs match the referenc
 
 import torch
 
-from sparrow.kernels import AttentionBackend, SparseAttentionConfig
-from sparrow.kernels.reference import score_paged_blocks, select_blocks, update_landmarks
+from sparrow.layout import SparseAttentionConfig
+
+from .backend import AttentionBackend
+from .reference import score_paged_blocks, select_blocks, update_landmarks
 
 
 class TorchBackend(AttentionBackend):

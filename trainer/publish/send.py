@@ -1,4 +1,4 @@
-"""Publishing a versioned state dict through a sender, and receiving it into a rollout engine."""
+"""Publishing a versioned state dict from the trainer through a sender (`sparrow.weight_sync` channels)."""
 
 import time
 from collections.abc import Callable, Mapping
@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from .buckets import Bucket, Manifest, pack, plan_buckets, unpack
+from sparrow.weight_sync import Bucket, Manifest, pack, plan_buckets
 
 
 @dataclass
@@ -63,49 +63,3 @@ def publish_state_dict(state_dict: Mapping[str, torch.Tensor], version: int, sen
     specs = [(name, tuple(t.shape), t.dtype) for name, t in state_dict.items()]
     manifest = Manifest(version, plan_buckets(specs, bucket_bytes))
     return send_buckets(manifest, lambda b: nullcontext({e.name: state_dict[e.name] for e in b.entries}), sender)
-
-
-def receive_state_dict(source, device: torch.device | str = "cpu") -> tuple[dict[str, torch.Tensor], int]:
-    """All tensors of one published version, on `device`."""
-    manifest = source.manifest()
-    state: dict[str, torch.Tensor] = {}
-    for index, bucket in enumerate(manifest.buckets):
-        state.update(unpack(bucket, source.bucket(index, bucket).to(device)))
-    source.finish()
-    return state, manifest.version
-
-
-class WeightsRefused(ValueError):
-    """A published version the rollout side did not take; the old weights keep serving."""
-
-
-@dataclass
-class ReceiveReport:
-    version: int
-    nbytes: int
-    seconds: float
-
-
-class WeightReceiver:
-    """The rollout side: receive a version and hand it to `engine.load_weights`.
-
-    The engine validates the whole state dict before copying (missing/unexpected keys, shapes,
-    dtypes, NaN/inf) and keeps serving its old weights when it refuses; the refusal is re-raised
-    here with the version, and versions must increase.
-    """
-
-    def __init__(self, engine, device: torch.device | str = "cpu"):
-        self.engine, self.device = engine, device
-
-    def receive(self, source) -> ReceiveReport:
-        start = time.perf_counter()
-        state, version = receive_state_dict(source, self.device)
-        current = self.engine.policy_version
-        if version <= current:
-            raise WeightsRefused(f"weights version {version} is not newer than the version being served ({current}); refused")
-        try:
-            self.engine.load_weights(state, version)
-        except (ValueError, TypeError, RuntimeError) as exc:
-            raise WeightsRefused(f"weights version {version} refused, still serving version {current}: {exc}") from exc
-        return ReceiveReport(version, sum(t.numel() * t.element_size() for t in state.values()), time.perf_counter() - start)
-

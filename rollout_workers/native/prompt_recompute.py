@@ -14,10 +14,11 @@ their own K/V, under the same rule (`sparse_rows_mask`, the rows of the referenc
 import torch
 
 from sparrow.kernels import SparseAttentionConfig
-from sparrow.rollout_workers.native.attention import blocks_attended as count_blocks
-from sparrow.rollout_workers.native.attention import sdpa, sparse_rows_mask
-from sparrow.rollout_workers.native.model import DecoderModel
-from sparrow.rollout_workers.native.teacher_forced import TeacherForcedOutput, query_budgets
+from sparrow.rollout_workers.api import TeacherForcedOutput
+
+from .attention import blocks_attended as count_blocks, sdpa, sparse_rows_mask
+from .model import DecoderModel
+from .teacher_forced import query_budgets
 
 
 class _RecordPrefix:
@@ -53,7 +54,8 @@ class _OverPrefix:
 
 
 class PromptRecompute:
-    """Recomputes of samples sharing one prompt: `logprobs(generated, blocks_attended)` equals
+    """The native engine's `PromptScorer` (`NativeEngine.prompt_scorer`). Recomputes of samples sharing one
+    prompt: `logprobs(generated, blocks_attended)` equals
     `teacher_forced_logprobs(model, prompt + generated, len(prompt), attention=..., full=True,
     blocks_attended=...)` (dense when `blocks_attended` is None)."""
 

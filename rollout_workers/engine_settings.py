@@ -1,0 +1,31 @@
+"""`EngineSettings`: the config fields and job rules every rollout engine shares.
+
+One definition, so the native and vLLM engines validate `dense_layers`, `sink`, `recent` and the
+landmark mode the same way (`sparrow.layout`), build the same layout from them, and refuse the same
+jobs they cannot run; an engine's config adds its own rules by extending `check_job`.
+"""
+
+from pydantic import Field
+
+from sparrow.layout_settings import SparseLayoutSettings
+from sparrow.schedule import SparsitySchedule
+
+from .api import SamplingParams
+
+
+class EngineSettings(SparseLayoutSettings):
+    max_num_seqs: int = Field(64, ge=1, description="sequences decoded together (a GRPO group counts n)")
+    schedule: str | None = Field(None, description="initial sparsity schedule (name or file); None = dense")
+
+    def check_job(self, sampling: SamplingParams, schedule: SparsitySchedule, section: str, name: str) -> None:
+        """Raise ValueError if this engine cannot run a job whose requests all use `sampling` under `schedule`.
+
+        The engine's settings sit at `{section}.{name}` of the job config, next to `{section}.sampling`,
+        `{section}.schedule` and `{section}.engine`; the messages name those dotted keys.
+        """
+        if sampling.n > self.max_num_seqs:
+            raise ValueError(
+                f"{section}.sampling.n={sampling.n} exceeds {section}.{name}.max_num_seqs={self.max_num_seqs}; "
+                "raise max_num_seqs or lower n"
+            )
+        self.layout().check_compatible(schedule, f"{section}.schedule", f"{section}.{name}")

@@ -1,0 +1,31 @@
+"""The wire protocol of weight updates, shared by both ends: the trainer publishes (`sparrow.trainer.publish`)
+and rollout workers receive, without either importing the other.
+
+- `buckets`: the manifest and the flat same-dtype buckets a version travels in;
+- `channels`: how buckets move — a standalone collective group (NCCL / gloo broadcast) or Ray's object
+  store — with the sending and receiving end of each;
+- `receive`: one version into a rollout engine (`WeightReceiver`), refused unless newer and valid.
+"""
+
+from .buckets import Bucket, Entry, Manifest, pack, plan_buckets, unpack
+from .channels import CollectiveGroup, CollectiveSender, CollectiveSource, HandleSource, ObjectStoreSender, WeightHandle
+from .receive import ReceiveReport, WeightReceiver, WeightsRefused, receive_state_dict
+
+__all__ = [
+    "Bucket",
+    "CollectiveGroup",
+    "CollectiveSender",
+    "CollectiveSource",
+    "Entry",
+    "HandleSource",
+    "Manifest",
+    "ObjectStoreSender",
+    "ReceiveReport",
+    "WeightHandle",
+    "WeightReceiver",
+    "WeightsRefused",
+    "pack",
+    "plan_buckets",
+    "receive_state_dict",
+    "unpack",
+]

@@ -1,0 +1,54 @@
+"""The receiving side: one published version into a rollout engine (any `RolloutEngine`)."""
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .buckets import unpack
+
+
+def receive_state_dict(source, device: torch.device | str = "cpu") -> tuple[dict[str, torch.Tensor], int]:
+    """All tensors of one published version, on `device`."""
+    manifest = source.manifest()
+    state: dict[str, torch.Tensor] = {}
+    for index, bucket in enumerate(manifest.buckets):
+        state.update(unpack(bucket, source.bucket(index, bucket).to(device)))
+    source.finish()
+    return state, manifest.version
+
+
+class WeightsRefused(ValueError):
+    """A published version the rollout side did not take; the old weights keep serving."""
+
+
+@dataclass
+class ReceiveReport:
+    version: int
+    nbytes: int
+    seconds: float
+
+
+class WeightReceiver:
+    """The rollout side: receive a version and hand it to `engine.load_weights`.
+
+    The engine validates the whole state dict before copying (missing/unexpected keys, shapes,
+    dtypes, NaN/inf) and keeps serving its old weights when it refuses; the refusal is re-raised
+    here with the version, and versions must increase.
+    """
+
+    def __init__(self, engine, device: torch.device | str = "cpu"):
+        self.engine, self.device = engine, device
+
+    def receive(self, source) -> ReceiveReport:
+        start = time.perf_counter()
+        state, version = receive_state_dict(source, self.device)
+        current = self.engine.policy_version
+        if version <= current:
+            raise WeightsRefused(f"weights version {version} is not newer than the version being served ({current}); refused")
+        try:
+            self.engine.load_weights(state, version)
+        except (ValueError, TypeError, RuntimeError) as exc:
+            raise WeightsRefused(f"weights version {version} refused, still serving version {current}: {exc}") from exc
+        return ReceiveReport(version, sum(t.numel() * t.element_size() for t in state.values()), time.perf_counter() - start)
+
