@@ -8,6 +8,7 @@
     RUN_DIR/checkpoints/<tag>.json      coordinator state at that tag (step, controller, schedule)
     RUN_DIR/hf/stepN/                   the policy as a Hugging Face model directory (run.export_hf_every)
     RUN_DIR/report/                     report.md and PNG plots
+    RUN_DIR/prometheus_targets.json     the live processes' /metrics, for Prometheus file_sd (docs/metrics.md)
 """
 
 import json
@@ -58,6 +59,11 @@ class RunDir:
     @property
     def decisions_file(self) -> Path:
         return self.path / "controller_decisions.jsonl"
+
+    @property
+    def prometheus_targets_file(self) -> Path:
+        """Kept by `sparrow.coordinator.metrics.ScrapeTargets` (its TARGETS_FILE) while the job runs."""
+        return self.path / "prometheus_targets.json"
 
     def append(self, file: Path, record: dict) -> None:
         with file.open("a") as f:
