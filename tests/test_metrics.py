@@ -7,6 +7,7 @@ import re
 import socket
 import urllib.request
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from sparrow.acceptance import AlphaHistogram
 from sparrow.coordinator.controller import ControllerConfig, PowerLawResponse, Simulator, SparsityController
 from sparrow.coordinator.metrics import ROLE_FAMILIES, ROLES, MetricsConfig, SparrowMetrics, start_metrics_server
 from sparrow.coordinator.metrics.registry import TRANSPORT_FAMILIES
-from sparrow.coordinator.transport import Trajectory, TrajectoryClient, TrajectoryServer, TransportConfig
+from sparrow.coordinator.transport import Trajectory
 from sparrow.cost import CostModel, resolve_hardware, resolve_model
 from sparrow.rollout_workers.api import RolloutSample
 from sparrow.schedule import load_schedule
@@ -73,17 +74,18 @@ def test_coordinator_exports_alpha_control_and_the_step_record():
     metrics.record_control_step(step, target=0.86)
     cost_model = CostModel(resolve_model("qwen3-1.7b"), resolve_hardware("h200"))
     predicted = metrics.set_predicted_speedup(cost_model, step.schedule)
+    # A step record as a dict (metrics.jsonl) and as a typed object (StepRecord, BatchSummary): same fields.
     record = {"step": 4, "policy_version": 4, "predicted_speedup": predicted, "publish": {"seconds": 1.5},
-              "rollout": {"kv_read_fraction": 0.25, "speedup_measured": 2.21, "utilisation": {"rollout-0": 0.75}}}
+              "rollout": {"kv_read_fraction": 0.25, "speedup_measured": 2.21, "utilisation": {"rollout-0": 0.75}},
+              "faults": [{"kind": "rollout_worker_lost", "recovery_seconds": 42.0},
+                         {"kind": "trainer_lost", "recovery_seconds": None}]}  # not recovered yet: not counted
     metrics.record_step(record, {"staleness": [0, 1, 2]}, target=0.86)
-    metrics.record_step({**record, "step": 5, "rollout": {"kv_read_fraction": 0.5, "speedup_measured": None}}, {"staleness": []})
-    metrics.record_recovery("rollout_worker", 42.0)
-
-    with TrajectoryServer(TransportConfig(port=0, queue_capacity=10)) as transport:
-        metrics.watch_transport("stats", transport.stats)
-        with TrajectoryClient(transport.address, transport.config) as client:
-            client.send([trajectory(7, 5), trajectory(7, 5)])
-        families = serve_and_scrape(metrics)
+    typed = SimpleNamespace(step=5, predicted_speedup=predicted, publish=SimpleNamespace(seconds=2.5), faults=[],
+                            rollout=SimpleNamespace(kv_read_fraction=0.5, speedup_measured=None, utilisation={}))
+    metrics.record_step(typed, SimpleNamespace(staleness=[]))
+    metrics.watch_transport("stats", lambda: {"queue_depth": 1.0, "queue_capacity": 10.0, "accepted": 1.0,
+                                              "duplicate": 1.0, "invalid_argument": 0.0, "unavailable": 0.0, "waits": 0.0})
+    families = serve_and_scrape(metrics)
 
     alpha = families["sparrow_alpha"]
     assert alpha.type == "histogram"
@@ -111,8 +113,9 @@ def test_coordinator_exports_alpha_control_and_the_step_record():
     publication = families["sparrow_weight_publication_seconds"]
     assert sample_value(publication, "sparrow_weight_publication_seconds_count", pool="trainer") == 2
     assert sample_value(families["sparrow_staleness_steps"], "sparrow_staleness_steps_bucket", le="1.0") == 2
-    assert sample_value(families["sparrow_recoveries"], "sparrow_recoveries_total", kind="rollout_worker") == 1
-    assert sample_value(families["sparrow_recovery_seconds"], "sparrow_recovery_seconds_sum", kind="rollout_worker") == 42
+    assert sample_value(families["sparrow_recoveries"], "sparrow_recoveries_total", kind="rollout_worker_lost") == 1
+    assert sample_value(families["sparrow_recovery_seconds"], "sparrow_recovery_seconds_sum", kind="rollout_worker_lost") == 42
+    assert not [x for x in families["sparrow_recoveries"].samples if x.labels["kind"] == "trainer_lost"]
     assert sample_value(families["sparrow_queue_depth"], "sparrow_queue_depth", queue="stats") == 1
     messages = families["sparrow_transport_messages"]
     assert sample_value(messages, "sparrow_transport_messages_total", queue="stats", status="duplicate") == 1
@@ -155,9 +158,10 @@ def test_trainer_rank_exports_its_step_memory_and_rank0_queue():
             "train/tis_capped_fraction": 0.02, "train/entropy": 3.0}
     metrics.record_train_step(step, skipped_updates=0)
     metrics.record_train_step(step, skipped_updates=2)
-    with TrajectoryServer(TransportConfig(port=0, queue_capacity=10)) as transport:
-        metrics.watch_transport("trajectory", transport.stats)
-        families = serve_and_scrape(metrics)
+    metrics.watch_transport("trajectory", lambda: {"queue_depth": 0.0, "queue_capacity": 10.0, "accepted": 5.0,
+                                                   "duplicate": 0.0, "invalid_argument": 0.0, "unavailable": 0.0,
+                                                   "waits": 0.0})
+    families = serve_and_scrape(metrics)
 
     assert set(families) == ROLE_FAMILIES["trainer"]
     rank = {"worker": "trainer-1", "pool": "trainer"}

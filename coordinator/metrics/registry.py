@@ -289,14 +289,16 @@ class SparrowMetrics:
         return speedup
 
     # the coordinator's step ----------------------------------------------------------------------
-    def record_step(self, record, summary: Mapping | None = None, target: float | None = None) -> None:
-        """The per-step series of the coordinator, from the step record (a dict as `metrics.jsonl` has it,
-        or an object with the same field names) and rank 0's collect summary.
+    def record_step(self, record, summary=None, target: float | None = None) -> None:
+        """The coordinator's per-step series from a step record and rank 0's batch summary, each a
+        typed object (`StepRecord`, `BatchSummary`) or a dict with the same field names.
 
-        step → `sparrow_train_step` (steps completed = step + 1); rollout.kv_read_fraction;
-        rollout.speedup_measured (the dense probe's result, when this step had one); predicted_speedup;
-        rollout.utilisation ({worker: busy fraction}); publish.seconds; summary["staleness"]
-        (versions behind the trained policy, per sample); `target` → τ.
+        record.step → `sparrow_train_step` (steps completed: step + 1); record.rollout.kv_read_fraction;
+        record.rollout.speedup_measured (the dense probe's result, on probe steps; kept otherwise);
+        record.predicted_speedup; record.rollout.utilisation ({worker: busy fraction});
+        record.publish.seconds; record.faults (each with a `recovery_seconds` counts one recovery of
+        its `kind`: list a recovered fault in exactly one step's record); summary.staleness (policy
+        versions behind, per trained sample); `target` → τ.
         """
         step = _field(record, "step")
         if step is not None:
@@ -315,13 +317,18 @@ class SparrowMetrics:
         seconds = _field(record, "publish", "seconds")
         if seconds is not None:
             self.weight_publication.labels(pool="trainer").observe(seconds)
-        for lag in (summary or {}).get("staleness", ()):
+        for fault in _field(record, "faults") or ():
+            recovered = _field(fault, "recovery_seconds")
+            if recovered is not None:
+                self.record_recovery(_field(fault, "kind"), recovered)
+        for lag in _field(summary, "staleness") or ():
             self.staleness.labels(pool="trainer").observe(lag)
         if target is not None:
             self.alpha_target.set(target)
 
     def record_recovery(self, kind: str, seconds: float) -> None:
-        """A finished recovery of `kind` (e.g. rollout_worker, trainer) that took `seconds`."""
+        """A finished recovery of `kind` (e.g. rollout_worker_lost, trainer_lost) that took `seconds`
+        (record_step calls it for the faults of a step record)."""
         self.recoveries.labels(kind=kind).inc()
         self.recovery_seconds.labels(kind=kind).observe(seconds)
 
