@@ -18,7 +18,6 @@ s ≥ 1 the rollouts of steps k+1 … k+s run while step k trains.
 """
 
 import json
-import math
 import statistics
 import time
 from pathlib import Path
@@ -27,7 +26,7 @@ import ray
 
 from sparrow.acceptance import AlphaHistogram
 from sparrow.coordinator.controller import ControllerConfig, SparsityController, initial_schedule
-from sparrow.coordinator.metrics import SparrowMetrics, start_metrics_server
+from sparrow.coordinator.metrics import ScrapeTargets, SparrowMetrics, start_metrics_server
 from sparrow.coordinator.transport import ControlClient, JobCredentials, MonitorServer, advertised_host
 from sparrow.cost import CostModel, ModelShape, RolloutSpec, resolve_hardware
 from sparrow.schedule import SparsitySchedule
@@ -74,6 +73,8 @@ class TrainingJob:
         self.inflight: dict[int, dict] = {}
         self.loads: list = []
         self.rollouts = self.trainers = self.monitor = self.metrics_server = None
+        self.scrape_targets: ScrapeTargets | None = None  # [monitoring]
+        self.trainer_metrics_urls: list[str | None] = []  # [monitoring]
         self.controls: list[ControlClient] = []
         self.trajectory_control: ControlClient | None = None
         self.tokens_seen: dict[int, int] = {}
@@ -99,23 +100,26 @@ class TrainingJob:
         self.cost_shape, self.cost_hardware = ModelShape.from_hf_config(self.model), resolve_hardware(cfg.run.cost_hardware)
         self.session.start()
         self.data = PromptSource(cfg.data, cfg.run.seed)
-        self.metrics = SparrowMetrics(cfg.metrics, worker="coordinator", pool="trainer")
+        self.metrics = SparrowMetrics.for_coordinator(cfg.metrics)
         if cfg.metrics.enabled:
             self.metrics_server = start_metrics_server(self.metrics)
-        self._extra_metrics()
+            # [monitoring] RUN_DIR/prometheus_targets.json: Prometheus file_sd of every process of the run
+            self.scrape_targets = ScrapeTargets.for_run(self.run_dir, cfg.metrics)
+            self.scrape_targets.set("coordinator", "coordinator", self.metrics_server.url)
         monitor_cfg = cfg.transport.model_copy(update={"port": cfg.transport.port + 1 if cfg.transport.port else 0})
         self.monitor = MonitorServer(monitor_cfg, self.credentials, server_id="coordinator-monitor")
         monitor_port = self.monitor.start()
         self.metrics.watch_transport("stats", self.monitor.stats)
         self.rollouts = rollout_pool(cfg, self.model, self.credentials)  # engines load while the trainer ranks set up
         self.trainers = TrainerPool(cfg.trainer, self.model)
+        self.trainer_metrics_urls = self.trainers.call("start_metrics", cfg.metrics.model_dump(mode="json"))  # [monitoring]
         transport = cfg.transport.model_copy(update={"vocab_size": self.vocab_size})
         self.trajectory_address = ray.get(self.trainers.rank0.start_ingest.remote(
             transport.model_dump(mode="json"), f"{advertised_host(monitor_cfg.host)}:{monitor_port}", self.credentials))
         self.trajectory_control = ControlClient(self.trajectory_address, cfg.transport, self.credentials)
         self.trajectory_gauges = self.trajectory_control.health().gauges
-        self.metrics.watch_transport("trajectory", lambda: self.trajectory_gauges)
         self.workers = self.rollouts.call("info")
+        self._update_scrape_targets()  # [monitoring]
         self.rollouts.call("connect", self.trajectory_address)
         self.controls = [ControlClient(w["control_address"], cfg.transport, self.credentials) for w in self.workers]
         self.channel = self._weights_channel()
@@ -131,15 +135,18 @@ class TrainingJob:
                 raise RuntimeError(f"{w['worker_id']} reports {health.status} at start")
         if self.metrics_server is not None:
             self.log(f"metrics: {self.metrics_server.url} (coordinator), "
-                     + ", ".join(w["metrics_url"] for w in self.workers if w["metrics_url"]))
+                     + ", ".join(w["metrics_url"] for w in self.workers if w["metrics_url"])
+                     + "".join(f", {url}" for url in self.trainer_metrics_urls if url)
+                     + f"; Prometheus file_sd: {self.run_dir.prometheus_targets_file}")
 
-    def _extra_metrics(self) -> None:
-        from prometheus_client import Gauge
-
-        r = self.metrics.registry
-        self.kv_read_gauge = Gauge("sparrow_rollout_kv_read_fraction",
-                                   "KV blocks read by sparse decode over what dense decode reads, last step", registry=r)
-        self.step_gauge = Gauge("sparrow_train_step", "Training steps completed", registry=r)
+    def _update_scrape_targets(self) -> None:
+        """[monitoring] Every live process's /metrics into the file_sd file (call whenever membership changes)."""
+        if self.scrape_targets is None:
+            return
+        for w in self.workers:
+            self.scrape_targets.set(w["worker_id"], "rollout", w["metrics_url"])
+        for rank, url in enumerate(self.trainer_metrics_urls):
+            self.scrape_targets.set(f"trainer-{rank}", "trainer", url)
 
     def _weights_channel(self) -> str:
         cfg = self.config.run
@@ -182,6 +189,7 @@ class TrainingJob:
     def close(self) -> None:
         """Drain, stop and release everything this job started (each part even if another fails)."""
         steps = [
+            lambda: self.scrape_targets and self.scrape_targets.clear(),  # [monitoring] Prometheus stops scraping
             lambda: [c.drain(0.0) for c in self.controls],
             lambda: self.trajectory_control and self.trajectory_control.drain(0.0),
             lambda: self.trainers and ray.get(self.trainers.rank0.stop_ingest.remote(), timeout=30),
@@ -199,7 +207,7 @@ class TrainingJob:
             except Exception as exc:  # shutting down: report and keep releasing the rest
                 self.log(f"shutdown: {exc.__class__.__name__}: {exc}")
         self.controls, self.trajectory_control = [], None
-        self.rollouts = self.trainers = self.monitor = self.metrics_server = None
+        self.rollouts = self.trainers = self.monitor = self.metrics_server = self.scrape_targets = None
 
     # ------------------------------------------------------------------ the loop
 
@@ -317,7 +325,6 @@ class TrainingJob:
                 self.loads = []
             report.handle = None  # the workers hold the refs they still need
         seconds = report.seconds + max((x["seconds"] for x in loads), default=0.0)
-        self.metrics.weight_publication.labels(pool="trainer").observe(seconds)
         return {"version": self.version, "seconds": seconds, "send_seconds": report.seconds, "bytes": report.nbytes,
                 "channel": self.channel, "waited": wait}
 
@@ -366,26 +373,14 @@ class TrainingJob:
         rewards, lengths = summary["rewards"], summary["response_lengths"]
         tokens = sum(r["tokens"] for r in reports)
         seconds = max((r["seconds"] for r in reports), default=0.0)
-        for reward in rewards:
-            self.metrics.reward.labels(pool="trainer").observe(reward)
-        for n in lengths:
-            self.metrics.response_length.labels(pool="trainer").observe(n)
-        trainer_version = self.version - 1
-        self.metrics.record_staleness(trainer_version, [trainer_version - s for s in summary["staleness"]])
-        if train is not None and math.isfinite(train.get("train/tis_capped_fraction", math.nan)):
-            self.metrics.tis_capped_fraction.labels(pool="trainer").set(train["train/tis_capped_fraction"])
-        self.kv_read_gauge.set(summary["kv_read_fraction"])
-        self.step_gauge.set(step + 1)
         predicted = self._predicted_speedup(summary)
         measured = next((r["speedup_measured"] for r in reports if "speedup_measured" in r), None)
-        if measured is not None:
-            self.metrics.speedup_measured.labels(pool="rollout").set(measured)
         pct = self.controller_config.percentile
         counts = alpha.count().tolist()
         p5 = _per_bin(alpha.percentile(pct), counts)
         p5_upper = None if upper is None else _per_bin(upper.percentile(pct), counts)
         s = self.schedule
-        return {
+        record = {
             "step": step,
             "policy_version": self.version - 1,
             "rollout": {
@@ -402,6 +397,9 @@ class TrainingJob:
                 "schedule_versions": summary["schedule_versions"],
                 "accepted": sum(r["accepted"] for r in reports), "duplicates": sum(r["duplicate"] for r in reports),
                 "streams": sum(r["streams"] for r in reports),
+                # [monitoring] fraction of the step's wall time each worker spent generating
+                "utilisation": {r["worker"]: min(1.0, r["seconds"] / timing["step"]) for r in reports
+                                if r.get("seconds") is not None and timing["step"] > 0},
             },
             "train": train,
             "alpha": {"percentile": pct, "p5": p5, "p5_upper": p5_upper, "tokens": counts,
@@ -415,6 +413,8 @@ class TrainingJob:
             "publish": publish,
             "timing": timing,
         }
+        self.metrics.record_step(record, summary, self.controller_config.target)  # [monitoring]
+        return record
 
     def _predicted_speedup(self, summary: dict) -> float | None:
         """sparrow.cost's roofline speedup of the schedule in force at this step's measured lengths."""

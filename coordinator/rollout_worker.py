@@ -65,12 +65,8 @@ class RolloutWorker:
         self._samples = 0
         self._probe_tokens = 0
         self._probing: int | None = None
-        self.metrics = SparrowMetrics(self.config.metrics, worker=self.worker_id, pool="rollout")
-        mcfg = self.config.metrics
-        self.metrics_server = (
-            start_metrics_server(self.metrics, mcfg.model_copy(update={"port": mcfg.port + 1 if mcfg.port else 0, "port_search": 256}))
-            if mcfg.enabled else None
-        )
+        self.metrics = SparrowMetrics.for_rollout(self.config.metrics, index)  # [monitoring] the rollout role's families
+        self.metrics_server = start_metrics_server(self.metrics) if self.config.metrics.enabled else None  # port + 1 up
         self.reward = RewardFunction(self.config.reward, self.config.data.source, on_error=self.metrics.record_reward_error)
         self._control = self._start_control()
         self.weight_group = None
@@ -167,11 +163,11 @@ class RolloutWorker:
                 staged, self._staged = self._staged, None
             if staged is not None:
                 self.engine.set_schedule(staged)
+                self.metrics.set_schedule(staged)  # [monitoring] sparrow_schedule_version of this worker
             report = self._generate(step, records)
             if probe and self.engine.schedule is not None:
                 dense = self._dense_tokens_per_s(self._requests(step, records))
-                report["speedup_measured"] = report["engine_tokens_per_s"] / dense
-                self.metrics.speedup_measured.labels(pool="rollout").set(report["speedup_measured"])
+                report["speedup_measured"] = report["engine_tokens_per_s"] / dense  # the coordinator exports it
             return report
         finally:
             self._idle.set()

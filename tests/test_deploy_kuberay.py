@@ -154,10 +154,16 @@ def test_rayjob_runs_the_configmap_job_on_the_cluster(objs):
 
 
 def test_every_pod_is_scraped_on_its_metrics_ports(objs):
-    port = job_config(objs)["metrics"]["port"]
+    """The ports each process binds (MetricsConfig.for_role: the coordinator metrics.port, workers and
+    ranks from metrics.port + 1), one per GPU, are declared: pod discovery only sees declared ports."""
+    from sparrow.coordinator.metrics import MetricsConfig
+
+    metrics_config = MetricsConfig.model_validate(job_config(objs)["metrics"])
     for name, group in groups(objs["RayCluster"]).items():
         template = group["template"]
         assert template["metadata"]["annotations"]["prometheus.io/scrape"] == "true", name
         metrics = {p["containerPort"] for p in container(group)["ports"] if p["name"].startswith("metrics-")}
+        role = {"head": "coordinator"}.get(name, name)
+        first = metrics_config.for_role(role).port
         expected = 1 if name == "head" else int(group["rayStartParams"]["num-gpus"])
-        assert metrics == set(range(port, port + expected)), name
+        assert metrics == set(range(first, first + expected)), name

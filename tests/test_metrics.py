@@ -7,6 +7,7 @@ import re
 import socket
 import urllib.request
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,8 +17,9 @@ from pydantic import ValidationError
 
 from sparrow.acceptance import AlphaHistogram
 from sparrow.coordinator.controller import ControllerConfig, PowerLawResponse, Simulator, SparsityController
-from sparrow.coordinator.metrics import MetricsConfig, SparrowMetrics, start_metrics_server
-from sparrow.coordinator.transport import JobCredentials, Trajectory, TrajectoryClient, TrajectoryServer, TransportConfig
+from sparrow.coordinator.metrics import ROLE_FAMILIES, ROLES, MetricsConfig, SparrowMetrics, start_metrics_server
+from sparrow.coordinator.metrics.registry import TRANSPORT_FAMILIES
+from sparrow.coordinator.transport import Trajectory
 from sparrow.cost import CostModel, resolve_hardware, resolve_model
 from sparrow.rollout_workers.api import RolloutSample
 from sparrow.schedule import load_schedule
@@ -27,7 +29,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def scrape(url: str) -> dict:
     text = urllib.request.urlopen(url, timeout=10).read().decode()
-    return {f.name: f for f in text_string_to_metric_families(text)}
+    # prometheus-client's text format adds a `<family>_created` gauge per counter and histogram: not families of ours.
+    return {f.name: f for f in text_string_to_metric_families(text) if not f.name.endswith("_created")}
 
 
 def sample_value(family, name: str, **labels) -> float:
@@ -47,8 +50,21 @@ def trajectory(i: int, n: int) -> Trajectory:
     return Trajectory.of(s, reward=float(i % 2))
 
 
-def test_scrape_finds_every_family_with_the_recorded_values():
-    metrics = SparrowMetrics(MetricsConfig(port=0), worker="w0", pool="rollout")
+def serve_and_scrape(metrics: SparrowMetrics) -> dict:
+    server = start_metrics_server(metrics, MetricsConfig(port=0))
+    try:
+        return scrape(server.url)
+    finally:
+        server.close()
+
+
+def series(families: dict) -> set[str]:
+    """Names of the families that have at least one sample."""
+    return {name for name, f in families.items() if f.samples}
+
+
+def test_coordinator_exports_alpha_control_and_the_step_record():
+    metrics = SparrowMetrics.for_coordinator(MetricsConfig(port=0))
     schedule = load_schedule("qwen3-1.7b-0.86")
     ctl = SparsityController(ControllerConfig(), schedule)
     hist, _ = Simulator(PowerLawResponse(), 4000, seed=0).measure(schedule)
@@ -56,26 +72,20 @@ def test_scrape_finds_every_family_with_the_recorded_values():
     metrics.observe_alpha(hist)
     metrics.observe_alpha(hist)
     metrics.record_control_step(step, target=0.86)
-    metrics.record_samples([trajectory(i, n) for i, n in enumerate((100, 3000, 70000))])
-    metrics.record_staleness(5, [5, 4, 3])
-    metrics.tokens_per_second.labels(worker="w0", pool="rollout").set(5662)
-    metrics.speedup_measured.labels(pool="rollout").set(2.21)
     cost_model = CostModel(resolve_model("qwen3-1.7b"), resolve_hardware("h200"))
     predicted = metrics.set_predicted_speedup(cost_model, step.schedule)
-    metrics.tis_capped_fraction.labels(pool="trainer").set(0.02)
-    metrics.weight_publication.labels(pool="trainer").observe(1.5)
-    metrics.policy_version.labels(worker="w0", pool="rollout").set(3)
-
-    credentials = JobCredentials.create(TransportConfig())
-    with TrajectoryServer(TransportConfig(port=0, queue_capacity=10), credentials) as transport:
-        metrics.watch_transport("trajectory", transport.stats)
-        with TrajectoryClient(transport.address, transport.config, credentials) as client:
-            client.send([trajectory(7, 5), trajectory(7, 5)])
-        server = start_metrics_server(metrics)
-        try:
-            families = scrape(server.url)
-        finally:
-            server.close()
+    # A step record as a dict (metrics.jsonl) and as a typed object (StepRecord, BatchSummary): same fields.
+    record = {"step": 4, "policy_version": 4, "predicted_speedup": predicted, "publish": {"seconds": 1.5},
+              "rollout": {"kv_read_fraction": 0.25, "speedup_measured": 2.21, "utilisation": {"rollout-0": 0.75}},
+              "faults": [{"kind": "rollout_worker_lost", "recovery_seconds": 42.0},
+                         {"kind": "trainer_lost", "recovery_seconds": None}]}  # not recovered yet: not counted
+    metrics.record_step(record, {"staleness": [0, 1, 2]}, target=0.86)
+    typed = SimpleNamespace(step=5, predicted_speedup=predicted, publish=SimpleNamespace(seconds=2.5), faults=[],
+                            rollout=SimpleNamespace(kv_read_fraction=0.5, speedup_measured=None, utilisation={}))
+    metrics.record_step(typed, SimpleNamespace(staleness=[]))
+    metrics.watch_transport("stats", lambda: {"queue_depth": 1.0, "queue_capacity": 10.0, "accepted": 1.0,
+                                              "duplicate": 1.0, "invalid_argument": 0.0, "unavailable": 0.0, "waits": 0.0})
+    families = serve_and_scrape(metrics)
 
     alpha = families["sparrow_alpha"]
     assert alpha.type == "histogram"
@@ -89,27 +99,108 @@ def test_scrape_finds_every_family_with_the_recorded_values():
     assert sample_value(families["sparrow_alpha_target"], "sparrow_alpha_target") == 0.86
     blocks = families["sparrow_schedule_budget_blocks"]
     assert sample_value(blocks, "sparrow_schedule_budget_blocks", bin="0") == step.schedule.blocks_for_bin(0)
-    assert sample_value(families["sparrow_schedule_version"], "sparrow_schedule_version") == step.schedule.version
+    version = families["sparrow_schedule_version"]
+    assert sample_value(version, "sparrow_schedule_version", worker="coordinator") == step.schedule.version
     decisions = families["sparrow_controller_decisions"]
     assert sum(s.value for s in decisions.samples if s.name.endswith("_total")) == 20
-    assert sample_value(families["sparrow_rollout_tokens"], "sparrow_rollout_tokens_total", worker="w0") == 73100
+    assert sample_value(families["sparrow_speedup_measured"], "sparrow_speedup_measured", pool="rollout") == 2.21, \
+        "a step without a probe keeps the last measurement"
+    speedup = sample_value(families["sparrow_speedup_predicted"], "sparrow_speedup_predicted", pool="rollout")
+    assert speedup == pytest.approx(predicted) and speedup > 1.5
+    assert sample_value(families["sparrow_train_step"], "sparrow_train_step") == 6
+    assert sample_value(families["sparrow_rollout_kv_read_fraction"], "sparrow_rollout_kv_read_fraction") == 0.5
+    assert sample_value(families["sparrow_rollout_utilisation"], "sparrow_rollout_utilisation", worker="rollout-0") == 0.75
+    publication = families["sparrow_weight_publication_seconds"]
+    assert sample_value(publication, "sparrow_weight_publication_seconds_count", pool="trainer") == 2
+    assert sample_value(families["sparrow_staleness_steps"], "sparrow_staleness_steps_bucket", le="1.0") == 2
+    assert sample_value(families["sparrow_recoveries"], "sparrow_recoveries_total", kind="rollout_worker_lost") == 1
+    assert sample_value(families["sparrow_recovery_seconds"], "sparrow_recovery_seconds_sum", kind="rollout_worker_lost") == 42
+    assert not [x for x in families["sparrow_recoveries"].samples if x.labels["kind"] == "trainer_lost"]
+    assert sample_value(families["sparrow_queue_depth"], "sparrow_queue_depth", queue="stats") == 1
+    messages = families["sparrow_transport_messages"]
+    assert sample_value(messages, "sparrow_transport_messages_total", queue="stats", status="duplicate") == 1
+    assert set(families) == ROLE_FAMILIES["coordinator"]
+    assert series(families) == ROLE_FAMILIES["coordinator"], "every family of the role was set"
+
+
+def test_rollout_worker_exports_its_samples_and_versions_only():
+    metrics = SparrowMetrics.for_rollout(MetricsConfig(port=0), 0)
+    fresh = serve_and_scrape(metrics)
+    assert set(fresh) == ROLE_FAMILIES["rollout"] and not series(fresh), "nothing before the worker sets it"
+    metrics.record_samples([trajectory(i, n) for i, n in enumerate((100, 3000, 70000))])
+    metrics.record_reward_error("timeout")
+    metrics.tokens_per_second.labels(worker="rollout-0", pool="rollout").set(5662)
+    metrics.policy_version.labels(worker="rollout-0", pool="rollout").set(3)
+    schedule = load_schedule("qwen3-1.7b-0.86")
+    metrics.set_schedule(schedule.with_topk([None] + list(schedule.topk_blocks[1:])))  # applied at a step's start
+    families = serve_and_scrape(metrics)
+
+    assert set(families) == ROLE_FAMILIES["rollout"] and series(families) == ROLE_FAMILIES["rollout"]
+    assert sample_value(families["sparrow_rollout_tokens"], "sparrow_rollout_tokens_total", worker="rollout-0") == 73100
     assert sample_value(families["sparrow_rollout_samples"], "sparrow_rollout_samples_total", finish_reason="length") == 1
     lengths = families["sparrow_response_length_tokens"]
     assert sample_value(lengths, "sparrow_response_length_tokens_bucket", le="65536.0") == 2
     assert sample_value(lengths, "sparrow_response_length_tokens_count") == 3
     assert sample_value(families["sparrow_reward"], "sparrow_reward_sum", pool="rollout") == 1.0
-    assert sample_value(families["sparrow_staleness_steps"], "sparrow_staleness_steps_bucket", le="1.0") == 2
-    assert sample_value(families["sparrow_queue_depth"], "sparrow_queue_depth", queue="trajectory") == 1
-    messages = families["sparrow_transport_messages"]
-    assert sample_value(messages, "sparrow_transport_messages_total", queue="trajectory", status="duplicate") == 1
-    assert sample_value(families["sparrow_speedup_measured"], "sparrow_speedup_measured", pool="rollout") == 2.21
-    speedup = sample_value(families["sparrow_speedup_predicted"], "sparrow_speedup_predicted", pool="rollout")
-    assert speedup == pytest.approx(predicted) and speedup > 1.5
-    assert math.isfinite(sample_value(families["sparrow_weight_publication_seconds"], "sparrow_weight_publication_seconds_sum"))
+    assert sample_value(families["sparrow_reward_errors"], "sparrow_reward_errors_total", reason="timeout") == 1
+    assert sample_value(families["sparrow_schedule_version"], "sparrow_schedule_version", worker="rollout-0") == 1
+    # No τ (it was NaN on every worker), no budgets, no speedup: those are the coordinator's.
+    assert not {"sparrow_alpha_target", "sparrow_schedule_budget_blocks", "sparrow_speedup_measured"} & set(families)
+    with pytest.raises(AttributeError, match="only coordinator processes do"):
+        metrics.speedup_measured.labels(pool="rollout").set(2.0)
+    with pytest.raises(AttributeError, match="only coordinator processes do"):
+        metrics.set_schedule(schedule, target=0.86)
+
+
+def test_trainer_rank_exports_its_step_memory_and_rank0_queue():
+    metrics = SparrowMetrics.for_trainer(MetricsConfig(port=0), 1, device=torch.device("cpu"))
+    step = {"train/tokens_per_s": 812.0, "train/seconds": 2.5, "train/pg_loss": -0.125, "train/grad_norm": 0.75,
+            "train/tis_capped_fraction": 0.02, "train/entropy": 3.0}
+    metrics.record_train_step(step, skipped_updates=0)
+    metrics.record_train_step(step, skipped_updates=2)
+    metrics.watch_transport("trajectory", lambda: {"queue_depth": 0.0, "queue_capacity": 10.0, "accepted": 5.0,
+                                                   "duplicate": 0.0, "invalid_argument": 0.0, "unavailable": 0.0,
+                                                   "waits": 0.0})
+    families = serve_and_scrape(metrics)
+
+    assert set(families) == ROLE_FAMILIES["trainer"]
+    rank = {"worker": "trainer-1", "pool": "trainer"}
+    for family, value in (("sparrow_train_tokens_per_second", 812.0), ("sparrow_train_step_seconds", 2.5),
+                          ("sparrow_train_loss", -0.125), ("sparrow_train_grad_norm", 0.75),
+                          ("sparrow_tis_capped_fraction", 0.02)):
+        assert sample_value(families[family], family, **rank) == value, family
+    skipped = families["sparrow_train_skipped_updates"]
+    assert skipped.type == "counter" and sample_value(skipped, "sparrow_train_skipped_updates_total", **rank) == 2
+    host = families["sparrow_host_memory_bytes"]
+    assert 10e6 < sample_value(host, "sparrow_host_memory_bytes", kind="rss", **rank) <= \
+        sample_value(host, "sparrow_host_memory_bytes", kind="peak_rss", **rank)
+    assert not families["sparrow_gpu_memory_bytes"].samples, "a CPU rank has no GPU memory series"
+    assert sample_value(families["sparrow_queue_capacity"], "sparrow_queue_capacity", queue="trajectory") == 10
+    assert series(families) == ROLE_FAMILIES["trainer"] - {"sparrow_gpu_memory_bytes"}
+    # Ranks other than 0 serve no trajectory queue: the families are there, without series.
+    other = serve_and_scrape(SparrowMetrics.for_trainer(MetricsConfig(port=0), 2))
+    assert not other["sparrow_queue_depth"].samples and not other["sparrow_train_loss"].samples
+
+
+def test_roles_and_ports():
+    with pytest.raises(ValueError, match="one of coordinator, rollout, trainer"):
+        SparrowMetrics(role="monitor")
+    with pytest.raises(TypeError):
+        SparrowMetrics()  # the role is explicit
+    config = MetricsConfig(port=9400)
+    assert config.for_role("coordinator").port == 9400
+    assert (config.for_role("rollout").port, config.for_role("trainer").port) == (9401, 9401)
+    assert config.for_role("trainer").port_search == 256
+    assert MetricsConfig(port=0).for_role("rollout").port == 0
+    shared = {"sparrow_schedule_version", *TRANSPORT_FAMILIES}
+    for a in ROLES:
+        for b in ROLES:
+            if a < b:
+                assert ROLE_FAMILIES[a] & ROLE_FAMILIES[b] <= shared, (a, b)
 
 
 def test_dense_bins_export_nan_budget_and_dense_flag():
-    metrics = SparrowMetrics()
+    metrics = SparrowMetrics.for_coordinator()
     schedule = load_schedule("qwen3-1.7b-0.86")
     metrics.set_schedule(schedule.with_topk([None] + list(schedule.topk_blocks[1:])))
     server = start_metrics_server(metrics, MetricsConfig(port=0))
@@ -127,13 +218,13 @@ def test_port_in_use_moves_to_the_next_and_gives_up_clearly():
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        server = start_metrics_server(SparrowMetrics(), MetricsConfig(port=port, port_search=20))
+        server = start_metrics_server(SparrowMetrics.for_coordinator(), MetricsConfig(port=port, port_search=20))
         try:
             assert server.port != port and port < server.port < port + 20
         finally:
             server.close()
         with pytest.raises(OSError, match=rf"ports {port}\.\.{port} on 127.0.0.1 are all in use"):
-            start_metrics_server(SparrowMetrics(), MetricsConfig(port=port, port_search=1))
+            start_metrics_server(SparrowMetrics.for_coordinator(), MetricsConfig(port=port, port_search=1))
 
 
 def test_config_errors():
@@ -146,12 +237,7 @@ def test_config_errors():
 
 
 def exported_names() -> set[str]:
-    metrics = SparrowMetrics()
-    metrics.observe_alpha(AlphaHistogram.empty(2, 100).add(torch.tensor([0.5]), torch.tensor([0])))
-    metrics.watch_transport("q", lambda: dict.fromkeys(
-        ["queue_depth", "queue_capacity", "accepted", "duplicate", "invalid_argument", "unavailable", "waits"], 0.0
-    ))
-    return {f.name for f in metrics.registry.collect()}
+    return set().union(*ROLE_FAMILIES.values())
 
 
 def base_name(name: str, names: set[str]) -> str | None:
@@ -161,18 +247,43 @@ def base_name(name: str, names: set[str]) -> str | None:
     return None
 
 
-def test_docs_list_every_metric_and_dashboards_use_only_real_names():
+def documented_families(doc: str) -> dict[str, set[str]]:
+    """docs/metrics.md's reference: one `### ... (role="X")` table per role; counters named with _total."""
+    reference = doc.split("\n## Metric reference", 1)[1].split("\n## ", 1)[0]
+    out = {}
+    for section in reference.split("\n### ")[1:]:
+        role = re.search(r'role="(\w+)"', section.splitlines()[0]).group(1)
+        out[role] = set(re.findall(r"^\| `(sparrow_[a-z_]+)`", section, re.M))
+    return out
+
+
+def test_docs_list_every_family_per_role_and_dashboards_use_only_real_names():
     names = exported_names()
-    assert len(names) == 24
     doc = (ROOT / "docs" / "metrics.md").read_text()
-    documented = set(re.findall(r"`(sparrow_[a-z_]+)`", doc))
-    missing = {n for n in names if n not in documented and f"{n}_total" not in documented}
-    assert not missing, f"docs/metrics.md does not document {sorted(missing)}"
+    documented = documented_families(doc)
+    assert set(documented) == set(ROLES)
+    for role, families in documented.items():
+        assert {base_name(n, names) for n in families} == ROLE_FAMILIES[role], f"docs/metrics.md, role {role}"
     dashboard = (ROOT / "deploy" / "grafana" / "sparrow.json").read_text()
     json.loads(dashboard)
     rules = (ROOT / "deploy" / "prometheus-rules.yml").read_text()
     yaml.safe_load(rules)
-    for source, text in (("dashboard", dashboard), ("rules", rules), ("docs", doc)):
+    coordinator_md = (ROOT / "docs" / "coordinator.md").read_text()
+    for source, text in (("dashboard", dashboard), ("rules", rules), ("docs", doc), ("coordinator.md", coordinator_md)):
         used = set(re.findall(r"\bsparrow_[a-z_]+", text))
         unknown = {u for u in used if base_name(u, names) is None}
         assert not unknown, f"{source} uses metric names that are not exported: {sorted(unknown)}"
+
+
+def test_dashboard_plots_every_family_with_a_legend_per_query():
+    board = json.loads((ROOT / "deploy" / "grafana" / "sparrow.json").read_text())
+    names = exported_names()
+    targets = [t for p in board["panels"] for t in p.get("targets", [])]
+    plotted = {base_name(u, names) for t in targets for u in re.findall(r"\bsparrow_[a-z_]+", t["expr"])}
+    assert plotted == names, f"exported but not plotted: {sorted(names - plotted)}"
+    for panel in board["panels"]:
+        for t in panel.get("targets", []):
+            assert t["legendFormat"].strip(), (panel["title"], t["expr"])
+            assert 'run="$run"' in t["expr"] or panel["type"] == "row", (panel["title"], t["expr"])
+    ids = [p["id"] for p in board["panels"]]
+    assert len(ids) == len(set(ids))

@@ -57,7 +57,7 @@ def test_truncated_still_overrides_a_function():
 
 
 def test_failures_score_on_error_are_logged_and_counted(caplog):
-    metrics = SparrowMetrics(worker="rollout-0", pool="rollout")
+    metrics = SparrowMetrics.for_rollout(None, 0)
     got = {}
     with caplog.at_level(logging.WARNING, logger="sparrow.coordinator.rewards"):
         for name in ("raises", "hangs", "async_hangs", "returns_nan", "returns_text"):

@@ -1,7 +1,11 @@
 """Prometheus metrics of the coordinator, rollout workers and trainers (docs/metrics.md)."""
 
 from .config import DEFAULT_ALPHA_BUCKETS, MetricsConfig
-from .registry import SparrowMetrics
+from .discovery import TARGETS_FILE, ScrapeTargets, file_sd_groups, target_labels, write_file_sd
+from .registry import ROLE_FAMILIES, ROLES, SparrowMetrics
 from .server import MetricsServer, start_metrics_server
 
-__all__ = ["DEFAULT_ALPHA_BUCKETS", "MetricsConfig", "MetricsServer", "SparrowMetrics", "start_metrics_server"]
+__all__ = [
+    "DEFAULT_ALPHA_BUCKETS", "MetricsConfig", "MetricsServer", "ROLES", "ROLE_FAMILIES", "ScrapeTargets", "SparrowMetrics",
+    "TARGETS_FILE", "file_sd_groups", "start_metrics_server", "target_labels", "write_file_sd",
+]

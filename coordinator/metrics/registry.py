@@ -1,5 +1,10 @@
 """Every Prometheus metric Sparrow exports, on one registry per process (docs/metrics.md lists them).
 
+Each process has a role (coordinator, rollout, trainer) and exports exactly the families its role
+sets (`ROLE_FAMILIES`): a family of another role is not even registered, and a scalar gauge appears
+only once it has been set, so no process exports a series it never sets (no NaN τ from a worker, no
+schedule version stuck at 0). Reaching for another role's family raises AttributeError.
+
 α per length bin is exported twice: `sparrow_alpha` is a real Prometheus histogram, cumulative since
 the process started, so PromQL can take rates and `histogram_quantile` over any window; its buckets
 are cut from the exact AlphaHistogram counts (no per-token observe calls). `sparrow_alpha_tail`
@@ -8,8 +13,10 @@ histogram cannot give at the resolution that matters near τ.
 """
 
 import math
+import resource
+import sys
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -26,6 +33,40 @@ REWARD_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0)
 LENGTH_BUCKETS = tuple(float(2**k) for k in range(6, 17))  # 64 … 65536 tokens
 PUBLICATION_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0)
 STALENESS_BUCKETS = (0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 16.0)
+RECOVERY_BUCKETS = (1.0, 5.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
+
+TRANSPORT_FAMILIES = ("sparrow_queue_depth", "sparrow_queue_capacity", "sparrow_transport_messages",
+                      "sparrow_transport_full_queue_waits")
+MEMORY_FAMILIES = ("sparrow_gpu_memory_bytes", "sparrow_host_memory_bytes")
+
+ROLE_FAMILIES: dict[str, frozenset[str]] = {
+    # `sparrow train` itself: α and the controller, the schedule, per-step results of the whole job
+    # (from the step record), weight publication, and the MonitorServer's `stats` queue.
+    "coordinator": frozenset({
+        "sparrow_alpha", "sparrow_alpha_tail", "sparrow_alpha_target",
+        "sparrow_schedule_budget_blocks", "sparrow_schedule_dense", "sparrow_schedule_version",
+        "sparrow_controller_decisions", "sparrow_controller_violation_steps",
+        "sparrow_speedup_measured", "sparrow_speedup_predicted",
+        "sparrow_train_step", "sparrow_rollout_kv_read_fraction", "sparrow_rollout_utilisation",
+        "sparrow_weight_publication_seconds", "sparrow_staleness_steps",
+        "sparrow_recoveries", "sparrow_recovery_seconds",
+        *TRANSPORT_FAMILIES,
+    }),
+    # A rollout worker: what it generated and scored, the policy and schedule versions it decodes with.
+    "rollout": frozenset({
+        "sparrow_rollout_tokens", "sparrow_rollout_tokens_per_second", "sparrow_rollout_samples",
+        "sparrow_reward", "sparrow_reward_errors", "sparrow_response_length_tokens",
+        "sparrow_policy_version", "sparrow_schedule_version",
+    }),
+    # A DeepSpeed trainer rank: its step, memory, and (rank 0) the TrajectoryServer's `trajectory` queue.
+    "trainer": frozenset({
+        "sparrow_train_tokens_per_second", "sparrow_train_step_seconds", "sparrow_train_loss", "sparrow_train_grad_norm",
+        "sparrow_train_skipped_updates", "sparrow_tis_capped_fraction",
+        *MEMORY_FAMILIES, *TRANSPORT_FAMILIES,
+    }),
+}
+"""Metric families (names as `registry.collect()` yields them: counters without `_total`) per role."""
+ROLES = tuple(ROLE_FAMILIES)
 
 
 class _AlphaCollector(Collector):
@@ -72,6 +113,7 @@ class _TransportCollector(Collector):
         waits = CounterMetricFamily(
             "sparrow_transport_full_queue_waits", "Waits of a server handler on a full queue (backpressure)", labels=["queue"]
         )
+        # Yielded with no sources too (no samples then): the family belongs to the role.
         for queue, stats in list(self.sources.items()):
             s = stats()
             depth.add_metric([queue], s["queue_depth"])
@@ -82,68 +124,134 @@ class _TransportCollector(Collector):
         yield from (depth, capacity, messages, waits)
 
 
-class SparrowMetrics:
-    """The metric families, plus helpers that update them from Sparrow's own objects.
+class _Settable(Collector):
+    """A gauge or counter whose samples appear only once set (a plain unlabelled prometheus_client
+    Gauge reads 0 from the start). Counters hold a cumulative value read from elsewhere."""
 
-    `worker` and `pool` label what this process is (e.g. worker="rollout-3", pool="rollout").
+    def __init__(self, name: str, documentation: str, labels: tuple[str, ...] = (), kind: str = "gauge"):
+        self.name, self.documentation, self.labels, self.kind = name, documentation, list(labels), kind
+        self.values: dict[tuple[str, ...], float] = {}
+
+    def set(self, value: float, *label_values: str) -> None:
+        if len(label_values) != len(self.labels):
+            raise ValueError(f"{self.name}: labels {self.labels}, got values {label_values}")
+        self.values[tuple(label_values)] = float(value)
+
+    def get(self, *label_values: str) -> float | None:
+        return self.values.get(tuple(label_values))
+
+    def collect(self):
+        cls = GaugeMetricFamily if self.kind == "gauge" else CounterMetricFamily
+        family = cls(self.name, self.documentation, labels=self.labels)
+        for labels, value in list(self.values.items()):
+            family.add_metric(list(labels), value)
+        yield family
+
+
+def _host_memory() -> dict[str, float]:
+    """rss and peak_rss of this process in bytes: /proc/self/status (VmHWM is computed at read time, so
+    peak >= rss always), else getrusage's peak (KiB on Linux, bytes on macOS)."""
+    try:
+        with open("/proc/self/status") as f:
+            fields = dict(line.split(":", 1) for line in f if line.startswith(("VmRSS:", "VmHWM:")))
+        return {"rss": float(fields["VmRSS"].split()[0]) * 1024, "peak_rss": float(fields["VmHWM"].split()[0]) * 1024}
+    except (OSError, KeyError, ValueError, IndexError):
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+        return {"peak_rss": float(peak)}
+
+
+class _MemoryCollector(Collector):
+    """Host memory of this process and GPU memory of its device, read at scrape time."""
+
+    def __init__(self, worker: str, pool: str):
+        self.worker, self.pool = worker, pool
+        self.device = None  # a torch.device once the process has one
+
+    def collect(self):
+        labels = ["worker", "pool", "kind"]
+        host = GaugeMetricFamily("sparrow_host_memory_bytes", "Host memory of this process: rss now, peak_rss", labels=labels)
+        gpu = GaugeMetricFamily(
+            "sparrow_gpu_memory_bytes", "GPU memory of this process's device (torch): allocated, reserved, peak_allocated",
+            labels=labels,
+        )
+        for kind, value in _host_memory().items():
+            host.add_metric([self.worker, self.pool, kind], value)
+        torch = sys.modules.get("torch")
+        device = self.device
+        if torch is not None and device is not None and getattr(device, "type", None) == "cuda" and torch.cuda.is_initialized():
+            for kind, read in (("allocated", torch.cuda.memory_allocated), ("reserved", torch.cuda.memory_reserved),
+                               ("peak_allocated", torch.cuda.max_memory_allocated)):
+                gpu.add_metric([self.worker, self.pool, kind], float(read(device)))
+        yield from (host, gpu)
+
+
+def _field(record, *path):
+    """record.a.b or record["a"]["b"] (a step record as a dict or a typed object); None if absent."""
+    for key in path:
+        if record is None:
+            return None
+        record = record.get(key) if isinstance(record, Mapping) else getattr(record, key, None)
+    return record
+
+
+class SparrowMetrics:
+    """The metric families of one process, plus helpers that update them from Sparrow's own objects.
+
+    `role` (coordinator, rollout, trainer) picks the families (`ROLE_FAMILIES`); `worker` and `pool`
+    label what this process is (e.g. worker="rollout-3", pool="rollout"). Build it with
+    `for_coordinator`, `for_rollout` or `for_trainer`.
     """
 
-    def __init__(self, config: MetricsConfig | None = None, worker: str = "", pool: str = ""):
+    def __init__(self, config: MetricsConfig | None = None, worker: str = "", pool: str = "", *, role: str):
+        if role not in ROLE_FAMILIES:
+            raise ValueError(f"role={role!r}: one of {', '.join(ROLES)}")
         self.config = config or MetricsConfig()
-        self.worker, self.pool = worker, pool
+        self.worker, self.pool, self.role = worker, pool, role
+        self.families = ROLE_FAMILIES[role]
         self.registry = CollectorRegistry()
         r = self.registry
-        self._alpha = _AlphaCollector(self.config.alpha_buckets)
-        self._transport = _TransportCollector()
-        r.register(self._alpha)
-        r.register(self._transport)
-        self.alpha_tail = Gauge("sparrow_alpha_tail", "α percentile per length bin, latest step", ["bin", "quantile"], registry=r)
-        self.alpha_target = Gauge("sparrow_alpha_target", "Target τ for the tail percentile of α", registry=r)
-        self.budget_blocks = Gauge(
-            "sparrow_schedule_budget_blocks", "KV blocks attended per row in a length bin (NaN when dense)", ["bin"], registry=r
-        )
-        self.dense = Gauge("sparrow_schedule_dense", "1 when a length bin decodes densely", ["bin"], registry=r)
-        self.schedule_version = Gauge("sparrow_schedule_version", "Version of the schedule in force", registry=r)
-        self.decisions = Counter(
-            "sparrow_controller_decisions", "Controller decisions per length bin and reason", ["bin", "reason"], registry=r
-        )
-        self.violation_steps = Gauge(
-            "sparrow_controller_violation_steps", "Consecutive judged steps a bin has been below τ", ["bin"], registry=r
-        )
-        self.tokens = Counter("sparrow_rollout_tokens", "Tokens generated", ["worker", "pool"], registry=r)
-        self.tokens_per_second = Gauge(
-            "sparrow_rollout_tokens_per_second", "Decode throughput reported by the engine", ["worker", "pool"], registry=r
-        )
-        self.samples = Counter(
-            "sparrow_rollout_samples", "Finished samples by finish reason", ["worker", "pool", "finish_reason"], registry=r
-        )
-        self.speedup_measured = Gauge(
-            "sparrow_speedup_measured", "Measured rollout throughput, sparse over dense", ["pool"], registry=r
-        )
-        self.speedup_predicted = Gauge(
-            "sparrow_speedup_predicted", "Cost-model predicted rollout speedup of the schedule in force", ["pool"], registry=r
-        )
-        self.reward = Histogram("sparrow_reward", "Reward per sample", ["pool"], buckets=REWARD_BUCKETS, registry=r)
-        self.reward_errors = Counter(
-            "sparrow_reward_errors", "reward.function calls scored reward.on_error, by reason (exception, timeout, invalid)",
-            ["worker", "pool", "reason"], registry=r,
-        )
-        self.response_length = Histogram(
-            "sparrow_response_length_tokens", "Generated tokens per sample", ["pool"], buckets=LENGTH_BUCKETS, registry=r
-        )
-        self.policy_version = Gauge("sparrow_policy_version", "Policy version in use", ["worker", "pool"], registry=r)
-        self.tis_capped_fraction = Gauge(
-            "sparrow_tis_capped_fraction", "Fraction of tokens whose TIS weight hit the cap, last step", ["pool"], registry=r
-        )
-        self.weight_publication = Histogram(
-            "sparrow_weight_publication_seconds", "Seconds to publish new weights to the rollout pool", ["pool"],
-            buckets=PUBLICATION_BUCKETS, registry=r,
-        )
-        self.staleness = Histogram(
-            "sparrow_staleness_steps", "Policy versions between a sample's generation and its training step", ["pool"],
-            buckets=STALENESS_BUCKETS, registry=r,
-        )
-        self.alpha_target.set(math.nan)
+        want = self.families.__contains__
+        if want("sparrow_alpha"):
+            self._alpha = _AlphaCollector(self.config.alpha_buckets)
+            r.register(self._alpha)
+        if want("sparrow_queue_depth"):
+            self._transport = _TransportCollector()
+            r.register(self._transport)
+        if want("sparrow_host_memory_bytes"):
+            self._memory = _MemoryCollector(worker, pool)
+            r.register(self._memory)
+        for name, (attr, make) in _FAMILIES.items():
+            if want(name):
+                family = make()
+                r.register(family)
+                setattr(self, attr, family)
+
+    @classmethod
+    def for_coordinator(cls, config: MetricsConfig | None = None) -> "SparrowMetrics":
+        return cls(config, worker="coordinator", pool="coordinator", role="coordinator")
+
+    @classmethod
+    def for_rollout(cls, config: MetricsConfig | None, index: int) -> "SparrowMetrics":
+        return cls(config, worker=f"rollout-{index}", pool="rollout", role="rollout")
+
+    @classmethod
+    def for_trainer(cls, config: MetricsConfig | None, rank: int, device=None) -> "SparrowMetrics":
+        """Trainer rank `rank`; `device` (a torch.device) adds its GPU memory when it is CUDA."""
+        metrics = cls(config, worker=f"trainer-{rank}", pool="trainer", role="trainer")
+        metrics._memory.device = device
+        return metrics
+
+    def __getattr__(self, name: str):
+        # Only reached for attributes that do not exist: a family of another role, or a typo.
+        owners = [role for role, families in ROLE_FAMILIES.items()
+                  if any(_FAMILIES.get(f, ("",))[0] == name for f in families)]
+        if owners:
+            raise AttributeError(f"{name}: a {self.__dict__.get('role')} process does not export it "
+                                 f"(only {' and '.join(owners)} processes do; ROLE_FAMILIES)")
+        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+
+    def _has(self, family: str) -> bool:
+        return family in self.families
 
     # α and the controller ------------------------------------------------------------------------
     def observe_alpha(self, hist: AlphaHistogram) -> None:
@@ -156,11 +264,14 @@ class SparrowMetrics:
                 self.alpha_tail.labels(bin=str(b), quantile=f"{pct / 100:g}").set(float(values[b]))
 
     def set_schedule(self, schedule: SparsitySchedule, target: float | None = None) -> None:
-        for b in range(schedule.num_bins):
-            blocks = schedule.blocks_for_bin(b)
-            self.budget_blocks.labels(bin=str(b)).set(math.nan if blocks is None else blocks)
-            self.dense.labels(bin=str(b)).set(1.0 if blocks is None else 0.0)
-        self.schedule_version.set(schedule.version)
+        """The schedule this process put in force: its version (every role that has it), and on the
+        coordinator the budget per bin and τ (`target`)."""
+        if self._has("sparrow_schedule_budget_blocks"):
+            for b in range(schedule.num_bins):
+                blocks = schedule.blocks_for_bin(b)
+                self.budget_blocks.labels(bin=str(b)).set(math.nan if blocks is None else blocks)
+                self.dense.labels(bin=str(b)).set(1.0 if blocks is None else 0.0)
+        self.schedule_version.labels(worker=self.worker, pool=self.pool).set(schedule.version)
         if target is not None:
             self.alpha_target.set(target)
 
@@ -174,10 +285,54 @@ class SparrowMetrics:
     def set_predicted_speedup(self, cost_model, schedule: SparsitySchedule) -> float:
         """`sparrow.cost.CostModel` roofline speedup (dense seconds over sparse) of `schedule`."""
         speedup = cost_model.compare(schedule).speedup_seconds
-        self.speedup_predicted.labels(pool=self.pool).set(speedup)
+        self.speedup_predicted.labels(pool="rollout").set(speedup)
         return speedup
 
-    # rollouts and training -------------------------------------------------------------------------
+    # the coordinator's step ----------------------------------------------------------------------
+    def record_step(self, record, summary=None, target: float | None = None) -> None:
+        """The coordinator's per-step series from a step record and rank 0's batch summary, each a
+        typed object (`StepRecord`, `BatchSummary`) or a dict with the same field names.
+
+        record.step → `sparrow_train_step` (steps completed: step + 1); record.rollout.kv_read_fraction;
+        record.rollout.speedup_measured (the dense probe's result, on probe steps; kept otherwise);
+        record.predicted_speedup; record.rollout.utilisation ({worker: busy fraction});
+        record.publish.seconds; record.faults (each with a `recovery_seconds` counts one recovery of
+        its `kind`: list a recovered fault in exactly one step's record); summary.staleness (policy
+        versions behind, per trained sample); `target` → τ.
+        """
+        step = _field(record, "step")
+        if step is not None:
+            self.train_step.set(step + 1)
+        kv = _field(record, "rollout", "kv_read_fraction")
+        if kv is not None:
+            self.kv_read_fraction.set(kv)
+        measured = _field(record, "rollout", "speedup_measured")
+        if measured is not None:
+            self.speedup_measured.labels(pool="rollout").set(measured)
+        predicted = _field(record, "predicted_speedup")
+        if predicted is not None:
+            self.speedup_predicted.labels(pool="rollout").set(predicted)
+        for worker, fraction in (_field(record, "rollout", "utilisation") or {}).items():
+            self.utilisation.labels(worker=worker).set(fraction)
+        seconds = _field(record, "publish", "seconds")
+        if seconds is not None:
+            self.weight_publication.labels(pool="trainer").observe(seconds)
+        for fault in _field(record, "faults") or ():
+            recovered = _field(fault, "recovery_seconds")
+            if recovered is not None:
+                self.record_recovery(_field(fault, "kind"), recovered)
+        for lag in _field(summary, "staleness") or ():
+            self.staleness.labels(pool="trainer").observe(lag)
+        if target is not None:
+            self.alpha_target.set(target)
+
+    def record_recovery(self, kind: str, seconds: float) -> None:
+        """A finished recovery of `kind` (e.g. rollout_worker_lost, trainer_lost) that took `seconds`
+        (record_step calls it for the faults of a step record)."""
+        self.recoveries.labels(kind=kind).inc()
+        self.recovery_seconds.labels(kind=kind).observe(seconds)
+
+    # rollouts ------------------------------------------------------------------------------------
     def record_samples(self, trajectories: Iterable) -> None:
         """Finished `Trajectory`s: tokens, finish reasons, response lengths and rewards."""
         for t in trajectories:
@@ -194,8 +349,95 @@ class SparrowMetrics:
 
     def record_staleness(self, trainer_version: int, policy_versions: Iterable[int]) -> None:
         for v in policy_versions:
-            self.staleness.labels(pool=self.pool).observe(trainer_version - v)
+            self.staleness.labels(pool="trainer").observe(trainer_version - v)
 
+    # trainer ranks -------------------------------------------------------------------------------
+    def record_train_step(self, metrics: Mapping[str, float], skipped_updates: int | None = None) -> None:
+        """A rank's `StepResult.metrics` (train/tokens_per_s, train/seconds, train/pg_loss,
+        train/grad_norm, train/tis_capped_fraction: all-reduced, so every rank has the job's values;
+        the seconds are this rank's) and DeepSpeed's cumulative `skipped_steps` (optimizer steps
+        skipped on overflow; restored with a checkpoint)."""
+        labels = {"worker": self.worker, "pool": self.pool}
+        for key, family in (("train/tokens_per_s", self.train_tokens_per_second), ("train/seconds", self.train_step_seconds),
+                            ("train/pg_loss", self.train_loss), ("train/grad_norm", self.train_grad_norm),
+                            ("train/tis_capped_fraction", self.tis_capped_fraction)):
+            if key in metrics:
+                family.labels(**labels).set(float(metrics[key]))
+        if skipped_updates is not None:
+            self.skipped_updates.set(skipped_updates, self.worker, self.pool)
+
+    # transport -----------------------------------------------------------------------------------
     def watch_transport(self, queue: str, stats: Callable[[], dict[str, float]]) -> None:
         """Export a transport server's queue depth and message counters (`server.stats`) as `queue`."""
         self._transport.sources[queue] = stats
+
+
+def _gauge(name, doc, labels=()):
+    return lambda: Gauge(name, doc, list(labels), registry=None)
+
+
+def _counter(name, doc, labels=()):
+    return lambda: Counter(name, doc, list(labels), registry=None)
+
+
+def _histogram(name, doc, labels, buckets):
+    return lambda: Histogram(name, doc, list(labels), buckets=buckets, registry=None)
+
+
+_PROCESS = ("worker", "pool")
+_FAMILIES: dict[str, tuple[str, Callable[[], object]]] = {
+    # family name: (attribute, factory). Which process exports which: ROLE_FAMILIES.
+    "sparrow_alpha_tail": ("alpha_tail", _gauge("sparrow_alpha_tail", "α percentile per length bin, latest step", ("bin", "quantile"))),
+    "sparrow_alpha_target": ("alpha_target", lambda: _Settable("sparrow_alpha_target", "Target τ for the tail percentile of α")),
+    "sparrow_schedule_budget_blocks": ("budget_blocks", _gauge(
+        "sparrow_schedule_budget_blocks", "KV blocks attended per row in a length bin (NaN when dense)", ("bin",))),
+    "sparrow_schedule_dense": ("dense", _gauge("sparrow_schedule_dense", "1 when a length bin decodes densely", ("bin",))),
+    "sparrow_schedule_version": ("schedule_version", _gauge(
+        "sparrow_schedule_version", "Version of the schedule this process has in force", _PROCESS)),
+    "sparrow_controller_decisions": ("decisions", _counter(
+        "sparrow_controller_decisions", "Controller decisions per length bin and reason", ("bin", "reason"))),
+    "sparrow_controller_violation_steps": ("violation_steps", _gauge(
+        "sparrow_controller_violation_steps", "Consecutive judged steps a bin has been below τ", ("bin",))),
+    "sparrow_speedup_measured": ("speedup_measured", _gauge(
+        "sparrow_speedup_measured", "Measured rollout throughput, sparse over dense (latest dense probe)", ("pool",))),
+    "sparrow_speedup_predicted": ("speedup_predicted", _gauge(
+        "sparrow_speedup_predicted", "Cost-model predicted rollout speedup of the schedule in force", ("pool",))),
+    "sparrow_train_step": ("train_step", lambda: _Settable("sparrow_train_step", "Training steps completed")),
+    "sparrow_rollout_kv_read_fraction": ("kv_read_fraction", lambda: _Settable(
+        "sparrow_rollout_kv_read_fraction", "KV blocks read by sparse decode over what dense decode reads, last step")),
+    "sparrow_rollout_utilisation": ("utilisation", _gauge(
+        "sparrow_rollout_utilisation", "Fraction of the last step's wall time a rollout worker was generating", ("worker",))),
+    "sparrow_recoveries": ("recoveries", _counter("sparrow_recoveries", "Recoveries from a lost process, by kind", ("kind",))),
+    "sparrow_recovery_seconds": ("recovery_seconds", _histogram(
+        "sparrow_recovery_seconds", "Seconds from a loss to the job running again, by kind", ("kind",), RECOVERY_BUCKETS)),
+    "sparrow_rollout_tokens": ("tokens", _counter("sparrow_rollout_tokens", "Tokens generated", _PROCESS)),
+    "sparrow_rollout_tokens_per_second": ("tokens_per_second", _gauge(
+        "sparrow_rollout_tokens_per_second", "Decode throughput of the worker's last step", _PROCESS)),
+    "sparrow_rollout_samples": ("samples", _counter(
+        "sparrow_rollout_samples", "Finished samples by finish reason", (*_PROCESS, "finish_reason"))),
+    "sparrow_reward": ("reward", _histogram("sparrow_reward", "Reward per sample", ("pool",), REWARD_BUCKETS)),
+    "sparrow_reward_errors": ("reward_errors", _counter(
+        "sparrow_reward_errors", "reward.function calls scored reward.on_error, by reason (exception, timeout, invalid)",
+        (*_PROCESS, "reason"))),
+    "sparrow_response_length_tokens": ("response_length", _histogram(
+        "sparrow_response_length_tokens", "Generated tokens per sample", ("pool",), LENGTH_BUCKETS)),
+    "sparrow_policy_version": ("policy_version", _gauge("sparrow_policy_version", "Policy version in use", _PROCESS)),
+    "sparrow_tis_capped_fraction": ("tis_capped_fraction", _gauge(
+        "sparrow_tis_capped_fraction", "Fraction of tokens whose TIS weight hit the cap, last step", _PROCESS)),
+    "sparrow_weight_publication_seconds": ("weight_publication", _histogram(
+        "sparrow_weight_publication_seconds", "Seconds to publish new weights to the rollout pool", ("pool",),
+        PUBLICATION_BUCKETS)),
+    "sparrow_staleness_steps": ("staleness", _histogram(
+        "sparrow_staleness_steps", "Policy versions between a sample's generation and its training step", ("pool",),
+        STALENESS_BUCKETS)),
+    "sparrow_train_tokens_per_second": ("train_tokens_per_second", _gauge(
+        "sparrow_train_tokens_per_second", "Tokens (prompt + response) trained per second, last step", _PROCESS)),
+    "sparrow_train_step_seconds": ("train_step_seconds", _gauge(
+        "sparrow_train_step_seconds", "Seconds of this rank's last policy update", _PROCESS)),
+    "sparrow_train_loss": ("train_loss", _gauge("sparrow_train_loss", "Policy-gradient loss per token, last step", _PROCESS)),
+    "sparrow_train_grad_norm": ("train_grad_norm", _gauge(
+        "sparrow_train_grad_norm", "Global gradient norm before clipping, last step", _PROCESS)),
+    "sparrow_train_skipped_updates": ("skipped_updates", lambda: _Settable(
+        "sparrow_train_skipped_updates", "Optimizer steps DeepSpeed skipped (overflow), cumulative over the run",
+        _PROCESS, kind="counter")),
+}
