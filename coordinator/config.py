@@ -67,7 +67,7 @@ EMBEDDED: dict = {
         "ladder": [1, 2, 3, 4, 5, 6, 7, 8, 10, 12], "min_samples": 100, "window_steps": 2,
         "lower_patience": 2, "cooldown_steps": 2, "dense_retry_steps": 4,
     },
-    "run": {"steps": 8, "prompts_per_step": 6, "mode": "async"},
+    "run": {"steps": 8, "prompts_per_step": 6, "mode": "async", "checkpoint_every": 0},
 }
 """The embedded default job (no --config): SmolLM2-135M on the arithmetic task, sized for a 2-core CPU.
 A config file starts from the components' defaults instead; deploy/configs/embedded.yaml is this job as a file."""
@@ -273,6 +273,22 @@ class WandbConfig(_Section):
     init_timeout_s: float = Field(90.0, gt=0, description="online: seconds to wait for the W&B server at start")
 
 
+class RecoveryConfig(_Section):
+    """How the job notices and survives lost rollout workers and trainer ranks (docs/reliability.md)."""
+
+    lease_timeout_s: float = Field(
+        120.0, gt=0, description="a leased GRPO group not renewed for this long goes back to the queue (a worker "
+        "renews while its engine makes progress)",
+    )
+    hung_worker_timeout_s: float = Field(
+        30.0, gt=0, description="a worker whose leases expired and that does not answer within this is replaced",
+    )
+    max_worker_restarts: int = Field(3, ge=0, description="replacements per rollout worker slot before the job stops")
+    max_trainer_restarts: int = Field(
+        2, ge=0, description="trainer pool rebuilds (from the last checkpoint) before the job stops",
+    )
+
+
 class RunConfig(_Section):
     steps: int = Field(100, ge=1, description="GRPO steps (policy updates) in total")
     prompts_per_step: int = Field(32, ge=1, description="prompts per step; each gives rollout.sampling.n samples")
@@ -283,7 +299,10 @@ class RunConfig(_Section):
     seed: int = Field(0, description="seeds data order, arithmetic problems and sampling")
     out_dir: str = Field("runs", description="run directories are created under this folder")
     name: str | None = Field(None, description="run directory name; None = train-<date>-<time>")
-    checkpoint_every: int = Field(0, ge=0, description="checkpoint every N steps (0 = only at the end)")
+    checkpoint_every: int = Field(
+        10, ge=0, description="checkpoint every N steps and at the end (0 = only at the end); a lost trainer "
+        "restarts from the last one",
+    )
     keep_checkpoints: int = Field(1, ge=1, description="checkpoints kept on disk (older ones are deleted)")
     export_hf_every: int = Field(
         0, ge=0, description="write the policy as a Hugging Face model to RUN_DIR/hf/stepN every N steps and at the "
@@ -300,6 +319,7 @@ class RunConfig(_Section):
     )
     wandb: WandbConfig = Field(default_factory=WandbConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
+    recovery: RecoveryConfig = Field(default_factory=RecoveryConfig)
 
     def exports_hf_at(self, step: int) -> bool:
         """Whether the job writes RUN_DIR/hf/step<step> once `step` steps are done."""

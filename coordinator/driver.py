@@ -1,44 +1,73 @@
-"""`TrainingJob`: the Ray driver of `sparrow train` (docs/coordinator.md has the whole picture).
+"""`TrainingJob`: the Ray driver of `sparrow train` (docs/coordinator.md and docs/architecture.md).
 
 One step k:
-  1. rollouts of step k (dispatched earlier, see below) finish: every worker has streamed its GRPO
-     groups, scored, over gRPC to the TrajectoryServer on trainer rank 0;
-  2. rank 0 `collect`s exactly the sample ids dispatched for step k and shards them across ranks;
-  3. every rank trains on its shard (DeepSpeed); rank 0 streams α histograms and step metrics to
-     the coordinator's MonitorServer;
+  1. the step's GRPO groups were queued earlier in the job's `Dispatcher`; rollout workers pull them
+     as they have room, generate, score and stream the samples over gRPC to the TrajectoryServer on
+     trainer rank 0, and complete their leases; the driver waits, supervising the fleet meanwhile;
+  2. rank 0 `collect`s exactly the sample ids of the completed groups and shards them across ranks;
+  3. every rank trains on its shard (DeepSpeed) and returns (over Ray) the ids it trained on; rank 0
+     also returns the step's metrics and α histograms;
   4. the new weights (policy version k+1) are published to the rollout workers;
-  5. the controller reads step k's α from the monitor and, when a budget changes, the new schedule
-     goes to every rollout worker through ControlService.UpdateSchedule.
+  5. the controller reads step k's α and, when a budget changes, the new schedule goes to every
+     rollout worker and trainer rank (Ray calls; each worker applies it at its next barrier);
+  6. the next steps are queued, then a checkpoint is written if one is due (it no longer delays
+     the rollouts of the next step).
 
-Staleness: the rollouts of step j are dispatched only once weights of version ≥ j − s have been sent
-to the workers (s = run.max_staleness; 0 in sync mode). Ray runs one actor's calls in submission
-order, so a worker generates step j after loading those weights, and every sample of step j is at
-most s versions behind the policy that trains on it: admission control, nothing is dropped. With
-s ≥ 1 the rollouts of steps k+1 … k+s run while step k trains.
+Staleness: the dispatcher lets a worker at policy version v lease a group of step j only if
+j − s ≤ v ≤ j (s = run.max_staleness; 0 in sync mode), so every trained sample is at most s versions
+behind: admission control, nothing is dropped. With s ≥ 1 the rollouts of steps k+1 … k+s run while
+step k trains.
+
+Faults: a lost rollout worker is replaced by `RolloutFleet` while the step goes on (its groups are
+generated again); a lost trainer rank makes the job rebuild the trainer pool, restore the last
+checkpoint and redo the steps after it (`_recover_trainer`), up to run.recovery.max_trainer_restarts.
 """
 
+import dataclasses
 import json
-import statistics
 import time
 from pathlib import Path
 
 import ray
+from ray.exceptions import RayActorError
 
 from sparrow.acceptance import AlphaHistogram
 from sparrow.coordinator.controller import ControllerConfig, SparsityController, initial_schedule
+from sparrow.coordinator.loggers import open_loggers
 from sparrow.coordinator.metrics import ScrapeTargets, SparrowMetrics, start_metrics_server
-from sparrow.coordinator.transport import ControlClient, JobCredentials, MonitorServer, advertised_host
+from sparrow.coordinator.transport import Health, JobControlServer, JobCredentials, PoolStatus, ResizeRequests, advertised_host
 from sparrow.cost import CostModel, ModelShape, RolloutSpec, resolve_hardware
 from sparrow.schedule import SparsitySchedule
 
 from .config import SparrowConfig
 from .data import PromptSource
-from .pools import TrainerPool, rollout_pool
+from .dispatcher import Dispatcher
+from .fleet import JobFailed, RolloutFleet, WorkerSetup, describe
+from .pools import TrainerPool
 from .progress import Progress, step_line
 from .ray_session import RaySession
 from .run_dir import RunDir
+from .step_record import (
+    ControllerSummary,
+    FaultEvent,
+    PublishStats,
+    StepRecord,
+    StepTiming,
+    alpha_tail,
+    rollout_stats,
+    schedule_snapshot,
+)
+from .trainer_host import ShardResult
 
-POLL_S = 0.5
+POLL_S = 0.25
+
+
+class TrainerLost(RuntimeError):
+    """A trainer rank died (or its collective broke because another did); the pool is rebuilt."""
+
+
+class PublishRefused(RuntimeError):
+    """The trainer's new weights hold NaN/Inf: nothing was sent; the trainer goes back to its last checkpoint."""
 
 
 def resolve_model(model: str | None, log) -> str:
@@ -52,15 +81,6 @@ def resolve_model(model: str | None, log) -> str:
     return str(fetch_smollm2(default_model_dir(), log=log))
 
 
-def _mean(values) -> float | None:
-    return statistics.fmean(values) if values else None
-
-
-def _per_bin(values, counts: list[int]) -> list[float | None]:
-    """A per-bin statistic as floats, None where the bin measured no tokens."""
-    return [None if n == 0 else float(v) for v, n in zip(values.tolist(), counts)]
-
-
 class TrainingJob:
     """Use as a context manager: everything it starts is stopped on exit, errors and Ctrl-C included."""
 
@@ -70,14 +90,19 @@ class TrainingJob:
         self.session = RaySession(config)
         self.step = 0
         self.version = 0
-        self.inflight: dict[int, dict] = {}
+        self.inflight: set[int] = set()
         self.loads: list = []
-        self.rollouts = self.trainers = self.monitor = self.metrics_server = None
-        self.scrape_targets: ScrapeTargets | None = None  # [monitoring]
-        self.trainer_metrics_urls: list[str | None] = []  # [monitoring]
-        self.controls: list[ControlClient] = []
-        self.trajectory_control: ControlClient | None = None
-        self.tokens_seen: dict[int, int] = {}
+        self.schedule_pushes: list = []
+        self.group_members: list = []
+        self.ledger: dict[int, list[list[str]]] = {}
+        """Per trained step, the sample ids each trainer rank trained on (the surviving lineage only)."""
+        self.fleet = self.trainers = self.metrics_server = self.scrape_targets = self.control_server = None
+        self.loggers = None
+        self.resize_requests = ResizeRequests()
+        self._pool_status: list[PoolStatus] = []
+        self.trainer_restarts = 0
+        self.tokens_seen = 0
+        self._events_logged = 0
 
     # ------------------------------------------------------------------ start and stop
 
@@ -94,59 +119,52 @@ class TrainingJob:
 
     def start(self) -> None:
         cfg = self.config
+        self.loggers = open_loggers(cfg, self.run_dir)  # a missing tracking package stops the job before Ray starts
         self.credentials = JobCredentials.create(cfg.transport)
         self.model = resolve_model(cfg.model, self.log)
-        self.vocab_size = json.loads((Path(self.model) / "config.json").read_text())["vocab_size"]
         self.cost_shape, self.cost_hardware = ModelShape.from_hf_config(self.model), resolve_hardware(cfg.run.cost_hardware)
         self.session.start()
         self.data = PromptSource(cfg.data, cfg.run.seed)
         self.metrics = SparrowMetrics.for_coordinator(cfg.metrics)
         if cfg.metrics.enabled:
             self.metrics_server = start_metrics_server(self.metrics)
-            # [monitoring] RUN_DIR/prometheus_targets.json: Prometheus file_sd of every process of the run
             self.scrape_targets = ScrapeTargets.for_run(self.run_dir, cfg.metrics)
             self.scrape_targets.set("coordinator", "coordinator", self.metrics_server.url)
-        monitor_cfg = cfg.transport.model_copy(update={"port": cfg.transport.port + 1 if cfg.transport.port else 0})
-        self.monitor = MonitorServer(monitor_cfg, self.credentials, server_id="coordinator-monitor")
-        monitor_port = self.monitor.start()
-        self.metrics.watch_transport("stats", self.monitor.stats)
-        self.rollouts = rollout_pool(cfg, self.model, self.credentials)  # engines load while the trainer ranks set up
-        self.trainers = TrainerPool(cfg.trainer, self.model)
-        self.trainer_metrics_urls = self.trainers.call("start_metrics", cfg.metrics.model_dump(mode="json"))  # [monitoring]
-        transport = cfg.transport.model_copy(update={"vocab_size": self.vocab_size})
-        self.trajectory_address = ray.get(self.trainers.rank0.start_ingest.remote(
-            transport.model_dump(mode="json"), f"{advertised_host(monitor_cfg.host)}:{monitor_port}", self.credentials))
-        self.trajectory_control = ControlClient(self.trajectory_address, cfg.transport, self.credentials)
-        self.trajectory_gauges = self.trajectory_control.health().gauges
-        self.workers = self.rollouts.call("info")
-        self._update_scrape_targets()  # [monitoring]
-        self.rollouts.call("connect", self.trajectory_address)
-        self.controls = [ControlClient(w["control_address"], cfg.transport, self.credentials) for w in self.workers]
-        self.channel = self._weights_channel()
-        if self.channel == "collective":
-            self._join_weight_group()
+        self.dispatcher = ray.remote(Dispatcher).options(num_cpus=0, max_concurrency=64).remote(
+            cfg.run.staleness, cfg.run.recovery.lease_timeout_s)
+        self.controller_config = ControllerConfig(**cfg.controller.model_dump(exclude={"enabled"}))
         self._start_controller()
+        self.fleet = RolloutFleet(cfg, self.model, self.credentials, self.dispatcher, self.log, self.scrape_targets)
+        self._start_trainers()
+        self.channel = self._weights_channel()
         if self.resume:
             self._restore()
+        self.fleet.start(WorkerSetup(self.trajectory_address, self.schedule, None))
+        if self.channel == "collective":
+            self._join_weight_group()
+        if self.version:
+            self._publish(wait=True)
         self._push_schedule(self.schedule)
-        for control, w in zip(self.controls, self.workers):
-            health = control.health()
-            if health.status != "serving":
-                raise RuntimeError(f"{w['worker_id']} reports {health.status} at start")
+        self._busy_mark = (time.perf_counter(), {})
+        self._apply_control_requests()
+        self.control_server = JobControlServer(self.run_dir.path, cfg.transport, self.credentials, self,
+                                               advertise_host=advertised_host(cfg.transport.host))
+        self.log(f"control: {self.control_server.start()} (sparrow pool status {self.run_dir.path})")
         if self.metrics_server is not None:
             self.log(f"metrics: {self.metrics_server.url} (coordinator), "
-                     + ", ".join(w["metrics_url"] for w in self.workers if w["metrics_url"])
-                     + "".join(f", {url}" for url in self.trainer_metrics_urls if url)
+                     + ", ".join(w["metrics_url"] for w in self.fleet.workers if w["metrics_url"])
                      + f"; Prometheus file_sd: {self.run_dir.prometheus_targets_file}")
 
-    def _update_scrape_targets(self) -> None:
-        """[monitoring] Every live process's /metrics into the file_sd file (call whenever membership changes)."""
-        if self.scrape_targets is None:
-            return
-        for w in self.workers:
-            self.scrape_targets.set(w["worker_id"], "rollout", w["metrics_url"])
-        for rank, url in enumerate(self.trainer_metrics_urls):
-            self.scrape_targets.set(f"trainer-{rank}", "trainer", url)
+    def _start_trainers(self) -> None:
+        cfg = self.config
+        self.trainers = TrainerPool(cfg.trainer, self.model, self.credentials)
+        vocab = json.loads((Path(self.model) / "config.json").read_text())["vocab_size"]
+        transport = cfg.transport.model_copy(update={"vocab_size": vocab})
+        self.trainer_metrics_urls = self.trainers.call("start_metrics", cfg.metrics.model_dump(mode="json"))
+        if self.scrape_targets is not None:
+            for rank, url in enumerate(self.trainer_metrics_urls):
+                self.scrape_targets.set(f"trainer-{rank}", "trainer", url)
+        self.trajectory_address = ray.get(self.trainers.rank0.start_ingest.remote(transport.model_dump(mode="json")))
 
     def _weights_channel(self) -> str:
         cfg = self.config.run
@@ -156,23 +174,27 @@ class TrainingJob:
         return "collective" if on_gpu and cfg.mode == "sync" else "object_store"
 
     def _join_weight_group(self) -> None:
+        """(Re)form the broadcast group: trainer rank 0 and the serving workers."""
         host, port = ray.get(self.trainers.rank0.address.remote())
-        world = 1 + self.rollouts.size
+        workers = self.fleet.live
+        world = 1 + len(workers)
         backend = "nccl" if self.trainers.setup_info[0]["device"].startswith("cuda") else "gloo"
         timeout = self.trainers.trainer_config.publish.timeout_s
         refs = [self.trainers.rank0.init_weight_group.remote(host, port, world, backend)]
-        refs += [w.join_weight_group.remote(host, port, i + 1, world, backend, timeout) for i, w in enumerate(self.rollouts.actors)]
+        refs += [s.actor.join_weight_group.remote(host, port, i + 1, world, backend, timeout) for i, s in enumerate(workers)]
         ray.get(refs)
+        self.group_members = workers
+        self.fleet.membership_changed = False
 
     def _start_controller(self) -> None:
         cfg = self.config
         template = cfg.schedule_template()
-        self.controller_config = ControllerConfig(**cfg.controller.model_dump(exclude={"enabled"}))
         start = initial_schedule(self.controller_config, template) if cfg.controller.calibration else template
         self.controller = SparsityController(self.controller_config, start) if cfg.controller.enabled else None
         self.schedule = self.controller.schedule if self.controller else start
 
     def _restore(self) -> None:
+        """Load the latest checkpoint into the trainer ranks and the coordinator's state."""
         tag, state = self.run_dir.load_state()
         self.trainers.call("load_checkpoint", str(self.run_dir.checkpoints), tag)
         self.step, self.version = state["step"], state["policy_version"]
@@ -182,23 +204,20 @@ class TrainingJob:
         else:
             self.schedule = SparsitySchedule.from_dict(state["schedule"], origin=f"checkpoint {tag}")
         self.run_dir.truncate_after(self.step)
-        self._publish(wait=True)
+        self.ledger = {k: v for k, v in self.ledger.items() if k < self.step}
         self.log(f"resumed from {self.run_dir.checkpoints / tag}: step {self.step}, policy version {self.version}, "
                  f"schedule v{self.schedule.version}")
 
     def close(self) -> None:
-        """Drain, stop and release everything this job started (each part even if another fails)."""
+        """Stop and release everything this job started (each part even if another fails)."""
         steps = [
-            lambda: self.scrape_targets and self.scrape_targets.clear(),  # [monitoring] Prometheus stops scraping
-            lambda: [c.drain(0.0) for c in self.controls],
-            lambda: self.trajectory_control and self.trajectory_control.drain(0.0),
+            lambda: self.control_server and self.control_server.close(),
+            lambda: self.scrape_targets and self.scrape_targets.clear(),
+            lambda: self.fleet and self.fleet.shutdown(),
             lambda: self.trainers and ray.get(self.trainers.rank0.stop_ingest.remote(), timeout=30),
-            lambda: self.rollouts and ray.get([a.shutdown.remote() for a in self.rollouts.actors], timeout=60),
-            lambda: self.rollouts and self.rollouts.shutdown(),
             lambda: self.trainers and self.trainers.shutdown(),
-            lambda: [c.close() for c in self.controls + [self.trajectory_control] if c is not None],
-            lambda: self.monitor and self.monitor.stop(grace=0),
             lambda: self.metrics_server and self.metrics_server.close(),
+            lambda: self.loggers and self.loggers.close(),
             self.session.stop,
         ]
         for step in steps:
@@ -206,13 +225,12 @@ class TrainingJob:
                 step()
             except Exception as exc:  # shutting down: report and keep releasing the rest
                 self.log(f"shutdown: {exc.__class__.__name__}: {exc}")
-        self.controls, self.trajectory_control = [], None
-        self.rollouts = self.trainers = self.monitor = self.metrics_server = self.scrape_targets = None
+        self.fleet = self.trainers = self.metrics_server = self.scrape_targets = self.control_server = self.loggers = None
 
     # ------------------------------------------------------------------ the loop
 
-    def run(self, steps: int | None = None) -> list[dict]:
-        """Train `steps` more steps (default: to run.steps); returns their metrics records."""
+    def run(self, steps: int | None = None) -> list[StepRecord]:
+        """Train `steps` more steps (default: to run.steps); returns their records."""
         cfg = self.config.run
         end = cfg.steps if steps is None else min(cfg.steps, self.step + steps)
         records = []
@@ -221,7 +239,16 @@ class TrainingJob:
         try:
             while self.step < end:
                 self._dispatch_until(min(self.step + cfg.staleness, cfg.steps - 1))
-                record = self._train_step()
+                try:
+                    record = self._train_step()
+                except TrainerLost as exc:
+                    self._recover_trainer(exc, rebuild=True)
+                    continue
+                except PublishRefused as exc:
+                    self._recover_trainer(exc, rebuild=False)
+                    continue
+                self._dispatch_until(min(self.step + cfg.staleness, cfg.steps - 1))
+                self._maybe_checkpoint()
                 records.append(record)
                 self.progress.step_done(step_line(record, self.controller_config.target, cfg.steps))
         finally:
@@ -229,129 +256,186 @@ class TrainingJob:
         return records
 
     def _dispatch_until(self, last: int) -> None:
-        """Send the prompts of every step up to `last` not yet dispatched (weights ≥ j − s are queued)."""
-        step = max([self.step - 1, *self.inflight]) + 1
-        for j in range(step, last + 1):
+        """Queue the groups of every step up to `last` not yet queued (admission happens at lease time)."""
+        first = max([self.step - 1, *self.inflight]) + 1
+        every, n = self.config.rollout.speedup_probe_every, self.config.rollout.sampling.n
+        probe_groups = max(1, self.config.rollout.engine_config().max_num_seqs // n)
+        for j in range(first, last + 1):
             records = self.data.batch(j, self.config.run.prompts_per_step)
-            n_workers = self.rollouts.size
-            parts = [records[w::n_workers] for w in range(n_workers)]
-            every = self.config.rollout.speedup_probe_every
-            probe = bool(every) and j % every == 0
-            refs = {w: self.rollouts.actors[w].generate.remote(j, part, probe and w == 0) for w, part in enumerate(parts) if part}
-            n = self.config.rollout.sampling.n
-            ids = [f"{r.prompt_id}#{i}" for r in records for i in range(n)]
-            self.inflight[j] = {"refs": refs, "ids": ids}
+            probe = records[:probe_groups] if every and j % every == 0 else []
+            ray.get(self.dispatcher.add_step.remote(j, records, probe))
+            self.inflight.add(j)
 
-    def _wait(self, refs: list) -> list:
-        """ray.get with the tokens bar kept moving while the workers generate."""
-        pending = list(refs)
-        while pending:
-            _, pending = ray.wait(pending, num_returns=len(pending), timeout=POLL_S)
-            self._poll_progress()
-        return ray.get(refs)
+    def _utilisation(self, now: float) -> dict[str, float]:
+        """Per worker: engine-busy seconds over wall seconds since the previous step's rollouts completed."""
+        busy = ray.get(self.dispatcher.busy_seconds.remote())
+        since, before = self._busy_mark
+        self._busy_mark = (now, busy)
+        window = max(now - since, 1e-9)
+        return {w: min(1.0, (busy[w] - before.get(w, 0.0)) / window) for w in sorted(busy)}
 
-    def _poll_progress(self) -> None:
-        if not self.show_progress:
-            return
-        for i, p in enumerate(ray.get([a.progress.remote() for a in self.rollouts.actors])):
-            self.progress.add_tokens(p["tokens"] - self.tokens_seen.get(i, 0))
-            self.tokens_seen[i] = p["tokens"]
+    def _await_rollouts(self, step: int):
+        """Wait for step `step`'s groups, supervising the fleet and moving the token bar meanwhile."""
+        while True:
+            done, total, complete = ray.get(self.dispatcher.progress.remote(step))
+            if complete:
+                return ray.get(self.dispatcher.take_step.remote(step))
+            self.fleet.step = step
+            self.fleet.check()
+            self._weights_for_joiners()
+            self._apply_control_requests()
+            if self.show_progress:
+                tokens = sum(p["tokens"] for p in self.fleet.progress())
+                self.progress.add_tokens(tokens - self.tokens_seen)
+                self.tokens_seen = max(self.tokens_seen, tokens)
+            time.sleep(POLL_S)
 
-    def _train_step(self) -> dict:
+    def _train_step(self) -> StepRecord:
         cfg, k = self.config, self.step
         t0 = time.perf_counter()
-        flight = self.inflight.pop(k)
-        reports = self._wait(list(flight["refs"].values()))
+        work = self._await_rollouts(k)
+        self.inflight.discard(k)
         t_rollout = time.perf_counter()
         if self.loads:
-            ray.get(self.loads)
-            self.loads = []
-        expected = self._expected(k, flight["ids"], reports)
-        collected = ray.get(self.trainers.rank0.collect.remote(
-            k, expected, self.version, cfg.run.staleness, cfg.run.collect_timeout_s))
+            self._settle_loads()
+        groups = [report for _, report in work.done.values()]
+        expected = [i for g in groups for i in g.sample_ids]
+        for g in groups:
+            for sid, field, message in g.rejected:
+                self.log(f"step {k + 1}: {g.worker} sample {sid} rejected by the trainer ({field}: {message})")
+        collected = self._trainer_call([self.trainers.rank0.collect.remote(
+            k, expected, self.version, cfg.run.staleness, cfg.run.collect_timeout_s)])[0]
         t_collect = time.perf_counter()
         shards = collected["shards"]
-        train_refs = [a.train_shard.remote(s, k, self.version) for a, s in zip(self.trainers.actors, shards)]
-        train_metrics = self._wait(train_refs)[0]
+        results: list[ShardResult] = self._trainer_call([a.train_shard.remote(s, k) for a, s in zip(self.trainers.actors, shards)])
         del shards, collected["shards"]
         t_train = time.perf_counter()
+        self.ledger[k] = [r.trained_ids for r in results]
         self.version += 1
         publish = self._publish(wait=cfg.run.mode == "sync")
         t_publish = time.perf_counter()
         before = self.schedule
-        alpha, upper, decision = self._control(k)
+        alpha, upper, decision = self._control(k, results[0])
         t_control = time.perf_counter()
-        self.trajectory_gauges = self.trajectory_control.health().gauges
         self.step += 1
-        record = self._record(k, reports, collected["summary"], train_metrics, alpha, upper, decision, publish, before, {
-            "rollout_wait": t_rollout - t0, "collect": t_collect - t_rollout, "train": t_train - t_collect,
-            "publish": t_publish - t_train, "control": t_control - t_publish, "step": time.perf_counter() - t0,
-            "elapsed": time.perf_counter() - self.started,
-        })
-        self.run_dir.append(self.run_dir.metrics_file, record)
+        utilisation = self._utilisation(t_rollout)
+        record = StepRecord(
+            step=k, policy_version=self.version - 1,
+            rollout=rollout_stats(groups, collected["summary"], cfg.reward.correct, _rollout_seconds(work),
+                                  work.probe_result.speedup if work.probe_result else None, work.requeued, utilisation),
+            train=results[0].metrics,
+            alpha=alpha_tail(alpha, upper, self.controller_config.percentile),
+            schedule=schedule_snapshot(self.schedule, before),
+            controller=ControllerSummary(self.controller is not None, 0 if decision is None else
+                                         sum(d["old"] != d["new"] for d in decision["decisions"])),
+            predicted_speedup=self._predicted_speedup(collected["summary"]),
+            publish=publish,
+            timing=StepTiming(rollout_wait=t_rollout - t0, collect=t_collect - t_rollout, train=t_train - t_collect,
+                              publish=t_publish - t_train, control=t_control - t_publish,
+                              step=time.perf_counter() - t0, elapsed=time.perf_counter() - self.started),
+            faults=self.fleet.resolved[self._events_logged:],
+        )
+        self._events_logged = len(self.fleet.resolved)
+        for event in record.faults:
+            self.run_dir.append(self.run_dir.events_file, dataclasses.asdict(event))
+        self.metrics.record_step(record, collected["summary"], self.controller_config.target)
+        self.loggers.log_step(record)
         if decision is not None:
             self.run_dir.append(self.run_dir.decisions_file, decision)
-        every = cfg.run.checkpoint_every
-        if self.step == cfg.run.steps or (every and self.step % every == 0):
-            self.checkpoint()
-        if cfg.run.exports_hf_at(self.step):  # run.export_hf_every → RUN_DIR/hf/stepN; rollouts go on meanwhile
-            self.trainers.export_hf(self.run_dir.hf_dir(self.step), wait=self.step == cfg.run.steps)
         return record
 
-    def _expected(self, step: int, ids: list[str], reports: list[dict]) -> list[str]:
-        drained = [r["worker"] for r in reports if r.get("drained")]
-        if drained:
-            raise RuntimeError(f"step {step}: rollout workers {drained} are draining and generated nothing")
-        rejected = {sid for r in reports for sid, _, _ in r["rejected"]}
-        for r in reports:
-            for sid, field, message in r["rejected"]:
-                self.log(f"step {step}: {r['worker']} sample {sid} rejected by the trainer ({field}: {message})")
-        return [i for i in ids if i not in rejected]
+    def _trainer_call(self, refs: list) -> list:
+        """Results of calls on the trainer ranks, supervising the rollout fleet meanwhile (async mode
+        generates while the trainer works). Any failure while a rank is dead is `TrainerLost`: a
+        surviving rank's collective error counts too, and nobody waits for a peer that is gone."""
+        pending = list(refs)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=len(pending), timeout=POLL_S)
+            for ref in done:
+                try:
+                    ray.get(ref)
+                except RayActorError as exc:
+                    raise TrainerLost(describe(exc)) from exc
+                except Exception as exc:
+                    if self._dead_ranks():
+                        raise TrainerLost(f"{describe(exc)} (ranks {self._dead_ranks()} are gone)") from exc
+                    raise
+            self.fleet.check()
+            self._apply_control_requests()
+        return ray.get(refs)
+
+    def _dead_ranks(self) -> list[int]:
+        dead = []
+        for rank, actor in enumerate(self.trainers.actors):
+            try:
+                ray.get(actor.node.remote(), timeout=10)
+            except Exception:
+                dead.append(rank)
+        return dead
 
     # ------------------------------------------------------------------ weights and schedule
 
-    def _publish(self, wait: bool) -> dict:
-        """Send policy version `self.version` to every rollout worker."""
+    def _publish(self, wait: bool, rollback: bool = False) -> PublishStats:
+        """Send policy version `self.version` to every serving worker (`rollback`: it may be older than theirs)."""
         if self.channel == "collective":
+            if self.fleet.membership_changed:
+                self._join_weight_group()
             trainer = [a.publish_weights.remote(self.version, "collective") for a in self.trainers.actors]
-            workers = [w.receive_weights.remote() for w in self.rollouts.actors]
-            report = ray.get(trainer)[0]
-            loads = ray.get(workers)
+            workers = self.fleet.submit("receive_weights", rollback, slots=self.group_members)
+            report = self._trainer_call(trainer)[0]
+            loads = _settled(workers)
+            if report.refused:
+                raise PublishRefused(report.refused)
+            self.fleet.setup.weights = None  # a worker joining later gets an object-store copy (`_weights_for_joiners`)
         else:
-            report = ray.get([a.publish_weights.remote(self.version, "object_store") for a in self.trainers.actors])[0]
-            self.loads = [w.load_weights.remote(report.handle) for w in self.rollouts.actors]
-            loads = ray.get(self.loads) if wait else []
-            if wait:
-                self.loads = []
-            report.handle = None  # the workers hold the refs they still need
+            report = self._trainer_call([a.publish_weights.remote(self.version, "object_store") for a in self.trainers.actors])[0]
+            if report.refused:
+                raise PublishRefused(report.refused)
+            self.fleet.setup.weights = report.handle
+            self.loads = self.fleet.submit("load_weights", report.handle, rollback)
+            loads = self._settle_loads() if wait else []
+            report.handle = None
         seconds = report.seconds + max((x["seconds"] for x in loads), default=0.0)
-        return {"version": self.version, "seconds": seconds, "send_seconds": report.seconds, "bytes": report.nbytes,
-                "channel": self.channel, "waited": wait}
+        return PublishStats(version=self.version, seconds=seconds, send_seconds=report.seconds, bytes=report.nbytes,
+                            channel=self.channel, waited=wait)
+
+    def _weights_for_joiners(self) -> None:
+        """Collective channel: a worker that joins mid-run is not in the broadcast group yet, so it gets the
+        current version once through the object store (the group takes it in at the next publication)."""
+        joining = self.fleet.joining
+        if self.channel != "collective" or not self.version or self.fleet.setup.weights is not None or not joining:
+            return
+        report = self._trainer_call([a.publish_weights.remote(self.version, "object_store") for a in self.trainers.actors])[0]
+        self.fleet.setup.weights = report.handle
+        self.loads += self.fleet.submit("load_weights", report.handle, slots=joining)
+
+    def _settle_loads(self) -> list[dict]:
+        loads, self.loads = _settled(self.loads), []
+        return loads
 
     def _push_schedule(self, schedule: SparsitySchedule) -> None:
-        """The schedule to every rollout worker (ControlService) and every trainer rank (its α bins)."""
-        for control, w in zip(self.controls, self.workers):
-            applied, version = control.update_schedule(schedule)
-            if not applied:
-                raise RuntimeError(f"{w['worker_id']} refused schedule v{schedule.version} (it runs v{version})")
+        """The schedule to every rollout worker and every trainer rank (α bins). A worker applies it at its
+        next barrier; sync mode waits for that (the workers are idle between steps), async mode does not."""
+        self.fleet.setup.schedule = schedule
+        _settled(self.schedule_pushes)
+        self.schedule_pushes = self.fleet.submit("set_schedule", schedule)
+        if self.config.run.mode == "sync":
+            _settled(self.schedule_pushes)
+            self.schedule_pushes = []
         self.trainers.call("set_schedule", schedule.to_dict())
         self.metrics.set_schedule(schedule, self.controller_config.target)
 
-    def _control(self, step: int):
-        """Step `step`'s α from the monitor stream → the controller → a new schedule if a budget changed."""
-        records = [r for r in self.monitor.get_batch(10_000, timeout=5.0) if r.step == step]
-        if not records:
-            raise RuntimeError(f"step {step}: no statistics reached the monitor from the trainer")
-        alpha = upper = None
-        for r in records:
-            alpha = r.alpha if alpha is None else alpha.merge(r.alpha)
-            if r.alpha_upper is not None:
-                upper = r.alpha_upper if upper is None else upper.merge(r.alpha_upper)
+    def _control(self, step: int, rank0: ShardResult):
+        """Step `step`'s α → the controller → a new schedule if a budget changed."""
+        report = rank0.alpha
+        empty = AlphaHistogram.empty(self.schedule.num_bins)
+        alpha, upper = report.combined() if report.lower else (empty, empty)
         self.metrics.observe_alpha(alpha)
         if self.controller is None:
             return alpha, upper, None
-        for r in records:
-            self.controller.observe(r.alpha, r.schedule_version, r.alpha_upper)
+        versions = sorted(report.lower) or [max(self.schedule.version, 0)]
+        for v in versions:
+            self.controller.observe(report.lower.get(v, empty), v, report.upper.get(v, empty))
         result = self.controller.decide()
         self.metrics.record_control_step(result, self.controller_config.target)
         if result.changed:
@@ -365,73 +449,110 @@ class TrainingJob:
         }
         return alpha, upper, decision
 
-    # ------------------------------------------------------------------ records and checkpoints
-
-    def _record(self, step, reports, summary, train, alpha: AlphaHistogram, upper, decision, publish,
-                before: SparsitySchedule, timing) -> dict:
-        cfg = self.config
-        rewards, lengths = summary["rewards"], summary["response_lengths"]
-        tokens = sum(r["tokens"] for r in reports)
-        seconds = max((r["seconds"] for r in reports), default=0.0)
-        predicted = self._predicted_speedup(summary)
-        measured = next((r["speedup_measured"] for r in reports if "speedup_measured" in r), None)
-        pct = self.controller_config.percentile
-        counts = alpha.count().tolist()
-        p5 = _per_bin(alpha.percentile(pct), counts)
-        p5_upper = None if upper is None else _per_bin(upper.percentile(pct), counts)
-        s = self.schedule
-        record = {
-            "step": step,
-            "policy_version": self.version - 1,
-            "rollout": {
-                "samples": summary["samples"], "failed": summary["failed"], "tokens": tokens,
-                "reward_mean": _mean(rewards), "reward_std": statistics.pstdev(rewards) if len(rewards) > 1 else None,
-                "accuracy": _mean([r >= cfg.reward.correct for r in rewards]),
-                "response_length_mean": _mean(lengths), "response_length_max": max(lengths, default=None),
-                "prompt_length_mean": _mean(summary["prompt_lengths"]),
-                "truncated_fraction": summary["truncated"] / max(len(lengths), 1),
-                "tokens_per_s": tokens / seconds if seconds else None,
-                "speedup_measured": measured,
-                "kv_read_fraction": summary["kv_read_fraction"],
-                "staleness_mean": _mean(summary["staleness"]), "staleness_max": max(summary["staleness"], default=None),
-                "schedule_versions": summary["schedule_versions"],
-                "accepted": sum(r["accepted"] for r in reports), "duplicates": sum(r["duplicate"] for r in reports),
-                "streams": sum(r["streams"] for r in reports),
-                # [monitoring] fraction of the step's wall time each worker spent generating
-                "utilisation": {r["worker"]: min(1.0, r["seconds"] / timing["step"]) for r in reports
-                                if r.get("seconds") is not None and timing["step"] > 0},
-            },
-            "train": train,
-            "alpha": {"percentile": pct, "p5": p5, "p5_upper": p5_upper, "tokens": counts,
-                      "mean": _per_bin(alpha.mean(), counts)},
-            "schedule": {"version": s.version, "topk_blocks": list(s.topk_blocks),
-                         "blocks": [s.blocks_for_bin(b) for b in range(s.num_bins)], "edges": list(s.edges),
-                         "blocks_before": [before.blocks_for_bin(b) for b in range(before.num_bins)]},
-            "controller": {"enabled": self.controller is not None,
-                           "changes": 0 if decision is None else sum(d["old"] != d["new"] for d in decision["decisions"])},
-            "predicted_speedup": predicted,
-            "publish": publish,
-            "timing": timing,
-        }
-        self.metrics.record_step(record, summary, self.controller_config.target)  # [monitoring]
-        return record
-
-    def _predicted_speedup(self, summary: dict) -> float | None:
+    def _predicted_speedup(self, summary) -> float | None:
         """sparrow.cost's roofline speedup of the schedule in force at this step's measured lengths."""
-        if not summary["response_lengths"]:
+        if not summary.response_lengths:
             return None
         engine = self.config.rollout.engine_config()
         spec = RolloutSpec(
-            prompt_len=round(_mean(summary["prompt_lengths"])), gen_len=max(1, round(_mean(summary["response_lengths"]))),
+            prompt_len=round(sum(summary.prompt_lengths) / len(summary.prompt_lengths)),
+            gen_len=max(1, round(sum(summary.response_lengths) / len(summary.response_lengths))),
             samples=self.config.rollout.sampling.n, batch=self.config.run.prompts_per_step,
             dense_layers=len(engine.dense_layers), landmark=engine.landmark,
         )
         model = CostModel(self.cost_shape, self.cost_hardware, spec)
         return self.metrics.set_predicted_speedup(model, self.schedule)
 
+    # ------------------------------------------------------------------ faults and elasticity
+
+    def _recover_trainer(self, error: BaseException, rebuild: bool) -> None:
+        """Back to the last checkpoint and redo the steps after it: after a lost rank (`rebuild`: a new
+        trainer pool) or refused NaN/Inf weights (the same ranks reload it)."""
+        self.trainer_restarts += 1
+        limit = self.config.run.recovery.max_trainer_restarts
+        first = describe(error)
+        if self.trainer_restarts > limit:
+            raise JobFailed(f"the trainer pool failed {self.trainer_restarts} times (run.recovery.max_trainer_restarts="
+                            f"{limit}); last error: {first}") from error
+        started, failed_step = time.monotonic(), self.step
+        what = "trainer lost" if rebuild else "weights refused"
+        self.log(f"step {failed_step + 1}: {what} ({first}); back to the last checkpoint "
+                 f"(restart {self.trainer_restarts} of {limit})")
+        if rebuild or self.run_dir.latest_tag() is None:  # without a checkpoint only fresh ranks hold the initial weights
+            self.trainers.shutdown()
+            self._start_trainers()
+        if self.run_dir.latest_tag() is not None:
+            self._restore()
+        else:
+            self.step, self.version = 0, 0
+            self._start_controller()
+            self.run_dir.truncate_after(0)
+            self.ledger = {}
+        discarded = ray.get(self.dispatcher.discard_from.remote(self.step))
+        self.inflight = {j for j in self.inflight if j < self.step}
+        self.loads = []
+        self.fleet.setup.trajectory_address = self.trajectory_address
+        self.fleet.broadcast("connect", self.trajectory_address)
+        if self.channel == "collective":
+            self._join_weight_group()
+        if self.version:
+            self._publish(wait=True, rollback=True)
+        else:
+            self._reset_workers()
+        self._push_schedule(self.schedule)
+        event = FaultEvent("trainer_lost" if rebuild else "publish_refused", "trainer",
+                           f"{first}; redoing steps {self.step + 1}..{failed_step + 1}, {discarded} leases discarded",
+                           time.monotonic() - started, failed_step)
+        self.fleet.resolved.append(event)
+        self.log(f"trainer pool restored at step {self.step} (policy version {self.version}) in {event.recovery_seconds:.1f} s")
+
+    def _reset_workers(self) -> None:
+        """Back to version 0 (no checkpoint yet): the initial weights, published from the fresh trainer pool."""
+        report = self.trainers.call("publish_weights", 0, "object_store")[0]
+        self.fleet.setup.weights = report.handle
+        _settled(self.fleet.submit("load_weights", report.handle, True))
+        report.handle = None
+
+    # ControlHandler: the coordinator's ControlService (`sparrow pool`), called on transport threads
+
+    def resize_pool(self, pool: str, size: int) -> tuple[bool, int, str]:
+        """Record the new target; the driver thread applies it at its next supervision tick."""
+        was = self.fleet.target
+        self.resize_requests.put(pool, size)
+        return True, size, (f"was {was}; added workers join once they hold the current weights and schedule, "
+                            "a shrink retires the newest workers once they finish what they hold")
+
+    def health(self) -> Health:
+        return Health("serving", "coordinator", self.schedule.version, self.version, {"step": float(self.step)},
+                      list(self._pool_status))
+
+    def update_schedule(self, schedule):
+        raise NotImplementedError("the coordinator's schedule comes from its controller")
+
+    def drain(self, timeout_s: float):
+        raise NotImplementedError("the coordinator does not drain; stop the job instead")
+
+    def _apply_control_requests(self) -> None:
+        """A pool size asked for through `sparrow pool resize`, and the pools' status for `sparrow pool status`."""
+        size = self.resize_requests.take("rollout")
+        if size is not None and size != self.fleet.target:
+            self.log(f"step {self.step + 1}: rollout pool target {self.fleet.target} → {size} (sparrow pool resize)")
+            self.fleet.resize(size)
+        n = self.trainers.size
+        self._pool_status = [self.fleet.status(), PoolStatus("trainer", n, n)]
+
+    def _maybe_checkpoint(self) -> None:
+        cfg = self.config.run
+        if self.step == cfg.steps or (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0):
+            self.checkpoint()
+        if cfg.exports_hf_at(self.step):  # run.export_hf_every → RUN_DIR/hf/stepN; rollouts go on meanwhile
+            self.trainers.export_hf(self.run_dir.hf_dir(self.step), wait=self.step == cfg.steps)
+
+    # ------------------------------------------------------------------ records and checkpoints
+
     def checkpoint(self) -> str:
         tag = f"step{self.step}"
-        self.trainers.call("save_checkpoint", str(self.run_dir.checkpoints), tag)
+        self._trainer_call([a.save_checkpoint.remote(str(self.run_dir.checkpoints), tag) for a in self.trainers.actors])
         state = {
             "step": self.step, "policy_version": self.version, "schedule": self.schedule.to_dict(),
             "controller": None if self.controller is None else self.controller.state_dict(),
@@ -440,5 +561,24 @@ class TrainingJob:
         return tag
 
     def trained_ids(self) -> list[list[str]]:
-        """Per trainer rank, the sample ids it trained on (in order)."""
-        return self.trainers.call("trained_ids")
+        """Per trainer rank, the sample ids it trained on in the surviving lineage (in step order)."""
+        ranks = max((len(v) for v in self.ledger.values()), default=0)
+        return [[i for k in sorted(self.ledger) for i in (self.ledger[k][r] if r < len(self.ledger[k]) else [])]
+                for r in range(ranks)]
+
+
+def _rollout_seconds(work) -> float:
+    if work.first_lease is None or work.last_done is None:
+        return 0.0
+    return work.last_done - work.first_lease
+
+
+def _settled(refs: list) -> list:
+    """Results of the refs whose actors are still alive (a worker lost meanwhile is replaced by the fleet)."""
+    out = []
+    for ref in refs:
+        try:
+            out.append(ray.get(ref))
+        except RayActorError:
+            continue
+    return out

@@ -1,19 +1,24 @@
-"""The rollout pool and the trainer pool: Ray actors on their own placement groups.
+"""The rollout pool and the trainer pool: Ray actors on placement groups of their own.
 
-Each pool reserves `size` bundles of `{"CPU": cpus, "GPU": gpus, <node_label>: label_amount}` and
-puts one actor in each. A node label is a custom resource that only the intended nodes declare
-(`ray start --resources '{"rollout_node": 1}'`), so a pool lands exactly there; the pools share
-nothing, so resizing one leaves the other's placement group and actors as they are.
+A bundle is `{"CPU": cpus, "GPU": gpus, <node_label>: label_amount}`. A node label is a custom
+resource that only the intended nodes declare (`ray start --resources '{"rollout_node": 1}'`), so a
+pool lands exactly there; the pools share nothing.
+
+- **Rollout pool: elastic.** One single-bundle placement group per worker slot, so workers can be
+  added, retired and replaced one at a time. A replacement goes into its slot's placement group:
+  when a node dies Ray re-places the bundle wherever the resources exist, and when none do the slot
+  waits (the pool runs smaller) until capacity returns.
+- **Trainer pool: fixed size per run** (one placement group, `strategy` applies); after a rank dies
+  the whole group is rebuilt (`TrainerPool` again) and restored from the last checkpoint.
 """
 
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-from sparrow.coordinator.transport import JobCredentials
 
 from .config import PoolConfig, SparrowConfig, TrainerSection
 
@@ -24,77 +29,133 @@ class PlacementError(RuntimeError):
     """A pool that cannot be placed on the cluster, with what it asked for and what exists."""
 
 
-def _check_feasible(name: str, pool: PoolConfig) -> None:
+def check_feasible(name: str, pool: PoolConfig, size: int) -> None:
     total = ray.cluster_resources()
-    need = {r: v * pool.size for r, v in pool.bundle().items() if v}
+    need = {r: v * size for r, v in pool.bundle().items() if v}
     short = {r: (v, total.get(r, 0.0)) for r, v in need.items() if total.get(r, 0.0) + 1e-9 < v}
     if short:
         parts = ", ".join(f"{r}: needs {v:g}, cluster has {have:g}" for r, (v, have) in short.items())
         hint = (f"; start the intended nodes with --resources '{{\"{pool.node_label}\": 1}}'"
                 if pool.node_label and pool.node_label in short else "")
-        raise PlacementError(f"{name} pool ({name}.pool: size {pool.size} × {pool.bundle()}) cannot fit: {parts}{hint}")
+        raise PlacementError(f"{name} pool ({name}.pool: size {size} × {pool.bundle()}) cannot fit: {parts}{hint}")
 
 
-class Pool:
-    """`size` actors of `cls` (already `ray.remote`), actor i built with `args(i)`; `name` is also the
-    pool's config section (`rollout` / `trainer`)."""
+def _actor_options(name: str, pool: PoolConfig, group: PlacementGroup, index: int) -> dict:
+    return dict(
+        num_cpus=pool.cpus, num_gpus=pool.gpus, name=f"sparrow-{name}-{os.getpid()}",
+        resources={pool.node_label: pool.label_amount} if pool.node_label else {},
+        scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index),
+        runtime_env={"env_vars": ACTOR_ENV},
+    )
 
-    def __init__(self, name: str, pool: PoolConfig, cls, args):
-        _check_feasible(name, pool)
-        self.name, self.config = name, pool
-        self.placement_group = placement_group([pool.bundle()] * pool.size, strategy=pool.strategy, name=f"sparrow-{name}")
-        if not self.placement_group.wait(pool.ready_timeout_s):
-            remove_placement_group(self.placement_group)
-            raise PlacementError(
-                f"{name} pool: placement group of {pool.size} × {pool.bundle()} ({pool.strategy}) not ready after "
-                f"{pool.ready_timeout_s:g} s; available now: {ray.available_resources()}. Free resources, "
-                f"lower {name}.pool.size / cpus / gpus, or raise {name}.pool.ready_timeout_s"
-            )
-        resources = {pool.node_label: pool.label_amount} if pool.node_label else {}
-        self.actors = [
-            cls.options(
-                num_cpus=pool.cpus, num_gpus=pool.gpus, resources=resources, name=f"sparrow-{name}-{i}-{os.getpid()}",
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=i),
-                runtime_env={"env_vars": ACTOR_ENV},
-            ).remote(*args(i))
-            for i in range(pool.size)
-        ]
+
+def _wait_ready(group: PlacementGroup, name: str, pool: PoolConfig, size: int, timeout_s: float) -> None:
+    if not group.wait(timeout_s):
+        remove_placement_group(group)
+        raise PlacementError(
+            f"{name} pool: placement group of {size} × {pool.bundle()} ({pool.strategy}) not ready after "
+            f"{timeout_s:g} s; available now: {ray.available_resources()}. Free resources, "
+            f"lower {name}.pool.size / cpus / gpus, or raise {name}.pool.ready_timeout_s"
+        )
+
+
+@dataclass
+class WorkerSlot:
+    """One rollout worker's place in the pool; it outlives the actors that fill it."""
+
+    index: int
+    group: PlacementGroup
+    actor: object | None = None
+    serving: object | None = None
+    """The ObjectRef of the actor's `serve` call: it fails as soon as the actor dies."""
+    restarts: int = 0
+    last_error: str = ""
+    generation: int = 0
 
     @property
-    def size(self) -> int:
-        return len(self.actors)
+    def worker_id(self) -> str:
+        return f"rollout-{self.index}"
 
-    def call(self, method: str, *args, **kwargs) -> list:
-        return ray.get([getattr(a, method).remote(*args, **kwargs) for a in self.actors])
+
+@dataclass
+class RolloutPool:
+    """The rollout workers by slot. Creating actors is `spawn`'s job; the driver decides when."""
+
+    config: SparrowConfig
+    model: str
+    credentials: object
+    slots: dict[int, WorkerSlot] = field(default_factory=dict)
+
+    def __post_init__(self):
+        from .rollout_worker import RolloutWorker
+
+        pool = self.config.rollout.pool
+        check_feasible("rollout", pool, pool.size)
+        self.cls = ray.remote(concurrency_groups={"loop": 1})(RolloutWorker)
+        self.payload = self.config.worker_payload()
+
+    @property
+    def pool(self) -> PoolConfig:
+        return self.config.rollout.pool
+
+    def add_slot(self, wait_s: float | None = None) -> WorkerSlot:
+        index = max(self.slots, default=-1) + 1
+        group = placement_group([self.pool.bundle()], strategy="PACK", name=f"sparrow-rollout-{index}-{os.getpid()}")
+        if wait_s is not None:
+            _wait_ready(group, "rollout", self.pool, 1, wait_s)
+        slot = WorkerSlot(index, group)
+        self.slots[index] = slot
+        return slot
+
+    def spawn(self, slot: WorkerSlot):
+        """A new actor in the slot's bundle (Ray starts it when the bundle is placed)."""
+        options = _actor_options(f"rollout-{slot.index}.{slot.generation}", self.pool, slot.group, 0)
+        slot.actor = self.cls.options(max_concurrency=8, **options).remote(
+            self.payload, self.model, slot.index, self.pool.torch_threads, self.credentials)
+        slot.generation += 1
+        return slot.actor
+
+    def ready(self, slot: WorkerSlot) -> bool:
+        return slot.group.wait(0)
+
+    def kill(self, slot: WorkerSlot) -> None:
+        if slot.actor is not None:
+            ray.kill(slot.actor, no_restart=True)
+        slot.actor = slot.serving = None
+
+    def remove(self, slot: WorkerSlot) -> None:
+        self.kill(slot)
+        remove_placement_group(slot.group)
+        del self.slots[slot.index]
+
+    @property
+    def live(self) -> list[WorkerSlot]:
+        return [s for s in self.slots.values() if s.serving is not None]
 
     def shutdown(self) -> None:
-        for a in self.actors:
-            ray.kill(a)
-        self.actors = []
-        remove_placement_group(self.placement_group)
+        for slot in list(self.slots.values()):
+            self.remove(slot)
 
 
-def rollout_pool(config: SparrowConfig, model: str, credentials: JobCredentials) -> Pool:
-    from .rollout_worker import RolloutWorker
+class TrainerPool:
+    """DeepSpeed ranks (`TrainerHost`) on one placement group, with their torch.distributed rendezvous done."""
 
-    cls = ray.remote(concurrency_groups={"monitor": 1})(RolloutWorker)
-    payload = config.worker_payload()
-    pool = config.rollout.pool
-    return Pool("rollout", pool, cls, lambda i: (payload, model, i, pool.torch_threads, credentials))
-
-
-class TrainerPool(Pool):
-    """DeepSpeed ranks (`TrainerHost`) with their torch.distributed rendezvous done."""
-
-    def __init__(self, section: TrainerSection, model: str):
+    def __init__(self, section: TrainerSection, model: str, credentials):
         from .trainer_host import TrainerHost
 
-        trainer = section.trainer_config(model)
-        payload = trainer.model_dump(mode="json")
         pool = section.pool
-        super().__init__("trainer", pool, ray.remote(TrainerHost),
-                         lambda i: (payload, i, pool.size, pool.torch_threads))
-        self.trainer_config = trainer
+        check_feasible("trainer", pool, pool.size)
+        self.config = pool
+        self.trainer_config = section.trainer_config(model)
+        self.placement_group = placement_group([pool.bundle()] * pool.size, strategy=pool.strategy, name=f"sparrow-trainer-{os.getpid()}")
+        _wait_ready(self.placement_group, "trainer", pool, pool.size, pool.ready_timeout_s)
+        payload = self.trainer_config.model_dump(mode="json")
+        cls = ray.remote(TrainerHost)
+        self.actors = [
+            cls.options(**_actor_options(f"trainer-{i}", pool, self.placement_group, i)).remote(
+                payload, i, pool.size, pool.torch_threads, credentials)
+            for i in range(pool.size)
+        ]
         addr, port = ray.get(self.actors[0].address.remote())
         self.setup_info = self.call("setup", addr, port)
         self.exporting: list = []
@@ -114,5 +175,18 @@ class TrainerPool(Pool):
             self.exporting = []
 
     @property
+    def size(self) -> int:
+        return len(self.actors)
+
+    @property
     def rank0(self):
         return self.actors[0]
+
+    def call(self, method: str, *args, **kwargs) -> list:
+        return ray.get([getattr(a, method).remote(*args, **kwargs) for a in self.actors])
+
+    def shutdown(self) -> None:
+        for a in self.actors:
+            ray.kill(a, no_restart=True)
+        self.actors = []
+        remove_placement_group(self.placement_group)

@@ -10,19 +10,17 @@ def fmt(value, spec: str = ".3f") -> str:
     return "-" if value is None else format(value, spec)
 
 
-def step_line(record: dict, target: float, total_steps: int) -> str:
-    """`step 3/6 reward 0.44 len 41 | α5 b0 0.93 b1 0.85< | blocks 5 5 6 7 | 88 tok/s | 61 s`."""
-    r, alpha, sched = record["rollout"], record["alpha"], record["schedule"]
-    tails = [
-        f"b{b} {p:.3f}{'<' if p < target else ''}"
-        for b, (p, n) in enumerate(zip(alpha["p5"], alpha["tokens"])) if n and p is not None
-    ]
-    blocks = " ".join("d" if b is None else str(b) for b in sched["blocks"])
-    changed = f" (v{sched['version']}, {record['controller']['changes']} changed)" if record["controller"]["changes"] else ""
+def step_line(record, target: float, total_steps: int) -> str:
+    """`step 3/6 reward 0.44 len 41 | α5 b0 0.93 b1 0.85< | blocks 5 5 6 7 | 88 tok/s | 61 s` from a `StepRecord`."""
+    r, alpha, sched = record.rollout, record.alpha, record.schedule
+    tails = [f"b{b} {p:.3f}{'<' if p < target else ''}" for b, (p, n) in enumerate(zip(alpha.p5, alpha.tokens)) if n and p is not None]
+    blocks = " ".join("d" if b is None else str(b) for b in sched.blocks)
+    changed = f" (v{sched.version}, {record.controller.changes} changed)" if record.controller.changes else ""
+    faults = f" | {len(record.faults)} recovered" if record.faults else ""
     return (
-        f"step {record['step'] + 1}/{total_steps} reward {fmt(r['reward_mean'])} len {fmt(r['response_length_mean'], '.0f')} "
+        f"step {record.step + 1}/{total_steps} reward {fmt(r.reward_mean)} len {fmt(r.response_length_mean, '.0f')} "
         f"| α p5 vs τ={target:g}: {' '.join(tails) or 'no tokens'} | blocks {blocks}{changed} "
-        f"| {fmt(r['tokens_per_s'], '.0f')} tok/s | {record['timing']['step']:.0f} s"
+        f"| {fmt(r.tokens_per_s, '.0f')} tok/s | {record.timing.step:.0f} s{faults}"
     )
 
 

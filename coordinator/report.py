@@ -13,6 +13,7 @@ from sparrow.tables import format_table
 
 from .progress import fmt
 from .run_dir import RunDir
+from .step_record import StepRecord
 
 PLOTS = {
     "reward.png": "Reward per step",
@@ -22,22 +23,12 @@ PLOTS = {
 }
 
 
-def _series(rows: list[dict], *keys):
-    out = []
-    for r in rows:
-        v = r
-        for k in keys:
-            v = v.get(k) if isinstance(v, dict) else None
-        out.append(v)
-    return out
-
-
 def _target(run_dir: RunDir) -> float:
     config = yaml.safe_load(run_dir.config_file.read_text()) if run_dir.config_file.exists() else {}
     return float(((config or {}).get("controller") or {}).get("target", 0.86))
 
 
-def plot(run_dir: RunDir, rows: list[dict], target: float) -> list[Path]:
+def plot(run_dir: RunDir, rows: list[StepRecord], target: float) -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -45,7 +36,7 @@ def plot(run_dir: RunDir, rows: list[dict], target: float) -> list[Path]:
 
     out = run_dir.report
     out.mkdir(parents=True, exist_ok=True)
-    steps = [r["step"] + 1 for r in rows]
+    steps = [r.step + 1 for r in rows]
     files = []
 
     def save(fig, ax, name, ylabel):
@@ -61,8 +52,8 @@ def plot(run_dir: RunDir, rows: list[dict], target: float) -> list[Path]:
         files.append(out / name)
 
     fig, ax = plt.subplots(figsize=(6, 3.6))
-    mean, std = _series(rows, "rollout", "reward_mean"), _series(rows, "rollout", "reward_std")
-    count = [r["rollout"]["samples"] - r["rollout"]["failed"] for r in rows]
+    mean, std = [r.rollout.reward_mean for r in rows], [r.rollout.reward_std for r in rows]
+    count = [r.rollout.samples - r.rollout.failed for r in rows]
     ax.plot(steps, mean, "o-", label="mean reward")
     if all(m is not None and s is not None for m, s in zip(mean, std)):
         se = [s / max(n, 1) ** 0.5 for s, n in zip(std, count)]
@@ -71,22 +62,22 @@ def plot(run_dir: RunDir, rows: list[dict], target: float) -> list[Path]:
     save(fig, ax, "reward.png", "reward")
 
     fig, ax = plt.subplots(figsize=(6, 3.6))
-    ax.plot(steps, _series(rows, "rollout", "response_length_mean"), "o-", label="mean")
-    ax.plot(steps, _series(rows, "rollout", "response_length_max"), "s--", label="max", alpha=0.7)
+    ax.plot(steps, [r.rollout.response_length_mean for r in rows], "o-", label="mean")
+    ax.plot(steps, [r.rollout.response_length_max for r in rows], "s--", label="max", alpha=0.7)
     save(fig, ax, "response_length.png", "generated tokens")
 
-    edges = rows[-1]["schedule"]["edges"]
+    edges = rows[-1].schedule.edges
     names = _bin_names(edges)
     fig, ax = plt.subplots(figsize=(6, 3.6))
     for b in range(len(names)):
-        values = [r["alpha"]["p5"][b] if r["alpha"]["tokens"][b] else None for r in rows]
+        values = [r.alpha.p5[b] if r.alpha.tokens[b] else None for r in rows]
         if any(v is not None for v in values):
             ax.plot(steps, [float("nan") if v is None else v for v in values], "o-", label=f"bin {b} ({names[b]})")
     ax.axhline(target, color="k", ls="--", lw=1, label=f"τ = {target:g}")
-    save(fig, ax, "alpha_tail.png", f"p{rows[-1]['alpha']['percentile']:g} of α (lower bound)")
+    save(fig, ax, "alpha_tail.png", f"p{rows[-1].alpha.percentile:g} of α (lower bound)")
 
     fig, ax = plt.subplots(figsize=(6, 3.6))
-    history = [rows[0]["schedule"].get("blocks_before", rows[0]["schedule"]["blocks"])] + [r["schedule"]["blocks"] for r in rows]
+    history = [rows[0].schedule.blocks_before] + [r.schedule.blocks for r in rows]
     dense_y = max((b for blocks in history for b in blocks if b is not None), default=1) + 2
     x = [steps[0] - 1] + steps
     for b in range(len(names)):
@@ -109,52 +100,62 @@ def _bin_names(edges: list[int]) -> list[str]:
     return names
 
 
-def _mean_of(rows: list[dict], key: str) -> float | None:
-    values = [r["rollout"].get(key) for r in rows if r["rollout"].get(key) is not None]
+def _mean(values) -> float | None:
+    values = [v for v in values if v is not None]
     return sum(values) / len(values) if values else None
 
 
-def summary_table(rows: list[dict], decisions: list[dict], target: float) -> str:
+def summary_table(rows: list[StepRecord], target: float) -> str:
     first, last = rows[0], rows[-1]
-    elapsed = sum(r["timing"]["step"] for r in rows)
-    tokens = sum(r["rollout"]["tokens"] for r in rows)
-    changes = sum(r["controller"]["changes"] for r in rows)
-    mean = lambda key: sum(r["timing"][key] for r in rows) / len(rows)  # noqa: E731
-    below = [b for b, (p, n) in enumerate(zip(last["alpha"]["p5"], last["alpha"]["tokens"])) if n and p is not None and p < target]
+    elapsed = sum(r.timing.step for r in rows)
+    utilisation = _mean([u for r in rows for u in r.rollout.utilisation.values()])
     items = [
-        ("steps", f"{first['step'] + 1}–{last['step'] + 1}"),
+        ("steps", f"{first.step + 1}–{last.step + 1}"),
         ("time in steps", f"{elapsed:.0f} s ({elapsed / len(rows):.0f} s/step)"),
-        ("per step: rollout wait / train / publish", f"{mean('rollout_wait'):.0f} / {mean('train'):.0f} / {mean('publish'):.1f} s"),
-        ("samples, tokens generated", f"{sum(r['rollout']['samples'] for r in rows)}, {tokens}"),
-        ("reward (first → last step)", f"{fmt(first['rollout']['reward_mean'])} → {fmt(last['rollout']['reward_mean'])}"),
-        ("accuracy (first → last step)", f"{fmt(first['rollout']['accuracy'])} → {fmt(last['rollout']['accuracy'])}"),
+        ("per step: rollout wait / train / publish",
+         f"{_mean(r.timing.rollout_wait for r in rows):.0f} / {_mean(r.timing.train for r in rows):.0f} / "
+         f"{_mean(r.timing.publish for r in rows):.1f} s"),
+        ("samples, tokens generated", f"{sum(r.rollout.samples for r in rows)}, {sum(r.rollout.tokens for r in rows)}"),
+        ("reward (first → last step)", f"{fmt(first.rollout.reward_mean)} → {fmt(last.rollout.reward_mean)}"),
+        ("accuracy (first → last step)", f"{fmt(first.rollout.accuracy)} → {fmt(last.rollout.accuracy)}"),
         ("response length (first → last)",
-         f"{fmt(first['rollout']['response_length_mean'], '.1f')} → {fmt(last['rollout']['response_length_mean'], '.1f')}"),
-        ("KV read vs dense (mean)", fmt(sum(r["rollout"]["kv_read_fraction"] for r in rows) / len(rows))),
-        ("measured speedup (dense probes, mean)", fmt(_mean_of(rows, "speedup_measured"), ".2f")),
-        ("predicted speedup (last, cost model)", fmt(last["predicted_speedup"], ".2f")),
-        ("final blocks per bin", " ".join("dense" if b is None else str(b) for b in last["schedule"]["blocks"])),
-        ("schedule version", str(last["schedule"]["version"])),
-        ("budget changes by the controller", str(changes)),
-        (f"bins below τ={target:g} at the last step", ", ".join(map(str, below)) or "none"),
+         f"{fmt(first.rollout.response_length_mean, '.1f')} → {fmt(last.rollout.response_length_mean, '.1f')}"),
+        ("KV read vs dense (mean)", fmt(_mean(r.rollout.kv_read_fraction for r in rows))),
+        ("measured speedup (dense probes, mean)", fmt(_mean(r.rollout.speedup_measured for r in rows), ".2f")),
+        ("predicted speedup (last, cost model)", fmt(last.predicted_speedup, ".2f")),
+        ("rollout worker utilisation (mean)", fmt(utilisation, ".2f")),
+        ("groups generated again (lost workers)", str(sum(r.rollout.requeued for r in rows))),
+        ("final blocks per bin", " ".join("dense" if b is None else str(b) for b in last.schedule.blocks)),
+        ("schedule version", str(last.schedule.version)),
+        ("budget changes by the controller", str(sum(r.controller.changes for r in rows))),
+        (f"bins below τ={target:g} at the last step", ", ".join(map(str, last.bins_below(target))) or "none"),
     ]
     return format_table(["", "value"], [list(i) for i in items])
 
 
-def per_step_table(rows: list[dict]) -> str:
+def per_step_table(rows: list[StepRecord]) -> str:
     out = []
     for r in rows:
-        tails = " ".join(fmt(p, ".3f") if n else "-" for p, n in zip(r["alpha"]["p5"], r["alpha"]["tokens"]))
-        blocks = " ".join("d" if b is None else str(b) for b in r["schedule"]["blocks"])
-        out.append([r["step"] + 1, fmt(r["rollout"]["reward_mean"]), fmt(r["rollout"]["response_length_mean"], ".1f"),
-                    tails, blocks, fmt(r["rollout"]["kv_read_fraction"], ".2f"), fmt(r["rollout"]["tokens_per_s"], ".0f"),
-                    f"{r['timing']['step']:.0f}"])
-    return format_table(["step", "reward", "length", "α p5 per bin", "blocks after", "KV read", "tok/s", "s"], out)
+        tails = " ".join(fmt(p, ".3f") if n else "-" for p, n in zip(r.alpha.p5, r.alpha.tokens))
+        blocks = " ".join("d" if b is None else str(b) for b in r.schedule.blocks)
+        util = " ".join(f"{u:.2f}" for u in r.rollout.utilisation.values()) or "-"
+        out.append([r.step + 1, fmt(r.rollout.reward_mean), fmt(r.rollout.response_length_mean, ".1f"), tails, blocks,
+                    fmt(r.rollout.kv_read_fraction, ".2f"), fmt(r.rollout.tokens_per_s, ".0f"), util, f"{r.timing.step:.0f}"])
+    return format_table(["step", "reward", "length", "α p5 per bin", "blocks after", "KV read", "tok/s", "utilisation",
+                         "s"], out)
+
+
+def faults_table(rows: list[StepRecord]) -> str:
+    events = [(r.step + 1, e) for r in rows for e in r.faults]
+    if not events:
+        return "none"
+    return format_table(["step", "kind", "who", "recovery s", "detail"],
+                        [[s, e.kind, e.subject, fmt(e.recovery_seconds, ".1f"), e.detail] for s, e in events])
 
 
 def write_report(run_dir: RunDir | str | Path) -> Path:
     run_dir = run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
-    rows = RunDir.read_jsonl(run_dir.metrics_file)
+    rows = [StepRecord.from_dict(r) for r in RunDir.read_jsonl(run_dir.metrics_file)]
     if not rows:
         raise ValueError(f"{run_dir.metrics_file}: no steps recorded yet; nothing to report")
     decisions = RunDir.read_jsonl(run_dir.decisions_file)
@@ -166,7 +167,7 @@ def write_report(run_dir: RunDir | str | Path) -> Path:
     text = "\n".join([
         f"# Sparrow training report: {run_dir.path.name}",
         "",
-        "```", summary_table(rows, decisions, target), "```",
+        "```", summary_table(rows, target), "```",
         "",
         "## Per step",
         "",
@@ -174,6 +175,13 @@ def write_report(run_dir: RunDir | str | Path) -> Path:
         "blocks are the KV blocks attended per bin after the step's controller decision (`d` = dense).",
         "",
         "```", per_step_table(rows), "```",
+        "",
+        "## Faults and recovery",
+        "",
+        "Failures the job recovered from, and pool resizes; recovery is from detection until the replacement "
+        "served (a lost trainer: until training resumed from the last checkpoint).",
+        "",
+        "```", faults_table(rows), "```",
         "",
         "## Controller changes",
         "",

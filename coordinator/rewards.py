@@ -71,15 +71,16 @@ def math_verify_correct(response: str, answer: str) -> bool:
 CHECKS: dict[str, Callable[[str, str], bool]] = {"arithmetic": arithmetic_correct, "math_verify": math_verify_correct}
 
 
-def reward_metadata(record: PromptRecord, step: int, sample_index: int, finish_reason: str) -> dict:
+def reward_metadata(record: PromptRecord, step: int, sample_index: int, finish_reason: str, sample_id: str) -> dict:
     """What a `reward.function` gets besides the text and the answer: the prompt record's fields
     (`prompt_id`, `messages` as a list of {role, content}, `answer`, `index` in the data source), the
-    `step`, the sample's `sample_index` in its group and `sample_id` (`<prompt_id>#<sample_index>`,
-    the id the trainer and the logs use), and its `finish_reason` ("stop" or "length")."""
+    `step`, the sample's `sample_index` in its group and `sample_id` (`<request_id>#<sample_index>`: the
+    prompt id, with `.r<attempt>` when the group was generated again after a lost worker; the id the
+    trainer and the logs use), and its `finish_reason` ("stop" or "length")."""
     return {
         "prompt_id": record.prompt_id, "messages": [dict(m) for m in record.messages], "answer": record.answer,
         "index": record.index, "step": step, "sample_index": sample_index,
-        "sample_id": f"{record.prompt_id}#{sample_index}", "finish_reason": finish_reason,
+        "sample_id": sample_id, "finish_reason": finish_reason,
     }
 
 

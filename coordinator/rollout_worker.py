@@ -1,283 +1,443 @@
-"""`RolloutWorker`: one rollout engine (native or vLLM) as a Ray actor.
+"""`RolloutWorker`: one rollout engine as a Ray actor that pulls GRPO groups from the job's `Dispatcher`.
 
-Per step it tokenizes its share of the prompts, generates the GRPO groups, scores every finished
-sample (it holds the reference answers) and streams the samples with their rewards to the trainer
-pool's TrajectoryServer over gRPC as they finish. It serves ControlService itself (schedule updates,
-drain, health) and its own Prometheus /metrics. Weights arrive between generate calls (Ray calls to
-one actor run in submission order), and so does a new schedule: one staged by UpdateSchedule is put
-in force at the start of the next generate call, so every sample has exactly one schedule version.
+`serve(dispatcher)` is the worker's life: while the engine has room it leases groups (as many as fit,
+at most its fair share), feeds their requests into one open engine stream, and as each group's n
+samples finish it scores them and sends them to the trainer pool's TrajectoryServer over gRPC, then
+completes the lease. A heartbeat thread renews the leases while the engine makes progress (a hung
+engine stops renewing, and its groups go back to the queue); a lease the dispatcher no longer
+honours is aborted in the engine and its samples are dropped.
 
-A plain class: `pools.py` wraps it with `ray.remote`; tests may use it directly.
+Weights and schedules are control calls over Ray (`load_weights`, `receive_weights`,
+`set_schedule`). Each is applied at a barrier: the worker stops leasing, lets its groups finish,
+closes the stream, applies, and resumes, so every sample has exactly one policy version and one
+schedule version. A plain class: `pools.py` wraps it with `ray.remote`; tests may use it directly.
 """
 
 import asyncio
+import logging
 import os
 import queue
 import threading
 import time
+from dataclasses import dataclass, field
 
 import ray
 import torch
 
 from sparrow.coordinator.metrics import SparrowMetrics, start_metrics_server
-from sparrow.coordinator.transport import ControlServer, Health, JobCredentials, ScheduleState, Trajectory, TrajectoryClient, advertised_host
-from sparrow.rollout_workers.api import RolloutEngine, RolloutRequest, SamplingParams
+from sparrow.coordinator.transport import JobCredentials, Trajectory, TrajectoryClient, TransportError, advertised_host
+from sparrow.rollout_workers.api import RequestFeed, RolloutRequest, RolloutSample, SamplingParams
 from sparrow.rollout_workers.registry import create_engine
 from sparrow.schedule import SparsitySchedule
 from sparrow.seeds import stable_seed
-from sparrow.weight_sync import CollectiveGroup, CollectiveSource, HandleSource, WeightReceiver
 
 from .config import SparrowConfig
-from .data import PromptRecord, render_prompt
+from .dispatcher import DispatcherClient
+from .data import render_prompt
 from .rewards import RewardFunction, reward_metadata
+from .step_record import GroupReport
+from .work_queue import GroupTask, Lease, LeaseError, ProbeResult, ProbeTask
 
+POLL_S = 0.05
 _DONE = object()
+log = logging.getLogger("sparrow.rollout")
 
 
-def engine_model_dir(config: SparrowConfig, model: str) -> str:
-    return config.rollout.engine_config().model or model
-
-
-def build_engine(config: SparrowConfig, model: str, index: int) -> RolloutEngine:
-    """The configured engine (a registry lookup) on `model` (unless its section names another), seeded per worker."""
-    update = {"model": engine_model_dir(config, model), "seed": stable_seed(config.run.seed, index, 2) % (2**31)}
-    return create_engine(config.rollout.engine, config.rollout.engine_config().model_copy(update=update))
+@dataclass
+class _Group:
+    lease: Lease
+    request: RolloutRequest
+    started: float
+    samples: list[RolloutSample] = field(default_factory=list)
 
 
 class RolloutWorker:
     def __init__(self, config: dict, model: str, index: int, threads: int, credentials: JobCredentials):
         torch.set_num_threads(threads)
-        self.credentials = credentials
         self.config = SparrowConfig.model_validate(config)
-        self.index, self.worker_id = index, f"rollout-{index}"
-        self.engine = build_engine(self.config, model, index)
+        self.worker_id, self.credentials = f"rollout-{index}", credentials
+        engine_config = self.config.rollout.engine_config()
+        self.model_dir = engine_config.model or model
+        seed = stable_seed(self.config.run.seed, index, 2) % (2**31)
+        self.engine = create_engine(self.config.rollout.engine, engine_config.model_copy(update={"model": self.model_dir, "seed": seed}))
         from transformers import AutoTokenizer
 
-        self.tokenizer = AutoTokenizer.from_pretrained(engine_model_dir(self.config, model))
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.client: TrajectoryClient | None = None
-        self.schedule_state = ScheduleState(self._stage_schedule)
-        self._staged: SparsitySchedule | None = None
-        self._lock = threading.Lock()
-        self._idle = threading.Event()
-        self._idle.set()
-        self._draining = False
-        self._tokens = 0
-        self._samples = 0
-        self._probe_tokens = 0
-        self._probing: int | None = None
-        self.metrics = SparrowMetrics.for_rollout(self.config.metrics, index)  # [monitoring] the rollout role's families
-        self.metrics_server = start_metrics_server(self.metrics) if self.config.metrics.enabled else None  # port + 1 up
+        self.trajectory_address: str | None = None
+        self.metrics = SparrowMetrics.for_rollout(self.config.metrics, index)
+        self.metrics_server = start_metrics_server(self.metrics) if self.config.metrics.enabled else None
         self.reward = RewardFunction(self.config.reward, self.config.data.source, on_error=self.metrics.record_reward_error)
-        self._control = self._start_control()
         self.weight_group = None
+        self._engine_lock = threading.Lock()
+        """Held by `serve` while an engine stream is open; control calls take it to change weights or schedule."""
+        self._sync_lock = threading.Lock()
+        self._sync_wanted = threading.Event()
+        self._stop = threading.Event()
+        self._held: dict[int, _Group] = {}
+        self._lost: set[int] = set()
+        self._held_lock = threading.Lock()
+        self._busy_seconds = 0.0
+        self._rate_mark = (0, 0.0)
+        self._tokens = self._samples = 0
+        self._serving = False
 
-    # ------------------------------------------------------------------ set-up
-
-    def _start_control(self) -> ControlServer:
-        server = ControlServer(self.config.transport.model_copy(update={"port": 0}), self.credentials, self)
-        self.control_port = server.start()
-        return server
+    # ------------------------------------------------------------------ set-up and control
 
     def info(self) -> dict:
         ctx = ray.get_runtime_context()
         return {
-            "worker_id": self.worker_id,
-            "node_id": ctx.get_node_id(),
-            "pid": os.getpid(),
-            "control_address": f"{advertised_host(self.config.transport.host)}:{self.control_port}",
+            "worker_id": self.worker_id, "node_id": ctx.get_node_id(), "pid": os.getpid(),
             "metrics_url": self.metrics_server.url if self.metrics_server else None,
-            "engine": type(self.engine).__name__,
+            "engine": type(self.engine).__name__, "host": advertised_host(self.config.transport.host),
         }
 
     def connect(self, trajectory_address: str) -> None:
-        if self.client is not None:
-            self.client.close()
-        self.client = TrajectoryClient(trajectory_address, self.config.transport, self.credentials, client_id=self.worker_id)
+        """(Re)connect to the trainer pool's TrajectoryServer (after a trainer restart it moves)."""
+        if trajectory_address == self.trajectory_address:
+            return
+        old, self.client = self.client, TrajectoryClient(trajectory_address, self.config.transport, self.credentials,
+                                                         client_id=self.worker_id)
+        self.trajectory_address = trajectory_address
+        if old is not None:
+            old.close()
 
-    # ------------------------------------------------------------------ ControlService
+    def _exclusive(self, apply):
+        """Run `apply` on an idle engine: stop leasing, let the held groups finish, apply, resume."""
+        with self._sync_lock:
+            self._sync_wanted.set()
+            try:
+                with self._engine_lock:
+                    return apply()
+            finally:
+                self._sync_wanted.clear()
 
-    def _stage_schedule(self, schedule: SparsitySchedule) -> None:
-        self.engine.check_schedule(schedule)
-        with self._lock:
-            self._staged = schedule
+    def set_schedule(self, schedule: SparsitySchedule | None) -> int:
+        self._exclusive(lambda: self._apply_schedule(schedule))
+        return self.engine.schedule_version
 
-    def update_schedule(self, schedule: SparsitySchedule) -> tuple[bool, int]:
-        return self.schedule_state.update(schedule)
+    def _apply_schedule(self, schedule: SparsitySchedule | None) -> None:
+        self.engine.set_schedule(schedule)
+        if schedule is not None:
+            self.metrics.set_schedule(schedule)
 
-    def drain(self, timeout_s: float) -> tuple[bool, int]:
-        """Refuse new generate calls and wait up to `timeout_s` for the one running."""
-        self._draining = True
-        return self._idle.wait(timeout_s), 0 if self._idle.is_set() else 1
+    def load_weights(self, handle, rollback: bool = False) -> dict:
+        """A version published to Ray's object store (`WeightHandle`); `rollback`: it may be older than
+        the one served (the trainer restarted from a checkpoint)."""
+        from sparrow.weight_sync import HandleSource, WeightReceiver
 
-    def health(self) -> Health:
-        status = "draining" if self._draining else "serving"
-        version = self.engine.schedule.version if self.engine.schedule is not None else 0
-        gauges = {"tokens": float(self._tokens), "samples": float(self._samples), "busy": float(not self._idle.is_set())}
-        return Health(status, self.worker_id, version, self.engine.policy_version, gauges)
-
-    def resume(self) -> None:
-        self._draining = False
-
-    # ------------------------------------------------------------------ rollouts
-
-    def _requests(self, step: int, records: list[PromptRecord]) -> list[RolloutRequest]:
-        s = self.config.rollout.sampling
-        out = []
-        for r in records:
-            ids = render_prompt(self.tokenizer, r.messages, self.config.data.chat_template)
-            sampling = SamplingParams(
-                max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                seed=stable_seed(self.config.run.seed, step, r.index, 3), n=s.n, logprobs=s.logprobs,
-            )
-            meta = {"step": str(step), "answer": r.answer, "index": str(r.index)}
-            out.append(RolloutRequest(r.prompt_id, tuple(ids), sampling, metadata=meta))
-        return out
-
-    def _produce(self, requests: list[RolloutRequest], out: queue.Queue, timing: dict) -> None:
-        async def run():
-            async for sample in self.engine.stream(requests):
-                out.put(sample)
-
-        start = time.perf_counter()
-        try:
-            asyncio.run(run())
-        except BaseException as exc:  # handed to the caller's thread and re-raised there
-            out.put(exc)
-        finally:
-            timing["engine_seconds"] = time.perf_counter() - start
-            out.put(_DONE)
-
-    def generate(self, step: int, records: list[PromptRecord], probe: bool = False) -> dict:
-        """Generate, score and send the groups of `records`; returns what was sent and acknowledged.
-
-        `probe`: afterwards decode the same requests densely (nothing is sent) and report the measured
-        speedup, sparse tokens/s over dense tokens/s of the engine.
-        """
-        if self._draining:
-            return {"worker": self.worker_id, "step": step, "drained": True}
-        if self.client is None:
-            raise RuntimeError(f"{self.worker_id}: connect() to the trajectory server before generate()")
-        self._idle.clear()
-        try:
-            with self._lock:
-                staged, self._staged = self._staged, None
-            if staged is not None:
-                self.engine.set_schedule(staged)
-                self.metrics.set_schedule(staged)  # [monitoring] sparrow_schedule_version of this worker
-            report = self._generate(step, records)
-            if probe and self.engine.schedule is not None:
-                dense = self._dense_tokens_per_s(self._requests(step, records))
-                report["speedup_measured"] = report["engine_tokens_per_s"] / dense  # the coordinator exports it
-            return report
-        finally:
-            self._idle.set()
-
-    def _dense_tokens_per_s(self, requests: list[RolloutRequest]) -> float:
-        schedule = self.engine.schedule
-        self._probing = self.progress()["tokens"]
-        before = self.engine.counters().tokens_generated
-        self.engine.set_schedule(None)
-        try:
-            start = time.perf_counter()
-            tokens = sum(int(s.token_ids.numel()) for s in self.engine.generate(requests))
-            seconds = time.perf_counter() - start
-        finally:
-            self.engine.set_schedule(schedule)
-            self._probe_tokens += self.engine.counters().tokens_generated - before
-            self._probing = None
-        return tokens / seconds
-
-    def _generate(self, step: int, records: list[PromptRecord]) -> dict:
-        start = time.perf_counter()
-        requests = self._requests(step, records)
-        by_id = {r.prompt_id: r for r in records}
-        out: queue.Queue = queue.Queue()
-        timing: dict = {}
-        thread = threading.Thread(target=self._produce, args=(requests, out, timing), name="engine", daemon=True)
-        thread.start()
-        errors: list[BaseException] = []
-        tally = {"samples": 0, "failed": 0, "tokens": 0}
-
-        def trajectories():
-            while (item := out.get()) is not _DONE:
-                if isinstance(item, BaseException):
-                    errors.append(item)
-                    continue
-                reward = None
-                if item.finish_reason != "error":
-                    text = self.tokenizer.decode(item.token_ids.tolist(), skip_special_tokens=True)
-                    record = by_id[item.request_id]
-                    meta = reward_metadata(record, step, item.sample_index, item.finish_reason)
-                    reward = self.reward(text, record.answer, item.finish_reason, meta)
-                else:
-                    tally["failed"] += 1
-                n = int(item.token_ids.numel())
-                tally["samples"] += 1
-                tally["tokens"] += n
-                self._tokens += n
-                self._samples += 1
-                t = Trajectory.of(item, reward=reward, worker_id=self.worker_id)
-                self.metrics.record_samples([t])
-                yield t
-
-        report = self.client.send(trajectories())
-        thread.join()
-        if errors:
-            raise errors[0]
-        seconds = time.perf_counter() - start
-        self.metrics.tokens_per_second.labels(worker=self.worker_id, pool="rollout").set(tally["tokens"] / seconds)
-        self.metrics.policy_version.labels(worker=self.worker_id, pool="rollout").set(self.engine.policy_version)
-        return {
-            "worker": self.worker_id, "step": step, "drained": False, "requests": len(requests),
-            "samples": tally["samples"], "failed": tally["failed"], "tokens": tally["tokens"], "seconds": seconds,
-            "accepted": report.accepted, "duplicate": report.duplicate,
-            "rejected": [(r.id, r.field, r.message) for r in report.rejected], "streams": report.streams,
-            "policy_version": self.engine.policy_version,
-            "schedule_version": self.engine.schedule.version if self.engine.schedule is not None else -1,
-            "engine_tokens_per_s": tally["tokens"] / timing["engine_seconds"],
-        }
-
-    @ray.method(concurrency_group="monitor")
-    def progress(self) -> dict:
-        """Rollout tokens and samples so far, dense probes excluded (served while generate runs: Ray
-        concurrency group 'monitor')."""
-        if self._probing is not None:
-            return {"tokens": self._probing, "samples": self._samples}
-        try:
-            engine_tokens = self.engine.counters().tokens_generated - self._probe_tokens
-        except Exception:  # a stats read racing a step must never break progress reporting
-            engine_tokens = self._tokens
-        return {"tokens": max(engine_tokens, self._tokens), "samples": self._samples}
-
-    # ------------------------------------------------------------------ weights
-
-    def load_weights(self, handle) -> dict:
-        """A version published to Ray's object store (`WeightHandle`)."""
-        report = WeightReceiver(self.engine).receive(HandleSource(handle))
+        report = self._exclusive(lambda: WeightReceiver(self.engine).receive(HandleSource(handle), allow_older=rollback))
         self.metrics.policy_version.labels(worker=self.worker_id, pool="rollout").set(report.version)
         return {"version": report.version, "bytes": report.nbytes, "seconds": report.seconds}
 
     def join_weight_group(self, host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float) -> None:
+        from sparrow.weight_sync import CollectiveGroup
+
+        if self.weight_group is not None:
+            self.weight_group.close()
         device = "cuda" if backend == "nccl" else "cpu"
         self.weight_group = CollectiveGroup(host, port, rank, world_size, backend=backend, device=device, timeout_s=timeout_s)
 
-    def receive_weights(self) -> dict:
+    def receive_weights(self, rollback: bool = False) -> dict:
         """The next version broadcast over the weight group (the trainer sends concurrently)."""
-        report = WeightReceiver(self.engine).receive(CollectiveSource(self.weight_group))
+        from sparrow.weight_sync import CollectiveSource, WeightReceiver
+
+        source = CollectiveSource(self.weight_group)
+        report = self._exclusive(lambda: WeightReceiver(self.engine).receive(source, allow_older=rollback))
         self.metrics.policy_version.labels(worker=self.worker_id, pool="rollout").set(report.version)
         return {"version": report.version, "bytes": report.nbytes, "seconds": report.seconds}
 
+    def progress(self) -> dict:
+        return {"serving": self._serving, "tokens": self._tokens, "samples": self._samples,
+                "busy_seconds": self._busy_seconds, "held": len(self._held), "policy_version": self.engine.policy_version,
+                "schedule_version": self.engine.schedule_version}
+
     def parameters(self, names: list[str]) -> dict[str, torch.Tensor]:
-        """Copies of the served weights by HF name (native engine only; for checks and debugging)."""
+        """Copies of the served weights by HF name (for checks and debugging)."""
         return self.engine.parameters(names)
 
     def policy_version(self) -> int:
         return self.engine.policy_version
 
+    def stop(self) -> None:
+        """End `serve` once the groups it holds are finished and sent."""
+        self._stop.set()
+
     def shutdown(self) -> None:
-        self._control.stop(0)
+        self._stop.set()
         if self.client is not None:
             self.client.close()
         if self.metrics_server is not None:
             self.metrics_server.close()
         self.engine.shutdown()
+
+    # ------------------------------------------------------------------ the pull loop
+
+    @ray.method(concurrency_group="loop")
+    def serve(self, dispatcher, setup) -> dict:
+        """Take the job's current state (`fleet.WorkerSetup`), then pull and generate until `stop()`."""
+        self.connect(setup.trajectory_address)
+        self._apply_schedule(setup.schedule)
+        self.metrics.policy_version.labels(worker=self.worker_id, pool="rollout").set(self.engine.policy_version)
+        if setup.weights is not None and self.engine.policy_version < _handle_version(setup.weights):
+            self.load_weights(setup.weights)
+        self._dispatcher = DispatcherClient(dispatcher)
+        self._serving = True
+        self._heartbeat_error: BaseException | None = None
+        heartbeat = threading.Thread(target=self._heartbeat, name="heartbeat", daemon=True)
+        heartbeat.start()
+        sender = _Sender(self)
+        stream: _EngineStream | None = None
+        capacity = max(1, self.engine.max_concurrent_samples // self.config.rollout.sampling.n)
+        last, busy = time.perf_counter(), False
+        try:
+            while True:
+                now = time.perf_counter()
+                if busy:  # the engine had groups (or a probe) since the last turn
+                    self._busy_seconds += now - last
+                last = now
+                if stream is not None:
+                    for sample in stream.finished():
+                        self._collect(sample, sender)
+                self._abandon_lost(stream)
+                held = len(self._held)
+                if self._stop.is_set() and not held and sender.idle:
+                    break
+                wants_sync = self._sync_wanted.is_set() or self._stop.is_set()
+                leases = []
+                if not wants_sync and held < capacity:
+                    leases = self._lease(capacity - held)
+                probes = [lease for lease in leases if isinstance(lease.task, ProbeTask)]
+                groups = [lease for lease in leases if not isinstance(lease.task, ProbeTask)]
+                if groups:
+                    stream = stream or _EngineStream(self)
+                    for lease in groups:
+                        self._start(lease, stream)
+                if stream is not None and not self._held and (wants_sync or probes or not groups):
+                    stream.close()
+                    stream = None
+                for lease in probes:
+                    self._probe(lease)
+                sender.raise_errors()
+                if self._heartbeat_error is not None:
+                    raise self._heartbeat_error
+                busy = bool(self._held or probes)
+                self._report_throughput()
+                if not groups and not probes:
+                    time.sleep(POLL_S)
+        finally:
+            if stream is not None:
+                stream.close()
+            sender.close()
+            self._stop.set()
+            self._serving = False
+            heartbeat.join(timeout=5)
+        return {"worker": self.worker_id, "tokens": self._tokens, "samples": self._samples}
+
+    def _report_throughput(self) -> None:
+        """`sparrow_rollout_tokens_per_second`: tokens generated per engine-busy second, over the last second of work."""
+        tokens, busy = self.engine.counters().tokens_generated, self._busy_seconds
+        last_tokens, last_busy = self._rate_mark
+        if busy - last_busy >= 1.0:
+            self.metrics.tokens_per_second.labels(worker=self.worker_id, pool="rollout").set(
+                (tokens - last_tokens) / (busy - last_busy))
+            self._rate_mark = (tokens, busy)
+
+    def _lease(self, groups: int) -> list[Lease]:
+        return self._dispatcher.lease(self.worker_id, self.engine.policy_version, groups, self._busy_seconds)
+
+    def _requests(self, task: GroupTask) -> RolloutRequest:
+        s, r = self.config.rollout.sampling, task.record
+        sampling = SamplingParams(
+            max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+            seed=stable_seed(self.config.run.seed, task.step, r.index, 3), n=s.n, logprobs=s.logprobs,
+        )
+        ids = render_prompt(self.tokenizer, r.messages, self.config.data.chat_template)
+        meta = {"step": str(task.step), "answer": r.answer, "index": str(r.index)}
+        return RolloutRequest(task.request_id, tuple(ids), sampling, metadata=meta)
+
+    def _start(self, lease: Lease, stream: "_EngineStream") -> None:
+        request = self._requests(lease.task)
+        with self._held_lock:
+            self._held[lease.lease_id] = _Group(lease, request, time.perf_counter())
+        stream.feed.put(request)
+
+    def _collect(self, sample: RolloutSample, sender: "_Sender") -> None:
+        group = next((g for g in self._held.values() if g.request.request_id == sample.request_id), None)
+        if group is None:  # an abandoned attempt's sample (aborted or finished late): never sent
+            return
+        n = int(sample.token_ids.numel())
+        self._tokens += n
+        self._samples += 1
+        group.samples.append(sample)
+        if len(group.samples) == group.request.sampling.n:
+            with self._held_lock:
+                del self._held[group.lease.lease_id]
+            sender.submit(group)
+
+    def _abandon_lost(self, stream: "_EngineStream | None") -> None:
+        with self._held_lock:
+            lost, self._lost = self._lost, set()
+            groups = [self._held.pop(i) for i in lost if i in self._held]
+        for g in groups:
+            if stream is not None:
+                self.engine.abort(g.request.request_id)
+
+    def _probe(self, lease: Lease) -> None:
+        """Sparse, then dense, on the same requests and an otherwise idle engine; nothing is sent."""
+        task: ProbeTask = lease.task
+        requests = [self._requests(GroupTask(task.step, r)) for r in task.records]
+        with self._engine_lock:
+            schedule = self.engine.schedule
+            rates = []
+            for s in (schedule, None):
+                self.engine.set_schedule(s)
+                start = time.perf_counter()
+                tokens = sum(int(x.token_ids.numel()) for x in self.engine.generate(requests))
+                rates.append(tokens / (time.perf_counter() - start))
+            self.engine.set_schedule(schedule)
+        self._complete(lease, ProbeResult(*rates))
+
+    def _complete(self, lease: Lease, result) -> bool:
+        try:
+            self._dispatcher.complete(self.worker_id, lease.lease_id, result, self._busy_seconds)
+            return True
+        except LeaseError:
+            return False
+
+    def _heartbeat(self) -> None:
+        """Renew the held leases while the engine makes progress; learn which ones were lost."""
+        try:
+            self._renew_while_serving()
+        except BaseException as exc:  # re-raised on the serving thread: a worker that cannot renew must not serve
+            self._heartbeat_error = exc
+
+    def _renew_while_serving(self) -> None:
+        interval = self.config.run.recovery.lease_timeout_s / 4
+        tokens = -1
+        while not self._stop.wait(interval):
+            with self._held_lock:
+                ids = list(self._held)
+            now_tokens = self.engine.counters().tokens_generated
+            if ids and now_tokens == tokens:
+                continue  # no progress since the last beat: let the leases run out
+            tokens = now_tokens
+            lost = self._dispatcher.renew(self.worker_id, ids, self._busy_seconds)
+            if lost:
+                with self._held_lock:
+                    self._lost.update(lost)
+
+
+def _handle_version(handle) -> int:
+    from sparrow.weight_sync import Manifest
+
+    return Manifest.from_json(handle.manifest_json).version
+
+
+class _EngineStream:
+    """One open `engine.stream(feed)` on its own thread; finished samples come out of a queue."""
+
+    def __init__(self, worker: RolloutWorker):
+        self.worker = worker
+        worker._engine_lock.acquire()
+        self.feed = RequestFeed()
+        self.out: queue.Queue = queue.Queue()
+        self.thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        async def consume():
+            async for sample in self.worker.engine.stream(self.feed):
+                self.out.put(sample)
+
+        try:
+            asyncio.run(consume())
+        except BaseException as exc:  # re-raised on the serving thread
+            self.out.put(exc)
+        finally:
+            self.out.put(_DONE)
+
+    def finished(self) -> list[RolloutSample]:
+        out = []
+        while True:
+            try:
+                item = self.out.get_nowait()
+            except queue.Empty:
+                return out
+            if item is _DONE:
+                return out
+            if isinstance(item, BaseException):
+                raise item
+            out.append(item)
+
+    def close(self) -> None:
+        self.feed.close()
+        self.thread.join()
+        self.worker._engine_lock.release()
+        self.finished()
+
+
+class _Sender:
+    """Scores finished groups and sends them to the trainer on a thread of its own, so the engine
+    keeps generating while rewards are computed and samples travel."""
+
+    def __init__(self, worker: RolloutWorker):
+        self.worker = worker
+        self.todo: queue.Queue = queue.Queue()
+        self.pending = 0
+        self.errors: list[BaseException] = []
+        self.thread = threading.Thread(target=self._run, name="sender", daemon=True)
+        self.thread.start()
+
+    @property
+    def idle(self) -> bool:
+        return self.pending == 0
+
+    def submit(self, group: _Group) -> None:
+        self.pending += 1
+        self.todo.put(group)
+
+    def _run(self) -> None:
+        while (group := self.todo.get()) is not None:
+            try:
+                self._send(group)
+            except TransportError as exc:  # the trainer is gone: its lease runs out and the group is redone
+                log.warning("%s: group %s not sent (%s); its lease runs out and it is generated again",
+                            self.worker.worker_id, group.request.request_id, exc)
+            except BaseException as exc:
+                self.errors.append(exc)
+            finally:
+                self.pending -= 1
+
+    def _send(self, group: _Group) -> None:
+        w = self.worker
+        task = group.lease.task
+        trajectories, failed = [], 0
+        for s in sorted(group.samples, key=lambda s: s.sample_index):
+            t = Trajectory.of(s, worker_id=w.worker_id)
+            if s.finish_reason == "error":
+                failed += 1
+            else:
+                text = w.tokenizer.decode(s.token_ids.tolist(), skip_special_tokens=True)
+                meta = reward_metadata(task.record, task.step, s.sample_index, s.finish_reason, t.sample_id)
+                t.reward = w.reward(text, task.record.answer, s.finish_reason, meta)
+            trajectories.append(t)
+        w.metrics.record_samples(trajectories)
+        report = w.client.send(trajectories)
+        rejected = {r.id for r in report.rejected}
+        result = GroupReport(
+            worker=w.worker_id, samples=len(trajectories), failed=failed,
+            tokens=sum(int(s.token_ids.numel()) for s in group.samples), accepted=report.accepted,
+            duplicate=report.duplicate, rejected=[(r.id, r.field, r.message) for r in report.rejected],
+            streams=report.streams, sample_ids=[t.sample_id for t in trajectories if t.sample_id not in rejected],
+            seconds=time.perf_counter() - group.started,
+        )
+        w._complete(group.lease, result)
+
+    def raise_errors(self) -> None:
+        if self.errors:
+            raise self.errors[0]
+
+    def close(self) -> None:
+        self.todo.put(None)
+        self.thread.join(timeout=60)

@@ -3,6 +3,7 @@
     RUN_DIR/config.yaml                 the effective config (resume reads it)
     RUN_DIR/metrics.jsonl               one line per step
     RUN_DIR/controller_decisions.jsonl  one line per step: every bin's decision and its reason
+    RUN_DIR/events.jsonl                failures recovered from (and pool resizes), with recovery times
     RUN_DIR/checkpoints/<tag>/          DeepSpeed checkpoint (model, optimizer, LR schedule)
     RUN_DIR/checkpoints/latest          DeepSpeed's pointer to the newest tag
     RUN_DIR/checkpoints/<tag>.json      coordinator state at that tag (step, controller, schedule)
@@ -62,6 +63,10 @@ class RunDir:
     @property
     def decisions_file(self) -> Path:
         return self.path / "controller_decisions.jsonl"
+
+    @property
+    def events_file(self) -> Path:
+        return self.path / "events.jsonl"
 
     @property
     def tensorboard_dir(self) -> Path:

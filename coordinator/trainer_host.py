@@ -2,32 +2,44 @@
 
 Rank 0 serves the TrajectoryServer. A background thread moves every acknowledged sample from the
 server's queue into `pending` (keyed by sample id), so samples of later steps (async mode) wait
-there instead of blocking the senders. `collect(step, ids)` takes exactly the ids the coordinator
-dispatched for that step, computes GRPO advantages over the whole batch, shards it across the ranks
-(balanced by tokens) and puts each shard in Ray's object store; every rank then trains on its shard
-(`train_shard`) and records the ids it trained on. Rank 0 streams the step's α histograms and
-metrics to the coordinator's MonitorServer.
+there instead of blocking the senders. `collect(step, ids)` takes exactly the ids of the groups the
+dispatcher saw completed for that step, computes GRPO advantages over the whole batch, shards it
+across the ranks (balanced by tokens) and puts each shard in Ray's object store; every rank then
+trains on its shard (`train_shard`) and returns the ids it trained on; rank 0 also returns the
+step's metrics and α histograms (over Ray: the job's control plane is Ray, gRPC carries samples).
 
 Why this gives "every sample sent is trained on exactly once": the server de-duplicates by id (a
 resend is acked DUPLICATE, never queued twice); `pending` is a dict keyed by id; `collect` pops each
-dispatched id exactly once and fails naming the ids that never arrived; `TrajectoryBatch.shard`
-partitions the batch; each rank appends exactly its shard to its ledger (`trained_ids`).
+expected id exactly once, fails naming the ids that never arrived, and discards the samples of
+abandoned lease attempts of that step or earlier (their ids carry the attempt, so they are never
+expected); `TrajectoryBatch.shard` partitions the batch; each rank reports exactly its shard.
 """
 
 import math
+import os
 import threading
 import time
+from dataclasses import dataclass
 
 import ray
 import torch
 
-from sparrow.acceptance import AlphaHistogram
 from sparrow.coordinator.metrics import MetricsConfig, SparrowMetrics, start_metrics_server
-from sparrow.coordinator.transport import (
-    JobCredentials, StatsClient, StatsRecord, TrajectoryServer, TransportConfig, advertised_host,
-)
+from sparrow.coordinator.transport import JobCredentials, TrajectoryServer, TransportConfig, advertised_host
 from sparrow.trainer import TrainerRank, Trajectory, TrajectoryBatch
+from sparrow.trainer.alpha import AlphaReport
 
+from .step_record import BatchSummary
+
+
+@dataclass
+class ShardResult:
+    """One rank's part of a step: the ids it trained on; rank 0 adds the step's metrics and α."""
+
+    rank: int
+    trained_ids: list[str]
+    metrics: dict[str, float] | None = None
+    alpha: AlphaReport | None = None
 
 
 def to_trainer_trajectory(t) -> Trajectory:
@@ -56,49 +68,47 @@ def kv_blocks_dense(prompt_len: int, response_len: int, block_size: int) -> int:
     return int(((lengths + block_size - 1) // block_size).sum())
 
 
-def summarise(items: list, policy_version: int, block_size: int) -> dict:
+def summarise(items: list, policy_version: int, block_size: int, dropped: int) -> BatchSummary:
     """What the coordinator logs about a step's samples (all of them, failed ones included)."""
     ok = [t for t in items if t.sample.finish_reason != "error"]
-    lengths = [int(t.sample.token_ids.numel()) for t in ok]
     attended = sum(int(t.sample.blocks_attended.sum()) for t in ok)
     dense = sum(kv_blocks_dense(len(t.sample.prompt_token_ids), int(t.sample.token_ids.numel()), block_size) for t in ok)
-    return {
-        "samples": len(items),
-        "failed": len(items) - len(ok),
-        "errors": [t.sample.error for t in items if t.sample.finish_reason == "error"][:3],
-        "rewards": [float(t.reward) for t in ok],
-        "response_lengths": lengths,
-        "prompt_lengths": [len(t.sample.prompt_token_ids) for t in ok],
-        "truncated": sum(t.sample.finish_reason == "length" for t in ok),
-        "staleness": [policy_version - t.sample.policy_version for t in ok],
-        "kv_read_fraction": attended / dense if dense else 1.0,
-        "schedule_versions": sorted({t.sample.schedule_version for t in ok}),
-    }
+    return BatchSummary(
+        samples=len(items), failed=len(items) - len(ok),
+        errors=[t.sample.error for t in items if t.sample.finish_reason == "error"][:3],
+        rewards=[float(t.reward) for t in ok], response_lengths=[int(t.sample.token_ids.numel()) for t in ok],
+        prompt_lengths=[len(t.sample.prompt_token_ids) for t in ok],
+        truncated=sum(t.sample.finish_reason == "length" for t in ok),
+        staleness=[policy_version - t.sample.policy_version for t in ok],
+        kv_read_fraction=attended / dense if dense else 1.0,
+        schedule_versions=sorted({t.sample.schedule_version for t in ok}), dropped=dropped,
+    )
+
+
+def sample_step(t) -> int:
+    return int(t.sample.metadata.get("step", -1))
 
 
 class TrainerHost(TrainerRank):
-    def __init__(self, config: dict, rank: int, world_size: int, threads: int):
+    def __init__(self, config: dict, rank: int, world_size: int, threads: int, credentials: JobCredentials):
         torch.set_num_threads(threads)
         super().__init__(config, rank, world_size)
-        self.trained: list[str] = []
+        self.credentials = credentials
         self.server: TrajectoryServer | None = None
-        self.stats_client: StatsClient | None = None
         self.pending: dict[str, object] = {}
         self._cond = threading.Condition()
         self._stop = threading.Event()
         self._ingest_error: str | None = None
-        self.metrics: SparrowMetrics | None = None  # [monitoring] start_metrics
+        self.metrics: SparrowMetrics | None = None
         self.metrics_server = None
 
     def node(self) -> dict:
-        return {"rank": self.rank, "node_id": ray.get_runtime_context().get_node_id()}
-
-    # ------------------------------------------------------------------ metrics [monitoring]
+        return {"rank": self.rank, "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
 
     def start_metrics(self, config: dict) -> str | None:
         """Serve this rank's /metrics (trainer role, worker="trainer-<rank>"; from metrics.port + 1 up);
         returns its URL for the scrape targets, None when metrics are off. Call after `setup`."""
-        self.metrics = SparrowMetrics.for_trainer(MetricsConfig.model_validate(config), self.rank, getattr(self, "device", None))
+        self.metrics = SparrowMetrics.for_trainer(MetricsConfig.model_validate(config), self.rank, self.device)
         if self.server is not None:
             self.metrics.watch_transport("trajectory", self.server.stats)
         self.metrics_server = start_metrics_server(self.metrics) if self.metrics.config.enabled else None
@@ -106,15 +116,14 @@ class TrainerHost(TrainerRank):
 
     # ------------------------------------------------------------------ ingest (rank 0)
 
-    def start_ingest(self, transport: dict, monitor_address: str, credentials: JobCredentials) -> str:
+    def start_ingest(self, transport: dict) -> str:
         """Serve trajectories; returns the address rollout workers send to."""
         config = TransportConfig.model_validate(transport)
-        self.server = TrajectoryServer(config, credentials, server_id=f"trainer-{self.rank}")
+        self.server = TrajectoryServer(config, self.credentials, server_id=f"trainer-{self.rank}")
         port = self.server.start()
-        if self.metrics is not None:  # [monitoring] rank 0 exports the trajectory queue
+        if self.metrics is not None:
             self.metrics.watch_transport("trajectory", self.server.stats)
         threading.Thread(target=self._drain_queue, name="ingest", daemon=True).start()
-        self.stats_client = StatsClient(monitor_address, config, credentials, client_id=f"trainer-{self.rank}")
         return f"{advertised_host(config.host)}:{port}"
 
     def _drain_queue(self) -> None:
@@ -131,7 +140,7 @@ class TrainerHost(TrainerRank):
         self.server.resume()
 
     def collect(self, step: int, expected: list[str], policy_version: int, max_staleness: int, timeout_s: float) -> dict:
-        """Take exactly the `expected` samples; shards (object refs, one per rank) and a summary."""
+        """Take exactly the `expected` samples; shards (object refs, one per rank) and a `BatchSummary`."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
             if self._ingest_error:
@@ -145,13 +154,16 @@ class TrainerHost(TrainerRank):
                     )
                 self._cond.wait(min(left, 1.0))
             items = [self.pending.pop(i) for i in expected]
+            strays = [i for i, t in self.pending.items() if sample_step(t) <= step]
+            for i in strays:
+                del self.pending[i]
         stale = [t.sample_id for t in items if policy_version - t.sample.policy_version > max_staleness]
-        if stale:  # admission control in the coordinator makes this an invariant violation
+        if stale:  # admission control in the dispatcher makes this an invariant violation
             raise RuntimeError(f"step {step}: samples {stale[:3]} are more than {max_staleness} policy versions old")
-        summary = summarise(items, policy_version, self.bins.block_size)
+        summary = summarise(items, policy_version, self.bins.block_size, len(strays))
         ok = [to_trainer_trajectory(t) for t in items if t.sample.finish_reason != "error"]
         if not ok:
-            raise RuntimeError(f"step {step}: all {len(items)} samples failed (e.g. {summary['errors'][:1]})")
+            raise RuntimeError(f"step {step}: all {len(items)} samples failed (e.g. {summary.errors[:1]})")
         loss = self.config.loss
         batch = TrajectoryBatch(ok).with_grpo_advantages(loss.advantage_std_norm, loss.advantage_eps)
         shards = [ray.put(shard) for _, shard in batch.shard(self.world_size)]
@@ -159,37 +171,20 @@ class TrainerHost(TrainerRank):
 
     # ------------------------------------------------------------------ training (all ranks)
 
-    def train_shard(self, shard: TrajectoryBatch, step: int, policy_version: int) -> dict | None:
-        """One GRPO update on this rank's shard (collective); rank 0 reports α and metrics to the monitor."""
+    def train_shard(self, shard: TrajectoryBatch, step: int) -> ShardResult:
+        """One GRPO update on this rank's shard (collective)."""
         result = self.train_step(shard)
-        self.trained.extend(t.sample_id for t in shard)
-        if self.metrics is not None:  # [monitoring]
-            self.metrics.record_train_step(result.metrics, getattr(self.engine, "skipped_steps", None))
+        if self.metrics is not None:
+            self.metrics.record_train_step(result.metrics, self.engine.skipped_steps)
+        ids = [t.sample_id for t in shard]
         if self.rank != 0:
-            return None
-        metrics = {k: float(v) for k, v in result.metrics.items()}
-        finite = {k: v for k, v in metrics.items() if math.isfinite(v)}
-        versions = sorted(result.alpha.lower) or [max(self.bins.version, 0)]
-        empty = AlphaHistogram.empty(self.bins.num_bins)
-        records = [
-            StatsRecord(
-                report_id=f"step{step}-v{v}", trainer_id=f"trainer-{self.rank}", step=step,
-                policy_version=policy_version, schedule_version=v,
-                alpha=result.alpha.lower.get(v, empty), alpha_upper=result.alpha.upper.get(v, empty), metrics=finite,
-            )
-            for v in versions
-        ]
-        report = self.stats_client.send(records)
-        if report.rejected:
-            raise RuntimeError(f"the monitor rejected step {step}'s statistics: {report.rejected[0]}")
-        return metrics
-
-    def trained_ids(self) -> list[str]:
-        return list(self.trained)
+            return ShardResult(self.rank, ids)
+        metrics = {k: float(v) for k, v in result.metrics.items() if math.isfinite(float(v))}
+        return ShardResult(self.rank, ids, metrics, result.alpha)
 
     def stop_ingest(self) -> None:
         self._stop.set()
         if self.server is not None:
             self.server.stop(grace=0)
-        if self.stats_client is not None:
-            self.stats_client.close()
+        if self.metrics_server is not None:
+            self.metrics_server.close()

@@ -10,7 +10,8 @@ from ray.cluster_utils import Cluster  # noqa: E402
 from ray.util.placement_group import placement_group_table  # noqa: E402
 
 from sparrow.coordinator.config import load_config  # noqa: E402
-from sparrow.coordinator.pools import PlacementError, TrainerPool, rollout_pool  # noqa: E402
+from sparrow.coordinator.pools import PlacementError, RolloutPool, TrainerPool  # noqa: E402
+from sparrow.coordinator.transport import JobCredentials  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -37,12 +38,19 @@ def _config(model, rollout_size: int):
     ])
 
 
+def _workers(pool: RolloutPool) -> list[dict]:
+    return ray.get([pool.spawn(slot).info.remote() if slot.actor is None else slot.actor.info.remote()
+                    for slot in pool.slots.values()])
+
+
 def test_pools_land_on_their_labelled_nodes_and_resize_independently(two_nodes, tiny_qwen3):
     config = _config(tiny_qwen3, 1)
-    rollouts = rollout_pool(config, str(tiny_qwen3))
-    trainers = TrainerPool(config.trainer, str(tiny_qwen3))
+    credentials = JobCredentials.create(config.transport)
+    rollouts = RolloutPool(config, str(tiny_qwen3), credentials)
+    rollouts.add_slot(wait_s=30)
+    trainers = TrainerPool(config.trainer, str(tiny_qwen3), credentials)
     try:
-        assert [w["node_id"] for w in rollouts.call("info")] == [two_nodes["rollout"]]
+        assert [w["node_id"] for w in _workers(rollouts)] == [two_nodes["rollout"]]
         assert [n["node_id"] for n in trainers.call("node")] == [two_nodes["trainer"]] * 2
         before = {
             "actors": [a._actor_id.hex() for a in trainers.actors],
@@ -50,10 +58,9 @@ def test_pools_land_on_their_labelled_nodes_and_resize_independently(two_nodes, 
             "bundles": placement_group_table(trainers.placement_group)["bundles"],
         }
 
-        # Resize the rollout pool (1 -> 2 workers) from the config; the trainer pool is not touched.
-        rollouts.shutdown()
-        rollouts = rollout_pool(_config(tiny_qwen3, 2), str(tiny_qwen3))
-        assert [w["node_id"] for w in rollouts.call("info")] == [two_nodes["rollout"]] * 2
+        # Grow the rollout pool (1 -> 2 workers): a slot of its own; the trainer pool is not touched.
+        rollouts.add_slot(wait_s=30)
+        assert [w["node_id"] for w in _workers(rollouts)] == [two_nodes["rollout"]] * 2
         assert [a._actor_id.hex() for a in trainers.actors] == before["actors"]
         assert trainers.placement_group.id.hex() == before["group"]
         assert placement_group_table(trainers.placement_group)["bundles"] == before["bundles"]
@@ -66,8 +73,9 @@ def test_pools_land_on_their_labelled_nodes_and_resize_independently(two_nodes, 
 
 def test_pools_that_cannot_fit_fail_at_once_naming_the_resource(two_nodes, tiny_qwen3):
     unlabelled = load_config(None, [f"model={tiny_qwen3}", "rollout.pool.node_label=gpu_node"])
+    credentials = JobCredentials.create(unlabelled.transport)
     with pytest.raises(PlacementError, match="rollout pool .*gpu_node: needs 0.001, cluster has 0.*--resources"):
-        rollout_pool(unlabelled, str(tiny_qwen3))
+        RolloutPool(unlabelled, str(tiny_qwen3), credentials)
     too_big = load_config(None, [f"model={tiny_qwen3}", "rollout.pool.size=3", "rollout.pool.cpus=2"])
     with pytest.raises(PlacementError, match="CPU: needs 6, cluster has 4"):
-        rollout_pool(too_big, str(tiny_qwen3))
+        RolloutPool(too_big, str(tiny_qwen3), credentials)

@@ -7,7 +7,7 @@ import re
 import socket
 import urllib.request
 from pathlib import Path
-from types import SimpleNamespace
+from dataclasses import replace
 
 import pytest
 import torch
@@ -15,10 +15,12 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
-from sparrow.acceptance import AlphaHistogram
+from records import make_record
+
 from sparrow.coordinator.controller import ControllerConfig, PowerLawResponse, Simulator, SparsityController
 from sparrow.coordinator.metrics import ROLE_FAMILIES, ROLES, MetricsConfig, SparrowMetrics, start_metrics_server
 from sparrow.coordinator.metrics.registry import TRANSPORT_FAMILIES
+from sparrow.coordinator.step_record import BatchSummary, FaultEvent
 from sparrow.coordinator.transport import Trajectory
 from sparrow.cost import CostModel, resolve_hardware, resolve_model
 from sparrow.rollout_workers.api import RolloutSample
@@ -63,6 +65,10 @@ def series(families: dict) -> set[str]:
     return {name for name, f in families.items() if f.samples}
 
 
+BLANK_SUMMARY = BatchSummary(samples=0, failed=0, errors=[], rewards=[], response_lengths=[], prompt_lengths=[],
+                             truncated=0, staleness=[], kv_read_fraction=1.0, schedule_versions=[])
+
+
 def test_coordinator_exports_alpha_control_and_the_step_record():
     metrics = SparrowMetrics.for_coordinator(MetricsConfig(port=0))
     schedule = load_schedule("qwen3-1.7b-0.86")
@@ -74,15 +80,17 @@ def test_coordinator_exports_alpha_control_and_the_step_record():
     metrics.record_control_step(step, target=0.86)
     cost_model = CostModel(resolve_model("qwen3-1.7b"), resolve_hardware("h200"))
     predicted = metrics.set_predicted_speedup(cost_model, step.schedule)
-    # A step record as a dict (metrics.jsonl) and as a typed object (StepRecord, BatchSummary): same fields.
-    record = {"step": 4, "policy_version": 4, "predicted_speedup": predicted, "publish": {"seconds": 1.5},
-              "rollout": {"kv_read_fraction": 0.25, "speedup_measured": 2.21, "utilisation": {"rollout-0": 0.75}},
-              "faults": [{"kind": "rollout_worker_lost", "recovery_seconds": 42.0},
-                         {"kind": "trainer_lost", "recovery_seconds": None}]}  # not recovered yet: not counted
-    metrics.record_step(record, {"staleness": [0, 1, 2]}, target=0.86)
-    typed = SimpleNamespace(step=5, predicted_speedup=predicted, publish=SimpleNamespace(seconds=2.5), faults=[],
-                            rollout=SimpleNamespace(kv_read_fraction=0.5, speedup_measured=None, utilisation={}))
-    metrics.record_step(typed, SimpleNamespace(staleness=[]))
+    first, second = make_record(4), make_record(5)
+    metrics.record_step(replace(
+        first, predicted_speedup=predicted, publish=replace(first.publish, seconds=1.5),
+        rollout=replace(first.rollout, kv_read_fraction=0.25, speedup_measured=2.21, utilisation={"rollout-0": 0.75}),
+        faults=[FaultEvent("rollout_worker_lost", "rollout-0", "killed", 42.0, 4),
+                FaultEvent("trainer_lost", "trainer", "rank 1 killed", None, 4)],  # not recovered yet: not counted
+    ), replace(BLANK_SUMMARY, staleness=[0, 1, 2]), target=0.86)
+    metrics.record_step(replace(
+        second, predicted_speedup=predicted, publish=replace(second.publish, seconds=2.5), faults=[],
+        rollout=replace(second.rollout, kv_read_fraction=0.5, speedup_measured=None, utilisation={}),
+    ), BLANK_SUMMARY)
     metrics.watch_transport("stats", lambda: {"queue_depth": 1.0, "queue_capacity": 10.0, "accepted": 1.0,
                                               "duplicate": 1.0, "invalid_argument": 0.0, "unavailable": 0.0, "waits": 0.0})
     families = serve_and_scrape(metrics)

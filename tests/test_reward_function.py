@@ -6,6 +6,7 @@ server, without Ray.
 """
 
 import logging
+import threading
 import time
 
 import pytest
@@ -27,7 +28,7 @@ def reward(name: str, **kw) -> tuple[RewardFunction, list[str]]:
 
 
 def call(fn: RewardFunction, text: str, finish_reason: str = "stop", sample_index: int = 0) -> float:
-    return fn(text, RECORD.answer, finish_reason, reward_metadata(RECORD, 3, sample_index, finish_reason))
+    return fn(text, RECORD.answer, finish_reason, reward_metadata(RECORD, 3, sample_index, finish_reason, f"s3-p1#{sample_index}"))
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -44,7 +45,7 @@ def test_sync_and_async_functions_get_text_answer_and_metadata():
     asynchronous, _ = reward("async_length")
     assert call(asynchronous, "x" * 250, sample_index=2) == 4.5
     assert errors == []
-    meta = reward_metadata(RECORD, 3, 2, "stop")
+    meta = reward_metadata(RECORD, 3, 2, "stop", "s3-p1#2")
     assert meta == {
         "prompt_id": "s3-p1", "messages": [{"role": "user", "content": "Calculate 2 + 5."}], "answer": "7", "index": 19,
         "step": 3, "sample_index": 2, "sample_id": "s3-p1#2", "finish_reason": "stop",
@@ -113,9 +114,11 @@ def test_function_settings_that_would_be_ignored_are_refused():
 
 
 def test_rollout_worker_scores_with_the_function_and_survives_its_failures(tiny_qwen3):
-    """The worker's own path: generate → decode → reward(text, answer, metadata) → send."""
+    """The worker's own path: lease → generate → decode → reward(text, answer, metadata) → send → complete."""
     from transformers import AutoTokenizer
 
+    from sparrow.coordinator.dispatcher import Dispatcher
+    from sparrow.coordinator.fleet import WorkerSetup
     from sparrow.coordinator.rollout_worker import RolloutWorker
     from sparrow.coordinator.transport import JobCredentials, TrajectoryServer
 
@@ -125,21 +128,28 @@ def test_rollout_worker_scores_with_the_function_and_survives_its_failures(tiny_
         "rollout.sampling={max_tokens: 6, n: 2}",
     ])
     records = PromptSource(config.data, seed=0).batch(0, 2)
-    threads = torch.get_num_threads()
     credentials = JobCredentials.create(config.transport)
-    worker = RolloutWorker(config.worker_payload(), str(tiny_qwen3), 0, threads, credentials)
+    worker = RolloutWorker(config.worker_payload(), str(tiny_qwen3), 0, torch.get_num_threads(), credentials)
+    dispatcher = Dispatcher(max_staleness=0, lease_timeout_s=60)
+    dispatcher.add_step(0, records, [])
     try:
         with TrajectoryServer(config.transport, credentials) as server:
-            worker.connect(server.address)
-            worker.update_schedule(config.schedule_template())  # as the driver does at start
-            report = worker.generate(0, records)
+            setup = WorkerSetup(server.address, config.schedule_template(), None)  # as the fleet starts a worker
+            serving = threading.Thread(target=worker.serve, args=(dispatcher, setup))
+            serving.start()
+            deadline = time.monotonic() + 120
+            while not dispatcher.progress(0)[2] and time.monotonic() < deadline:
+                time.sleep(0.05)
+            worker.stop()
+            serving.join()
             received = {t.sample_id: t for t in server.get_batch(4, timeout=5)}
             counts = {s.labels["reason"]: s.value for m in worker.metrics.registry.collect()
                       if m.name == "sparrow_reward_errors" for s in m.samples if s.name.endswith("_total")}
     finally:
         worker.shutdown()
+    reports = [report for _, report in dispatcher.take_step(0).done.values()]
     tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3)
-    assert report["samples"] == 4 and report["accepted"] == 4 and len(received) == 4
+    assert sum(r.samples for r in reports) == 4 and sum(r.accepted for r in reports) == 4 and len(received) == 4
     for r in records:
         first, second = received[f"{r.prompt_id}#0"], received[f"{r.prompt_id}#1"]
         text = tokenizer.decode(first.sample.token_ids.tolist(), skip_special_tokens=True)

@@ -30,11 +30,11 @@ def test_a_train_step_runs_with_the_vllm_engine(tiny_qwen3, tmp_path, monkeypatc
     ])
     run_dir = RunDir.create(config.run.out_dir, "vllm")
     with TrainingJob(config, run_dir, progress=False, log=lambda *_: None) as job:
-        assert job.workers[0]["engine"] == "VllmEngine"
+        assert job.fleet.workers[0]["engine"] == "VllmEngine"
         (record,) = job.run()
-        assert ray.get(job.rollouts.actors[0].policy_version.remote()) == 1, "weights reached the vLLM worker"
+        assert ray.get(job.fleet.actors[0].policy_version.remote()) == 1, "weights reached the vLLM worker"
         trained = sorted(sum(job.trained_ids(), []))
     assert trained == sorted(f"s0-p{p}#{i}" for p in range(2) for i in range(4))
-    assert record["rollout"]["samples"] == 8 and record["rollout"]["failed"] == 0
-    assert record["rollout"]["schedule_versions"] == [0]
-    assert sum(record["alpha"]["tokens"]) == record["train"]["train/loss_tokens"] > 0
+    assert record.rollout.samples == 8 and record.rollout.failed == 0
+    assert record.rollout.schedule_versions == [0]
+    assert sum(record.alpha.tokens) == record.train["train/loss_tokens"] > 0

@@ -251,6 +251,7 @@ class TrainerRank:
         sums = dict.fromkeys(LOSS_SUM_KEYS + (("ref_kl",) if self.ref_forward else ()), 0.0)
         maxes = {"abs_log_ratio": 0.0}
         gradients, norm = None, None
+        skipped_before = self.engine.skipped_steps  # DeepSpeed drops an update whose gradients are not finite
         parts = _index_parts(len(trajectories), cfg.mini_batches)
         for epoch in range(cfg.epochs):
             for k, part in enumerate(parts):
@@ -265,6 +266,7 @@ class TrainerRank:
                 norm = self.engine.get_global_grad_norm()
         self.step_count += 1
         metrics = self._step_metrics(sums, maxes, norm, start)
+        metrics["train/skipped_updates"] = float(self.engine.skipped_steps - skipped_before)
         if self.config.distill_sparse.enabled:
             metrics.update(self.distill_step(batch, old))
         alpha = self._global_alpha(report) if cfg.on_policy else report
@@ -477,6 +479,12 @@ class TrainerRank:
             host, port, 0, world_size, backend=backend, device=self.device, timeout_s=self.config.publish.timeout_s
         )
 
+    def weights_finite(self) -> bool:
+        """True when no rank holds a NaN/Inf weight (each checks its own ZeRO-3 partition); collective."""
+        local = all(bool(torch.isfinite(p.ds_tensor if hasattr(p, "ds_tensor") else p.data).all())
+                    for p in self.exporter.params.values())
+        return all_reduce_scalar(float(not local), "max", self.device) == 0.0
+
     def publish_weights(self, version: int, channel: str = "collective") -> PublishReport | None:
         """Send the full policy (LoRA merged when DistillSparse is on) as `version`; call on all ranks.
 
@@ -487,6 +495,9 @@ class TrainerRank:
         self._require_setup()
         if channel not in ("collective", "object_store"):
             raise ValueError(f"channel={channel!r}: use 'collective' or 'object_store'")
+        if not self.weights_finite():
+            refused = f"version {version} holds NaN/Inf weights; not sent (the rollout pool keeps its version)"
+            return PublishReport(version, 0, 0, 0, 0.0, refused=refused) if self.rank == 0 else None
         sender = None
         if self.rank == 0:
             if channel == "collective":

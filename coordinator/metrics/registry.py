@@ -185,15 +185,6 @@ class _MemoryCollector(Collector):
         yield from (host, gpu)
 
 
-def _field(record, *path):
-    """record.a.b or record["a"]["b"] (a step record as a dict or a typed object); None if absent."""
-    for key in path:
-        if record is None:
-            return None
-        record = record.get(key) if isinstance(record, Mapping) else getattr(record, key, None)
-    return record
-
-
 class SparrowMetrics:
     """The metric families of one process, plus helpers that update them from Sparrow's own objects.
 
@@ -289,39 +280,25 @@ class SparrowMetrics:
         return speedup
 
     # the coordinator's step ----------------------------------------------------------------------
-    def record_step(self, record, summary=None, target: float | None = None) -> None:
-        """The coordinator's per-step series from a step record and rank 0's batch summary, each a
-        typed object (`StepRecord`, `BatchSummary`) or a dict with the same field names.
+    def record_step(self, record, summary, target: float | None = None) -> None:
+        """The coordinator's per-step series from a `StepRecord` and rank 0's `BatchSummary`.
 
-        record.step → `sparrow_train_step` (steps completed: step + 1); record.rollout.kv_read_fraction;
-        record.rollout.speedup_measured (the dense probe's result, on probe steps; kept otherwise);
-        record.predicted_speedup; record.rollout.utilisation ({worker: busy fraction});
-        record.publish.seconds; record.faults (each with a `recovery_seconds` counts one recovery of
-        its `kind`: list a recovered fault in exactly one step's record); summary.staleness (policy
-        versions behind, per trained sample); `target` → τ.
+        The dense probe's speedup is kept between probe steps; each fault with a `recovery_seconds`
+        counts one recovery of its kind (a step record lists a fault once); `target` sets τ.
         """
-        step = _field(record, "step")
-        if step is not None:
-            self.train_step.set(step + 1)
-        kv = _field(record, "rollout", "kv_read_fraction")
-        if kv is not None:
-            self.kv_read_fraction.set(kv)
-        measured = _field(record, "rollout", "speedup_measured")
-        if measured is not None:
-            self.speedup_measured.labels(pool="rollout").set(measured)
-        predicted = _field(record, "predicted_speedup")
-        if predicted is not None:
-            self.speedup_predicted.labels(pool="rollout").set(predicted)
-        for worker, fraction in (_field(record, "rollout", "utilisation") or {}).items():
+        self.train_step.set(record.step + 1)
+        self.kv_read_fraction.set(record.rollout.kv_read_fraction)
+        if record.rollout.speedup_measured is not None:
+            self.speedup_measured.labels(pool="rollout").set(record.rollout.speedup_measured)
+        if record.predicted_speedup is not None:
+            self.speedup_predicted.labels(pool="rollout").set(record.predicted_speedup)
+        for worker, fraction in record.rollout.utilisation.items():
             self.utilisation.labels(worker=worker).set(fraction)
-        seconds = _field(record, "publish", "seconds")
-        if seconds is not None:
-            self.weight_publication.labels(pool="trainer").observe(seconds)
-        for fault in _field(record, "faults") or ():
-            recovered = _field(fault, "recovery_seconds")
-            if recovered is not None:
-                self.record_recovery(_field(fault, "kind"), recovered)
-        for lag in _field(summary, "staleness") or ():
+        self.weight_publication.labels(pool="trainer").observe(record.publish.seconds)
+        for fault in record.faults:
+            if fault.recovery_seconds is not None:
+                self.record_recovery(fault.kind, fault.recovery_seconds)
+        for lag in summary.staleness:
             self.staleness.labels(pool="trainer").observe(lag)
         if target is not None:
             self.alpha_target.set(target)
@@ -412,7 +389,8 @@ _FAMILIES: dict[str, tuple[str, Callable[[], object]]] = {
         "sparrow_recovery_seconds", "Seconds from a loss to the job running again, by kind", ("kind",), RECOVERY_BUCKETS)),
     "sparrow_rollout_tokens": ("tokens", _counter("sparrow_rollout_tokens", "Tokens generated", _PROCESS)),
     "sparrow_rollout_tokens_per_second": ("tokens_per_second", _gauge(
-        "sparrow_rollout_tokens_per_second", "Decode throughput of the worker's last step", _PROCESS)),
+        "sparrow_rollout_tokens_per_second", "Tokens the worker's engine generated per busy second, last second of work",
+        _PROCESS)),
     "sparrow_rollout_samples": ("samples", _counter(
         "sparrow_rollout_samples", "Finished samples by finish reason", (*_PROCESS, "finish_reason"))),
     "sparrow_reward": ("reward", _histogram("sparrow_reward", "Reward per sample", ("pool",), REWARD_BUCKETS)),

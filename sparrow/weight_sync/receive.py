@@ -34,17 +34,18 @@ class WeightReceiver:
 
     The engine validates the whole state dict before copying (missing/unexpected keys, shapes,
     dtypes, NaN/inf) and keeps serving its old weights when it refuses; the refusal is re-raised
-    here with the version, and versions must increase.
+    here with the version, and versions must increase unless `allow_older` (after a trainer rollback to a
+    checkpoint the rollout side goes back to that checkpoint's version).
     """
 
     def __init__(self, engine, device: torch.device | str = "cpu"):
         self.engine, self.device = engine, device
 
-    def receive(self, source) -> ReceiveReport:
+    def receive(self, source, allow_older: bool = False) -> ReceiveReport:
         start = time.perf_counter()
         state, version = receive_state_dict(source, self.device)
         current = self.engine.policy_version
-        if version <= current:
+        if version <= current and not allow_older:
             raise WeightsRefused(f"weights version {version} is not newer than the version being served ({current}); refused")
         try:
             self.engine.load_weights(state, version)

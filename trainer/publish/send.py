@@ -20,6 +20,8 @@ class PublishReport:
     seconds: float
     handle: Any = None
     """The `WeightHandle` when publishing through Ray's object store."""
+    refused: str | None = None
+    """Why nothing was sent (the weights failed the finiteness check), or None."""
 
     def metrics(self) -> dict[str, float]:
         return {

@@ -1,0 +1,108 @@
+"""`Dispatcher`: the job's `WorkQueue` as a Ray actor, so rollout workers can pull from it.
+
+The driver adds steps and takes completed ones; workers lease, renew and complete. Every call first
+expires overdue leases, so a worker that stopped renewing loses its groups within one lease timeout
+of the next call from anyone (workers call several times a second while generating). Threaded
+actor: calls run concurrently and the queue is guarded by one lock.
+"""
+
+import threading
+import time
+
+import ray
+
+from .data import PromptRecord
+from .step_record import GroupReport
+from .work_queue import Lease, ProbeResult, StepWork, WorkQueue
+
+
+class Dispatcher:
+    def __init__(self, max_staleness: int, lease_timeout_s: float):
+        self.queue = WorkQueue(max_staleness, lease_timeout_s)
+        self._lock = threading.Lock()
+        self.expired: list[Lease] = []
+        """Leases that timed out since the driver last asked (`take_expired`)."""
+
+    def _now(self) -> float:
+        now = time.monotonic()
+        self.expired += self.queue.expire(now)
+        return now
+
+    # the driver
+    def add_step(self, step: int, records: list[PromptRecord], probe: list[PromptRecord]) -> None:
+        with self._lock:
+            self._now()
+            self.queue.add_step(step, records, probe)
+
+    def progress(self, step: int) -> tuple[int, int, bool]:
+        """(groups done, groups in the step, complete) of a queued step."""
+        with self._lock:
+            self._now()
+            work = self.queue.steps[step]
+            return len(work.done), work.groups, work.complete
+
+    def take_step(self, step: int) -> StepWork:
+        with self._lock:
+            return self.queue.take_step(step)
+
+    def take_expired(self) -> list[Lease]:
+        with self._lock:
+            self._now()
+            out, self.expired = self.expired, []
+            return out
+
+    def release(self, worker: str) -> list[Lease]:
+        with self._lock:
+            return self.queue.release(worker)
+
+    def retire(self, worker: str) -> None:
+        with self._lock:
+            self.queue.retire(worker)
+
+    def holds(self, worker: str) -> int:
+        with self._lock:
+            self._now()
+            return len(self.queue.holds(worker))
+
+    def discard_from(self, step: int) -> int:
+        with self._lock:
+            return len(self.queue.discard_from(step))
+
+    def busy_seconds(self) -> dict[str, float]:
+        with self._lock:
+            return {w: s.busy_seconds for w, s in self.queue.workers.items()}
+
+    # the workers
+    def lease(self, worker: str, policy_version: int, max_groups: int, busy_seconds: float) -> list[Lease]:
+        with self._lock:
+            return self.queue.lease(worker, policy_version, max_groups, self._now(), busy_seconds)
+
+    def renew(self, worker: str, lease_ids: list[int], busy_seconds: float) -> list[int]:
+        with self._lock:
+            return self.queue.renew(worker, lease_ids, self._now(), busy_seconds)
+
+    def complete(self, worker: str, lease_id: int, result: GroupReport | ProbeResult, busy_seconds: float) -> None:
+        with self._lock:
+            self.queue.complete(worker, lease_id, result, self._now(), busy_seconds)
+
+
+class DispatcherClient:
+    """A worker's calls on the dispatcher, whether it is the job's Ray actor or a plain `Dispatcher`
+    (one process: tests, or a worker used directly)."""
+
+    def __init__(self, dispatcher):
+        self.dispatcher = dispatcher
+        self.remote = isinstance(dispatcher, ray.actor.ActorHandle)
+
+    def _call(self, name: str, *args):
+        method = getattr(self.dispatcher, name)
+        return ray.get(method.remote(*args)) if self.remote else method(*args)
+
+    def lease(self, worker: str, policy_version: int, max_groups: int, busy_seconds: float) -> list[Lease]:
+        return self._call("lease", worker, policy_version, max_groups, busy_seconds)
+
+    def renew(self, worker: str, lease_ids: list[int], busy_seconds: float) -> list[int]:
+        return self._call("renew", worker, lease_ids, busy_seconds)
+
+    def complete(self, worker: str, lease_id: int, result: GroupReport | ProbeResult, busy_seconds: float) -> None:
+        self._call("complete", worker, lease_id, result, busy_seconds)

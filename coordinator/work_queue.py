@@ -1,0 +1,244 @@
+"""`WorkQueue`: the GRPO groups of the steps in flight, leased to rollout workers (pure bookkeeping).
+
+Pull, not push: a worker leases groups as it has room for them, so a fast worker takes more and one
+worker's long tail no longer idles the pool. A lease is renewed while its worker generates; one not
+renewed within `lease_timeout_s`, or whose worker is lost, goes back to the queue as a new
+**attempt**. An attempt's number is part of its request id and so of its sample ids, and the
+trainer takes exactly the ids of completed attempts: samples of an abandoned attempt can never be
+trained, and attempts are never reused (not even after a rollback), so no id is acknowledged twice.
+
+Admission control (staleness s): a worker at policy version v may lease a group of step j only if
+j − s ≤ v ≤ j. Together with "step j is trained at step j" this bounds every trained sample's
+staleness by s, whichever worker generated it and however often it was retried.
+
+Times are passed in (`now`), so the bookkeeping is deterministic and unit-testable.
+"""
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from .data import PromptRecord
+from .step_record import GroupReport
+
+
+@dataclass(frozen=True)
+class GroupTask:
+    step: int
+    record: PromptRecord
+    attempt: int = 0
+
+    @property
+    def request_id(self) -> str:
+        """The engine request id (sample ids are `<request_id>#<sample index>`); attempt 0 keeps the prompt id."""
+        return self.record.prompt_id if self.attempt == 0 else f"{self.record.prompt_id}.r{self.attempt}"
+
+
+@dataclass(frozen=True)
+class ProbeTask:
+    """Decode these prompts sparse and dense on one otherwise idle engine (nothing is sent): the measured speedup."""
+
+    step: int
+    records: tuple[PromptRecord, ...]
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    sparse_tokens_per_s: float
+    dense_tokens_per_s: float
+
+    @property
+    def speedup(self) -> float:
+        return self.sparse_tokens_per_s / self.dense_tokens_per_s
+
+
+@dataclass
+class Lease:
+    lease_id: int
+    task: GroupTask | ProbeTask
+    worker: str
+    expires: float
+
+
+@dataclass
+class StepWork:
+    step: int
+    groups: int
+    pending: "OrderedDict[str, GroupTask]" = field(default_factory=OrderedDict)
+    done: dict[str, tuple[GroupTask, GroupReport]] = field(default_factory=dict)
+    probe: ProbeTask | None = None
+    probe_leased: bool = False
+    probe_result: ProbeResult | None = None
+    requeued: int = 0
+    first_lease: float | None = None
+    last_done: float | None = None
+
+    @property
+    def complete(self) -> bool:
+        return len(self.done) == self.groups and (self.probe is None or self.probe_result is not None)
+
+
+@dataclass
+class WorkerState:
+    last_seen: float
+    busy_seconds: float = 0.0
+    retiring: bool = False
+
+
+class LeaseError(RuntimeError):
+    """A call about a lease the queue does not hold for that worker (expired, requeued, or another's)."""
+
+
+class WorkQueue:
+    def __init__(self, max_staleness: int, lease_timeout_s: float):
+        if max_staleness < 0 or lease_timeout_s <= 0:
+            raise ValueError(f"max_staleness={max_staleness} must be >= 0 and lease_timeout_s={lease_timeout_s} > 0")
+        self.max_staleness, self.lease_timeout_s = max_staleness, lease_timeout_s
+        self.steps: dict[int, StepWork] = {}
+        self.leases: dict[int, Lease] = {}
+        self.workers: dict[str, WorkerState] = {}
+        self._next_lease = 0
+        self._attempts: dict[str, int] = {}
+        """Highest attempt handed out per prompt id, kept across rollbacks so no request id repeats."""
+
+    # ------------------------------------------------------------------ the coordinator's side
+
+    def add_step(self, step: int, records: list[PromptRecord], probe: list[PromptRecord] = ()) -> None:
+        if step in self.steps:
+            raise ValueError(f"step {step} is already queued")
+        work = StepWork(step, len(records), probe=ProbeTask(step, tuple(probe)) if probe else None)
+        for r in records:
+            task = GroupTask(step, r, self._new_attempt(r.prompt_id))
+            work.pending[r.prompt_id] = task
+        self.steps[step] = work
+
+    def _new_attempt(self, prompt_id: str) -> int:
+        attempt = self._attempts.get(prompt_id, -1) + 1
+        self._attempts[prompt_id] = attempt
+        return attempt
+
+    def step_complete(self, step: int) -> bool:
+        return self.steps[step].complete
+
+    def take_step(self, step: int) -> StepWork:
+        """A complete step's results; the step leaves the queue."""
+        work = self.steps[step]
+        if not work.complete:
+            raise ValueError(f"step {step} is not complete: {len(work.done)} of {work.groups} groups done")
+        return self.steps.pop(step)
+
+    def discard_from(self, step: int) -> list[Lease]:
+        """Forget steps >= `step` (a trainer rollback regenerates them); their leases become invalid."""
+        dropped = [lease for lease in self.leases.values() if lease.task.step >= step]
+        for lease in dropped:
+            del self.leases[lease.lease_id]
+        for s in [s for s in self.steps if s >= step]:
+            del self.steps[s]
+        return dropped
+
+    def release(self, worker: str) -> list[Lease]:
+        """A lost worker: its leases go back to the queue (new attempts) and it is forgotten."""
+        self.workers.pop(worker, None)
+        lost = [lease for lease in self.leases.values() if lease.worker == worker]
+        for lease in lost:
+            self._requeue(lease)
+        return lost
+
+    def retire(self, worker: str) -> None:
+        """Lease nothing more to `worker` (the pool shrinks); its current leases run to completion."""
+        if worker in self.workers:
+            self.workers[worker].retiring = True
+
+    def expire(self, now: float) -> list[Lease]:
+        """Requeue every lease not renewed in time."""
+        expired = [lease for lease in self.leases.values() if lease.expires <= now]
+        for lease in expired:
+            self._requeue(lease)
+        return expired
+
+    def _requeue(self, lease: Lease) -> None:
+        del self.leases[lease.lease_id]
+        work = self.steps.get(lease.task.step)
+        if work is None:
+            return
+        task = lease.task
+        if isinstance(task, ProbeTask):
+            work.probe_leased = False
+            return
+        retry = GroupTask(task.step, task.record, self._new_attempt(task.record.prompt_id))
+        work.pending[task.record.prompt_id] = retry
+        work.pending = OrderedDict(sorted(work.pending.items(), key=lambda item: item[1].record.index))
+        work.requeued += 1
+
+    # ------------------------------------------------------------------ the workers' side
+
+    def lease(self, worker: str, policy_version: int, max_groups: int, now: float, busy_seconds: float = 0.0) -> list[Lease]:
+        """Up to `max_groups` admissible groups (oldest step first), or one probe if the worker is idle.
+
+        A worker holds at most its fair share of the admissible groups not yet done (split over the
+        workers seen within a lease timeout), so the first worker to ask does not take everything, and
+        one that finishes early takes more of what is left.
+        """
+        state = self._seen(worker, now, busy_seconds)
+        if state.retiring:
+            return []
+        admissible = [w for s, w in sorted(self.steps.items()) if s - self.max_staleness <= policy_version <= s]
+        idle = not any(lease.worker == worker for lease in self.leases.values())
+        for work in admissible:
+            if idle and work.probe is not None and not work.probe_leased and work.probe_result is None:
+                work.probe_leased = True
+                return [self._grant(work, work.probe, worker, now)]
+        steps = {w.step for w in admissible}
+        leased = [lease for lease in self.leases.values() if isinstance(lease.task, GroupTask) and lease.task.step in steps]
+        outstanding = sum(len(w.pending) for w in admissible) + len(leased)
+        active = sum(1 for s in self.workers.values() if not s.retiring and now - s.last_seen < self.lease_timeout_s)
+        mine = sum(lease.worker == worker for lease in leased)
+        share = min(max_groups, math.ceil(outstanding / max(active, 1)) - mine)
+        out: list[Lease] = []
+        for work in admissible:
+            while work.pending and len(out) < share:
+                _, task = work.pending.popitem(last=False)
+                out.append(self._grant(work, task, worker, now))
+        return out
+
+    def _grant(self, work: StepWork, task, worker: str, now: float) -> Lease:
+        lease = Lease(self._next_lease, task, worker, now + self.lease_timeout_s)
+        self._next_lease += 1
+        self.leases[lease.lease_id] = lease
+        if work.first_lease is None:
+            work.first_lease = now
+        return lease
+
+    def _seen(self, worker: str, now: float, busy_seconds: float) -> WorkerState:
+        state = self.workers.setdefault(worker, WorkerState(now))
+        state.last_seen, state.busy_seconds = now, max(state.busy_seconds, busy_seconds)
+        return state
+
+    def renew(self, worker: str, lease_ids: list[int], now: float, busy_seconds: float = 0.0) -> list[int]:
+        """Extend the worker's leases; returns the ids it must abandon (expired, requeued or discarded)."""
+        self._seen(worker, now, busy_seconds)
+        lost = []
+        for i in lease_ids:
+            lease = self.leases.get(i)
+            if lease is None or lease.worker != worker:
+                lost.append(i)
+            else:
+                lease.expires = now + self.lease_timeout_s
+        return lost
+
+    def complete(self, worker: str, lease_id: int, result: GroupReport | ProbeResult, now: float,
+                 busy_seconds: float = 0.0) -> None:
+        lease = self.leases.get(lease_id)
+        if lease is None or lease.worker != worker:
+            raise LeaseError(f"{worker}: lease {lease_id} is no longer held (expired, requeued or discarded)")
+        del self.leases[lease_id]
+        self._seen(worker, now, busy_seconds)
+        work = self.steps[lease.task.step]
+        if isinstance(lease.task, ProbeTask):
+            work.probe_result = result
+        else:
+            work.done[lease.task.record.prompt_id] = (lease.task, result)
+        work.last_done = now
+
+    def holds(self, worker: str) -> list[Lease]:
+        return [lease for lease in self.leases.values() if lease.worker == worker]

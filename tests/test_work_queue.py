@@ -1,0 +1,143 @@
+"""The pull-based work queue's bookkeeping: leases, fair shares, admission by policy version, expiry,
+lost workers, retirement, rollbacks and the exactly-once property under random faults."""
+
+import random
+
+import pytest
+
+from sparrow.coordinator.data import PromptRecord
+from sparrow.coordinator.step_record import GroupReport
+from sparrow.coordinator.work_queue import GroupTask, LeaseError, ProbeResult, ProbeTask, WorkQueue
+
+
+def records(step: int, n: int) -> list[PromptRecord]:
+    return [PromptRecord(f"s{step}-p{i}", ({"role": "user", "content": str(i)},), str(i), step * n + i) for i in range(n)]
+
+
+def report(worker: str, task: GroupTask, samples: int = 2) -> GroupReport:
+    ids = [f"{task.request_id}#{j}" for j in range(samples)]
+    return GroupReport(worker, samples, 0, 10, samples, 0, [], 1, ids, 1.0)
+
+
+def test_a_worker_leases_its_fair_share_and_completes_groups():
+    q = WorkQueue(max_staleness=0, lease_timeout_s=10)
+    q.add_step(0, records(0, 6))
+    q.lease("w1", 0, 8, now=0.0)  # w1 registers first: with no one else seen it may take everything
+    q2 = WorkQueue(max_staleness=0, lease_timeout_s=10)
+    q2.add_step(0, records(0, 6))
+    q2.renew("w2", [], now=0.0)
+    q2.renew("w3", [], now=0.0)
+    first = q2.lease("w1", 0, 8, now=0.0)
+    assert len(first) == 2, "6 groups over 3 active workers: a share of 2"
+    assert q2.lease("w1", 0, 8, now=0.0) == [], "asking again right away gives nothing more"
+    assert [lease.task.request_id for lease in first] == ["s0-p0", "s0-p1"], "oldest first, attempt 0 keeps the prompt id"
+    for lease in first:
+        q2.complete("w1", lease.lease_id, report("w1", lease.task), now=1.0)
+    assert len(q2.steps[0].done) == 2 and not q2.step_complete(0)
+    assert len(q2.lease("w1", 0, 8, now=1.0)) == 2, "done early: a fair share of the 4 left"
+
+
+def test_admission_bounds_staleness():
+    q = WorkQueue(max_staleness=1, lease_timeout_s=10)
+    q.add_step(3, records(3, 2))
+    assert q.lease("w", 1, 4, now=0.0) == [], "version 1 is two versions behind step 3"
+    assert q.lease("w", 4, 4, now=0.0) == [], "a worker ahead of the step (a rolled-back trainer) must resync first"
+    assert len(q.lease("w", 2, 4, now=0.0)) == 2
+
+
+def test_expired_and_lost_leases_are_retried_as_new_attempts_and_late_completions_refused():
+    q = WorkQueue(max_staleness=0, lease_timeout_s=10)
+    q.add_step(0, records(0, 2))
+    a, b = q.lease("slow", 0, 2, now=0.0)
+    assert q.renew("slow", [a.lease_id, b.lease_id], now=5.0) == []
+    assert [lease.lease_id for lease in q.expire(now=14.0)] == [], "renewed at t=5: valid until t=15"
+    assert len(q.expire(now=15.0)) == 2
+    retry = q.lease("fast", 0, 2, now=15.0)
+    assert [lease.task.request_id for lease in retry] == ["s0-p0.r1", "s0-p1.r1"]
+    with pytest.raises(LeaseError):
+        q.complete("slow", a.lease_id, report("slow", a.task), now=16.0)
+    assert q.renew("slow", [a.lease_id], now=16.0) == [a.lease_id], "the slow worker learns it lost the lease"
+    lost = q.release("fast")
+    assert len(lost) == 2
+    again = q.lease("third", 0, 2, now=17.0)
+    assert len(again) == 1, "'slow' still renews, so two workers share the two groups"
+    assert q.lease("third", 0, 2, now=17.0) == [], "'third' already holds its share"
+    again += q.lease("slow", 0, 2, now=17.0)
+    assert [lease.task.attempt for lease in again] == [2, 2]
+    assert q.steps[0].requeued == 4
+
+
+def test_probe_goes_to_an_idle_worker_and_the_step_waits_for_it():
+    q = WorkQueue(max_staleness=0, lease_timeout_s=10)
+    q.add_step(0, records(0, 2), probe=records(0, 1))
+    busy = q.lease("w1", 0, 1, now=0.0)
+    assert isinstance(busy[0].task, ProbeTask), "an idle worker takes the probe first"
+    groups = q.lease("w1", 0, 2, now=0.0)
+    assert all(isinstance(lease.task, GroupTask) for lease in groups), "a busy worker is never given a probe"
+    for lease in groups:
+        q.complete("w1", lease.lease_id, report("w1", lease.task), now=1.0)
+    assert not q.step_complete(0)
+    q.complete("w1", busy[0].lease_id, ProbeResult(30.0, 20.0), now=2.0)
+    assert q.step_complete(0) and q.take_step(0).probe_result.speedup == 1.5
+
+
+def test_retired_workers_lease_nothing_and_rollbacks_never_reuse_request_ids():
+    q = WorkQueue(max_staleness=1, lease_timeout_s=10)
+    q.add_step(0, records(0, 2))
+    q.add_step(1, records(1, 2))
+    held = q.lease("w", 0, 4, now=0.0)
+    q.retire("w")
+    assert q.lease("w", 0, 4, now=0.0) == []
+    assert len(q.discard_from(0)) == len(held)
+    assert not q.steps and not q.leases
+    q.add_step(0, records(0, 2))
+    redo = q.lease("v", 0, 4, now=1.0)
+    assert {lease.task.request_id for lease in redo} == {"s0-p0.r1", "s0-p1.r1"}
+
+
+def test_every_group_completes_exactly_once_under_random_faults():
+    """Random leases, completions, expiries, lost workers and late completions: each group of each
+    step ends up completed once, by one attempt, and the step's samples carry that attempt's ids."""
+    rng = random.Random(7)
+    q = WorkQueue(max_staleness=1, lease_timeout_s=3)
+    steps, groups = 6, 5
+    for s in range(2):
+        q.add_step(s, records(s, groups))
+    version, now, finished = 0, 0.0, {}
+    workers = [f"w{i}" for i in range(4)]
+    held: dict[str, list] = {w: [] for w in workers}
+    late = []
+    while version < steps:
+        now += 1.0
+        q.expire(now)
+        w = rng.choice(workers)
+        roll = rng.random()
+        if roll < 0.1:
+            q.release(w)
+            late += held[w]
+            held[w] = []
+        elif roll < 0.5:
+            held[w] += q.lease(w, version if rng.random() < 0.8 else max(version - 1, 0), rng.randint(1, 3), now)
+        elif held[w]:
+            lease = held[w].pop(rng.randrange(len(held[w])))
+            try:
+                q.complete(w, lease.lease_id, report(w, lease.task), now)
+            except LeaseError:
+                pass
+        if late and rng.random() < 0.3:
+            lease = late.pop()
+            with pytest.raises(LeaseError):
+                q.complete(lease.worker, lease.lease_id, report(lease.worker, lease.task), now)
+        if version in q.steps and q.step_complete(version):
+            work = q.take_step(version)
+            finished[version] = work
+            version += 1
+            if version + 1 < steps:
+                q.add_step(version + 1, records(version + 1, groups))
+    assert sorted(finished) == list(range(steps))
+    for s, work in finished.items():
+        assert sorted(work.done) == [f"s{s}-p{i}" for i in range(groups)]
+        for prompt, (task, rep) in work.done.items():
+            assert rep.sample_ids == [f"{task.request_id}#{j}" for j in range(2)]
+    all_ids = [i for w in finished.values() for _, rep in w.done.values() for i in rep.sample_ids]
+    assert len(all_ids) == len(set(all_ids)) == steps * groups * 2
