@@ -126,7 +126,14 @@ class RolloutWorker:
         the one served (the trainer restarted from a checkpoint)."""
         from sparrow.weight_sync import HandleSource, WeightReceiver
 
-        report = self._exclusive(lambda: WeightReceiver(self.engine).receive(HandleSource(handle), allow_older=rollback))
+        def load():
+            if not rollback and _handle_version(handle) <= self.engine.policy_version:
+                return None  # a joining worker can get a version both in its set-up and from a publication
+            return WeightReceiver(self.engine).receive(HandleSource(handle), allow_older=rollback)
+
+        report = self._exclusive(load)
+        if report is None:
+            return {"version": self.engine.policy_version, "bytes": 0, "seconds": 0.0}
         self.metrics.policy_version.labels(worker=self.worker_id, pool="rollout").set(report.version)
         return {"version": report.version, "bytes": report.nbytes, "seconds": report.seconds}
 
@@ -179,7 +186,7 @@ class RolloutWorker:
         self.connect(setup.trajectory_address)
         self._apply_schedule(setup.schedule)
         self.metrics.policy_version.labels(worker=self.worker_id, pool="rollout").set(self.engine.policy_version)
-        if setup.weights is not None and self.engine.policy_version < _handle_version(setup.weights):
+        if setup.weights is not None:
             self.load_weights(setup.weights)
         self._dispatcher = DispatcherClient(dispatcher)
         self._serving = True

@@ -22,6 +22,7 @@ from sparrow.coordinator.config import load_config  # noqa: E402
 from sparrow.coordinator.driver import TrainingJob  # noqa: E402
 from sparrow.coordinator.run_dir import RunDir  # noqa: E402
 from sparrow.coordinator.step_record import StepRecord  # noqa: E402
+from sparrow.tables import format_table  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -84,8 +85,21 @@ def _assert_exactly_once(job: TrainingJob, steps: int) -> None:
     counts = Counter(trained)
     lost = [i for i in expected if i not in counts]
     duplicated = [i for i, c in counts.items() if c > 1]
+    print(f"\n{job.run_dir.path.name}: {len(expected)} samples dispatched, {len(trained)} trained, "
+          f"{len(lost)} lost, {len(duplicated)} duplicated")
     assert (lost, duplicated) == ([], []), f"{len(lost)} lost, {len(duplicated)} duplicated"
     assert sorted(trained) == expected
+
+
+def _print_figures(run_dir: RunDir) -> None:
+    """What docs/reliability.md quotes: per step the groups per worker, retried groups, dropped samples and
+    seconds; every recovery with its time (`pytest tests/test_reliability.py -s`)."""
+    rows = [[r.step + 1, " ".join(f"{w}:{n}" for w, n in sorted(r.rollout.groups.items())), r.rollout.requeued,
+             r.rollout.dropped, f"{r.timing.rollout_wait:.1f}", f"{r.timing.step:.1f}"] for r in _records(run_dir)]
+    print(format_table(["step", "groups per worker", "retried", "dropped", "rollout wait s", "step s"], rows))
+    events = [[r.step + 1, e.kind, e.subject, "-" if e.recovery_seconds is None else f"{e.recovery_seconds:.1f}", e.detail[:70]]
+              for r in _records(run_dir) for e in r.faults]
+    print(format_table(["step", "event", "who", "recovery s", "detail"], events) if events else "no faults")
 
 
 def _when(predicate, timeout_s: float = 120.0) -> None:
@@ -133,6 +147,7 @@ def test_killed_rollout_workers_are_replaced_and_the_pool_resizes_under_load(clu
         _settle(job, 1)
         job.run(steps=2)
         _assert_exactly_once(job, 5)
+    _print_figures(run_dir)
     records = _records(run_dir)
     lost = [e for r in records for e in r.faults if e.kind == "rollout_worker_lost"]
     assert len(lost) == 1 and lost[0].subject == "rollout-0" and lost[0].recovery_seconds > 0
@@ -173,6 +188,7 @@ def test_a_job_survives_a_rollout_node_removal_and_a_trainer_rank_kill(cluster, 
         job.run(steps=2)
         killer.join()
         _assert_exactly_once(job, 4)
+    _print_figures(run_dir)
     kinds = Counter(e.kind for r in _records(run_dir) for e in r.faults)
     assert kinds["rollout_worker_lost"] >= 1 and kinds["trainer_lost"] == 1, kinds
     assert [r.step for r in _records(run_dir)] == [0, 1, 2, 3]
@@ -200,7 +216,37 @@ def test_a_slow_worker_gives_its_share_to_the_others(cluster, tiny_qwen3, tmp_pa
             t.join()
             os.kill(pid, signal.SIGCONT)
         _assert_exactly_once(job, 2)
+    _print_figures(run_dir)
     groups = Counter()
     for r in records:
         groups.update(r.rollout.groups)
     assert groups["rollout-1"] > groups["rollout-0"], groups
+
+
+@pytest.mark.vllm
+def test_a_killed_vllm_worker_is_replaced(cluster, tiny_qwen3, tmp_path, monkeypatch):
+    pytest.importorskip("vllm")
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core stays in the worker's process
+    config, run_dir = _job(tmp_path, tiny_qwen3, "vllm-kill", steps=2, max_tokens=16)
+    config = load_config(None, [
+        f"model={tiny_qwen3}", "rollout.engine=vllm", "rollout.vllm.max_model_len=512", "rollout.vllm.max_num_seqs=8",
+        "rollout.vllm.kv_cache_memory_bytes=268435456", "rollout.sampling={max_tokens: 16, n: 2, temperature: 1.0}",
+        "rollout.schedule={name: tiny, edges: [80], topk_blocks: [2, 3]}", "rollout.pool={size: 2, cpus: 0.5, node_label: rollout_node}",
+        "trainer.pool={size: 1, cpus: 0.5, node_label: trainer_node}", "trainer.micro_batch_tokens=512",
+        "trainer.recompute_topk=8", "controller.ladder=[1, 2, 3, 4, 6]", "controller.min_samples=20",
+        "metrics.enabled=false", "run.steps=2", "run.prompts_per_step=4", "run.mode=sync",
+        "run.recovery={lease_timeout_s: 8, hung_worker_timeout_s: 5}", f"run.out_dir={run_dir.path.parent}",
+    ])
+    with TrainingJob(config, run_dir, progress=False, log=lambda *_: None) as job:
+        def fault():
+            _when(_holding(job, 1))
+            ray.kill(job.fleet.pool.slots[1].actor, no_restart=True)
+
+        killer = threading.Thread(target=fault, daemon=True)
+        killer.start()
+        job.run()
+        killer.join()
+        _assert_exactly_once(job, 2)
+    _print_figures(run_dir)
+    lost = [e for r in _records(run_dir) for e in r.faults if e.kind == "rollout_worker_lost"]
+    assert len(lost) == 1 and lost[0].subject == "rollout-1"
