@@ -103,6 +103,7 @@ class TrainingJob:
         self.trainer_restarts = 0
         self.tokens_seen = 0
         self._events_logged = 0
+        self._warned_loose = False
 
     # ------------------------------------------------------------------ start and stop
 
@@ -342,7 +343,23 @@ class TrainingJob:
         self.loggers.log_step(record)
         if decision is not None:
             self.run_dir.append(self.run_dir.decisions_file, decision)
+        self._warn_loose_tail(record)
         return record
+
+    def _warn_loose_tail(self, record: StepRecord) -> None:
+        """Say so when the top-k lists cannot see the tail (the lower bound is then far below α itself)."""
+        loose = record.alpha.loose_bins()
+        if loose and not self._warned_loose:
+            gaps = record.alpha.bound_gaps
+            worst = max(loose, key=lambda b: gaps[b])
+            self.log(
+                f"step {record.step + 1}: the α tail is only bracketed in bins {loose} (p{record.alpha.percentile:g} upper "
+                f"− lower bound up to {gaps[worst]:.2f}, bin {worst}): the top-{self.config.rollout.sampling.logprobs} "
+                "lists miss much of the distribution (flat distributions, e.g. random weights), so the controller "
+                f"acts on a pessimistic tail (statistic {self.controller_config.statistic!r}). Raise "
+                "rollout.sampling.logprobs and trainer.recompute_topk, or set controller.statistic: midpoint"
+            )
+        self._warned_loose = bool(loose)
 
     def _trainer_call(self, refs: list) -> list:
         """Results of calls on the trainer ranks, supervising the rollout fleet meanwhile (async mode

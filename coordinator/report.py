@@ -13,7 +13,7 @@ from sparrow.tables import format_table
 
 from .progress import fmt
 from .run_dir import RunDir
-from .step_record import StepRecord
+from .step_record import LOOSE_BOUND_GAP, StepRecord
 
 PLOTS = {
     "reward.png": "Reward per step",
@@ -124,6 +124,8 @@ def summary_table(rows: list[StepRecord], target: float) -> str:
         ("measured speedup (dense probes, mean)", fmt(_mean(r.rollout.speedup_measured for r in rows), ".2f")),
         ("predicted speedup (last, cost model)", fmt(last.predicted_speedup, ".2f")),
         ("rollout worker utilisation (mean)", fmt(utilisation, ".2f")),
+        ("steps whose α tail was only bracketed (top-k bounds > "
+         f"{LOOSE_BOUND_GAP:g} apart)", str(sum(bool(r.alpha.loose_bins()) for r in rows))),
         ("groups generated again (lost workers)", str(sum(r.rollout.requeued for r in rows))),
         ("final blocks per bin", " ".join("dense" if b is None else str(b) for b in last.schedule.blocks)),
         ("schedule version", str(last.schedule.version)),
@@ -143,6 +145,21 @@ def per_step_table(rows: list[StepRecord]) -> str:
                     fmt(r.rollout.kv_read_fraction, ".2f"), fmt(r.rollout.tokens_per_s, ".0f"), util, f"{r.timing.step:.0f}"])
     return format_table(["step", "reward", "length", "α p5 per bin", "blocks after", "KV read", "tok/s", "utilisation",
                          "s"], out)
+
+
+def loose_tail_note(rows: list[StepRecord]) -> list[str]:
+    """A warning paragraph when the top-k bounds could not pin down the tail (else nothing)."""
+    loose = [r for r in rows if r.alpha.loose_bins()]
+    if not loose:
+        return []
+    worst = max(g for r in loose for g in r.alpha.bound_gaps if g is not None)
+    return [
+        f"**The α tail was only bracketed in {len(loose)} of {len(rows)} steps**: the upper and lower top-k bounds of "
+        f"its p{rows[0].alpha.percentile:g} differed by up to {worst:.2f} (more than {LOOSE_BOUND_GAP:g}), so the top-k "
+        "lists miss much of the distribution and the lower bound the controller acts on is pessimistic. Raise "
+        "`rollout.sampling.logprobs` and `trainer.recompute_topk`, or set `controller.statistic: midpoint`.",
+        "",
+    ]
 
 
 def faults_table(rows: list[StepRecord]) -> str:
@@ -169,6 +186,7 @@ def write_report(run_dir: RunDir | str | Path) -> Path:
         "",
         "```", summary_table(rows, target), "```",
         "",
+        *loose_tail_note(rows),
         "## Per step",
         "",
         "α p5 is the lower bound of the tail of the per-token acceptance rate per length bin (`-`: no tokens); "

@@ -83,6 +83,10 @@ class RolloutStats:
     """Per rollout worker: GRPO groups of this step it completed (a fast worker takes more)."""
 
 
+LOOSE_BOUND_GAP = 0.05
+"""A tail whose top-k upper and lower bounds differ by more than this is not measured, only bracketed."""
+
+
 @dataclass
 class AlphaTail:
     percentile: float
@@ -91,6 +95,17 @@ class AlphaTail:
     p5_upper: list[float | None] | None
     tokens: list[int]
     mean: list[float | None]
+
+    @property
+    def bound_gaps(self) -> list[float | None]:
+        """Per bin, upper minus lower bound of the tail: how much of the distribution the top-k lists miss."""
+        if self.p5_upper is None:
+            return [None] * len(self.p5)
+        return [None if lo is None or up is None else up - lo for lo, up in zip(self.p5, self.p5_upper)]
+
+    def loose_bins(self) -> list[int]:
+        """Bins whose tail is bracketed too loosely to be measured (flat distributions, too small a top-k)."""
+        return [b for b, gap in enumerate(self.bound_gaps) if gap is not None and gap > LOOSE_BOUND_GAP]
 
 
 @dataclass
