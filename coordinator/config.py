@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from sparrow.coordinator.controller import ControllerConfig
 from sparrow.coordinator.metrics import MetricsConfig
+from sparrow.coordinator.tasks import TASKS, ArithmeticConfig, LookupConfig, NeedleConfig
 from sparrow.coordinator.transport import TransportConfig
 from sparrow.rollout_workers.api import SamplingParams
 from sparrow.rollout_workers.native import NativeEngineConfig
@@ -160,31 +161,10 @@ class ControllerSection(ControllerConfig):
     enabled: bool = Field(True, description="adjust the schedule between steps from the measured α tail")
 
 
-class ArithmeticConfig(_Section):
-    """The built-in verifiable task: integer expressions with exact answers."""
-
-    min_value: int = Field(1, description="smallest operand")
-    max_value: int = Field(20, description="largest operand")
-    terms: int = Field(2, ge=2, le=8, description="operands per expression")
-    operations: list[Literal["+", "-", "*"]] = Field(
-        default_factory=lambda: ["+", "-"], min_length=1, description="operators drawn between operands (* binds first)"
-    )
-    template: str = Field(
-        "Calculate {expression}. End your reply with the result as a number.",
-        description="the user message; {expression} is replaced by the problem",
-    )
-
-    @model_validator(mode="after")
-    def _range(self):
-        if self.max_value < self.min_value:
-            raise ValueError(f"max_value={self.max_value} is below min_value={self.min_value}; swap them")
-        if "{expression}" not in self.template:
-            raise ValueError(f"template={self.template!r} has no {{expression}} placeholder for the problem")
-        return self
-
-
 class DataConfig(_Section):
-    source: Literal["arithmetic", "jsonl", "parquet", "hf"] = Field("arithmetic", description="where prompts come from")
+    source: Literal["arithmetic", "lookup", "needle", "jsonl", "parquet", "hf"] = Field(
+        "arithmetic", description="where prompts come from: a built-in task (docs/tasks.md) or a dataset"
+    )
     path: str | None = Field(None, description="JSONL/Parquet file, or a dataset saved with datasets' save_to_disk")
     split: str = Field("train", description="split of an hf dataset")
     prompt_key: str = Field("prompt", description="column with the prompt text (or a list of chat messages)")
@@ -193,19 +173,21 @@ class DataConfig(_Section):
     chat_template: bool = Field(True, description="apply the tokenizer's chat template")
     shuffle: bool = Field(True, description="reshuffle the dataset every epoch (seeded by run.seed)")
     arithmetic: ArithmeticConfig = Field(default_factory=ArithmeticConfig)
+    lookup: LookupConfig = Field(default_factory=LookupConfig)
+    needle: NeedleConfig = Field(default_factory=NeedleConfig)
 
     @model_validator(mode="after")
     def _path(self):
         if self.source in ("jsonl", "parquet", "hf") and not self.path:
             raise ValueError(f"source={self.source!r} needs path (the dataset file or directory)")
-        if self.source == "arithmetic" and self.path:
-            raise ValueError(f"path={self.path!r} is set but source='arithmetic' generates its prompts; remove path or set source")
+        if self.source in TASKS and self.path:
+            raise ValueError(f"path={self.path!r} is set but source={self.source!r} generates its prompts; remove path or set source")
         return self
 
 
 class RewardConfig(_Section):
     type: Literal["auto", "arithmetic", "math_verify"] = Field(
-        "auto", description="auto = arithmetic for the arithmetic task, math_verify otherwise"
+        "auto", description="auto = arithmetic (exact integer) for the built-in tasks, math_verify otherwise"
     )
     correct: float = Field(1.0, description="reward of a correct answer")
     incorrect: float = Field(0.0, description="reward of a wrong or missing answer")
@@ -246,7 +228,7 @@ class RewardConfig(_Section):
             return "function"
         if self.type != "auto":
             return self.type
-        return "arithmetic" if source == "arithmetic" else "math_verify"
+        return "arithmetic" if source in TASKS else "math_verify"
 
 
 class RayConfig(_Section):

@@ -1,19 +1,22 @@
-"""Prompt sources: the built-in arithmetic task, JSONL and Parquet files, and local `datasets` datasets.
+"""Prompt sources: the built-in tasks (`coordinator/tasks/`), JSONL and Parquet files, and local `datasets` datasets.
 
 Every source is addressed by a global index, and the prompts of step k are indices
 [k·P, (k+1)·P) (P = prompts per step): the data order is a pure function of (seed, step), so
 resuming at a step needs no saved cursor or RNG state. Finite datasets are reshuffled every epoch
-(a seeded permutation); the arithmetic task is infinite.
+(a seeded permutation); the built-in tasks are infinite and have a held-out eval split.
 """
 
+import hashlib
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from sparrow.jsonl import read_jsonl
 from sparrow.seeds import stable_seed
 
-from .config import ArithmeticConfig, DataConfig
+from .config import DataConfig
+from .tasks import TASKS, Item, Task
 
 
 @dataclass(frozen=True)
@@ -27,38 +30,42 @@ class PromptRecord:
     """Global index in the source (for tracing a sample back to its data)."""
 
 
-def evaluate(values: list[int], ops: list[str]) -> int:
-    """`values[0] ops[0] values[1] ...` with * before + and -."""
-    terms, signs = [values[0]], []
-    for op, v in zip(ops, values[1:]):
-        if op == "*":
-            terms[-1] *= v
-        else:
-            terms.append(v)
-            signs.append(1 if op == "+" else -1)
-    return terms[0] + sum(s * t for s, t in zip(signs, terms[1:]))
+EVAL_SHARE = 8
+"""One built-in task item in EVAL_SHARE belongs to the eval split, decided by a digest of its text."""
+
+EVAL_STREAM = 0xE7A1
+"""Seeds of eval items are stable_seed(seed, EVAL_STREAM, index[, attempt]); of train items stable_seed(seed, index[, attempt])."""
+
+MAX_DRAWS = 1000
+"""Draws per index before a task is declared too small to split."""
 
 
-class ArithmeticTask:
-    """Integer expressions such as `17 - 4 + 9`; the exact answer is Python's evaluation."""
+def in_eval_split(messages: list[dict], answer: str) -> bool:
+    """Whether an item is held out for evaluation: a property of its content, so no seed or index can
+    ever make a training item equal an eval item (arithmetic's problem space is small enough to repeat)."""
+    text = "\x00".join([m["content"] for m in messages] + [answer])
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big") % EVAL_SHARE == 0
 
-    def __init__(self, config: ArithmeticConfig, seed: int):
-        self.config, self.seed = config, seed
+
+class GeneratedTask:
+    """A built-in task's items by (seed, split, index): the first draw whose content falls in the split."""
 
     size = None
-    """Infinite: every index is a new problem."""
+    """Infinite: every index is a new item."""
 
-    def problem(self, index: int) -> tuple[str, int]:
-        c = self.config
-        rng = random.Random(stable_seed(self.seed, index))
-        values = [rng.randint(c.min_value, c.max_value) for _ in range(c.terms)]
-        ops = [rng.choice(c.operations) for _ in range(c.terms - 1)]
-        expression = " ".join([str(values[0])] + [f"{op} {v}" for op, v in zip(ops, values[1:])])
-        return expression.replace("+ -", "- ").replace("- -", "+ "), evaluate(values, ops)
+    def __init__(self, task: Task, seed: int, split: str, source: str):
+        self.task, self.seed, self.split, self.source = task, seed, split, source
 
-    def item(self, index: int) -> tuple[list[dict], str]:
-        expression, answer = self.problem(index)
-        return [{"role": "user", "content": self.config.template.replace("{expression}", expression)}], str(answer)
+    def item(self, index: int) -> Item:
+        stream = (self.seed, index) if self.split == "train" else (self.seed, EVAL_STREAM, index)
+        for attempt in range(MAX_DRAWS):
+            messages, answer = self.task.item(random.Random(stable_seed(*stream, attempt) if attempt else stable_seed(*stream)))
+            if in_eval_split(messages, answer) == (self.split == "eval"):
+                return messages, answer
+        raise ValueError(
+            f"data.{self.source}: {MAX_DRAWS} draws for index {index} found no {self.split} item; the task has too "
+            f"few distinct problems to hold 1 in {EVAL_SHARE} out for eval (widen its value range or terms)"
+        )
 
 
 class TableDataset:
@@ -79,7 +86,7 @@ class TableDataset:
     def size(self) -> int:
         return len(self.rows)
 
-    def item(self, index: int) -> tuple[list[dict], str]:
+    def item(self, index: int) -> Item:
         row = self.rows[index]
         prompt, answer = row.get(self.config.prompt_key), row.get(self.config.answer_key)
         if isinstance(prompt, str):
@@ -122,12 +129,21 @@ def read_hf(path: str, split: str) -> list[dict]:
 
 
 class PromptSource:
-    """The job's prompts, step by step."""
+    """The job's prompts, step by step. `split="eval"` gives a built-in task's held-out items, none of
+    which the train split (the default) ever yields; their prompt ids start with `e` instead of `s`."""
 
-    def __init__(self, config: DataConfig, seed: int):
-        self.config, self.seed = config, seed
-        if config.source == "arithmetic":
-            self.dataset = ArithmeticTask(config.arithmetic, seed)
+    def __init__(self, config: DataConfig, seed: int, split: Literal["train", "eval"] = "train"):
+        if split not in ("train", "eval"):
+            raise ValueError(f"split={split!r}: use 'train' or 'eval'")
+        self.config, self.seed, self.split = config, seed, split
+        if config.source in TASKS:
+            task = TASKS[config.source](getattr(config, config.source))
+            self.dataset = GeneratedTask(task, seed, split, config.source)
+        elif split == "eval":
+            raise ValueError(
+                f"split='eval' is generated for the built-in tasks ({', '.join(TASKS)}) only; data.source="
+                f"{config.source!r} has no held-out rows: give the eval prompts their own file"
+            )
         else:
             path = Path(config.path)
             if config.source != "hf" and not path.is_file():
@@ -159,7 +175,7 @@ class PromptSource:
             messages, answer = self.dataset.item(self._row(index))
             if self.config.system_prompt:
                 messages = [{"role": "system", "content": self.config.system_prompt}] + messages
-            records.append(PromptRecord(f"s{step}-p{i}", tuple(messages), answer, index))
+            records.append(PromptRecord(f"{'s' if self.split == 'train' else 'e'}{step}-p{i}", tuple(messages), answer, index))
         return records
 
 

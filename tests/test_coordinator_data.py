@@ -1,26 +1,27 @@
 """Prompt sources (arithmetic task, JSONL, Parquet) and the verifiable rewards."""
 
 import json
+import random
 
 import pytest
 
-from sparrow.coordinator.config import ArithmeticConfig, DataConfig, RewardConfig
-from sparrow.coordinator.data import ArithmeticTask, PromptSource, evaluate, render_prompt
+from sparrow.coordinator.config import DataConfig, RewardConfig
+from sparrow.coordinator.data import PromptSource, render_prompt, stable_seed
+from sparrow.coordinator.tasks import ArithmeticConfig, ArithmeticTask, evaluate
 from sparrow.coordinator.rewards import RewardFunction, arithmetic_answer, last_boxed, math_verify_correct
 
 
 def test_arithmetic_problems_are_seeded_and_exact():
     cfg = ArithmeticConfig(min_value=-9, max_value=30, terms=4, operations=["+", "-", "*"])
-    task = ArithmeticTask(cfg, seed=7)
-    again = ArithmeticTask(cfg, seed=7)
-    other = ArithmeticTask(cfg, seed=8)
-    problems = [task.problem(i) for i in range(200)]
-    assert problems == [again.problem(i) for i in range(200)]
-    assert problems != [other.problem(i) for i in range(200)]
+    task = ArithmeticTask(cfg)
+    draw = lambda seed, i: task.problem(random.Random(stable_seed(seed, i)))  # noqa: E731
+    problems = [draw(7, i) for i in range(200)]
+    assert problems == [ArithmeticTask(cfg).problem(random.Random(stable_seed(7, i))) for i in range(200)]
+    assert problems != [draw(8, i) for i in range(200)]
     for expression, answer in problems:
         assert answer == eval(expression)  # the rendered text means what the answer says (precedence, signs)
     assert evaluate([2, 3, 4], ["+", "*"]) == 14 and evaluate([2, 3, 4], ["*", "-"]) == 2
-    messages, answer = task.item(3)
+    messages, answer = task.item(random.Random(stable_seed(7, 3)))
     assert messages[0]["content"].startswith("Calculate ") and answer == str(problems[3][1])
 
 
