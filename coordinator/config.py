@@ -161,6 +161,30 @@ class ControllerSection(ControllerConfig):
     enabled: bool = Field(True, description="adjust the schedule between steps from the measured α tail")
 
 
+class EvalConfig(_Section):
+    """A held-out set, scored before the first step, every `every` steps and after the last (docs/coordinator.md)."""
+
+    every: int = Field(0, ge=0, description="evaluate the policy every N steps (and before the first and after the "
+                       "last); 0 = off")
+    prompts: int = Field(32, ge=1, description="held-out prompts (the same ones every time)")
+    samples: int = Field(1, ge=1, description="samples per prompt")
+    decoding: Literal["greedy", "sampled"] = Field("greedy", description="greedy, or at the rollout temperature")
+    modes: list[Literal["dense", "sparse"]] = Field(
+        default_factory=lambda: ["dense", "sparse"], min_length=1,
+        description="decode densely and/or under the schedule in force (sparse = what rollouts see)",
+    )
+    path: str | None = Field(
+        None, description="eval prompts for a dataset source (same format and keys as data.path); the built-in "
+        "tasks use their held-out split",
+    )
+
+    @model_validator(mode="after")
+    def _modes(self):
+        if len(set(self.modes)) != len(self.modes):
+            raise ValueError(f"modes={self.modes} lists a mode twice; list each of dense, sparse at most once")
+        return self
+
+
 class DataConfig(_Section):
     source: Literal["arithmetic", "lookup", "needle", "jsonl", "parquet", "hf"] = Field(
         "arithmetic", description="where prompts come from: a built-in task (docs/tasks.md) or a dataset"
@@ -175,9 +199,17 @@ class DataConfig(_Section):
     arithmetic: ArithmeticConfig = Field(default_factory=ArithmeticConfig)
     lookup: LookupConfig = Field(default_factory=LookupConfig)
     needle: NeedleConfig = Field(default_factory=NeedleConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="held-out evaluation (off unless every > 0)")
 
     @model_validator(mode="after")
     def _path(self):
+        if self.eval.every and self.source not in TASKS and not self.eval.path:
+            raise ValueError(
+                f"eval.every={self.eval.every} with source={self.source!r} needs eval.path (a file of held-out prompts "
+                "with the same keys); only the built-in tasks have a held-out split of their own"
+            )
+        if self.eval.path and self.source in TASKS:
+            raise ValueError(f"eval.path={self.eval.path!r}: source={self.source!r} holds out its own eval split; remove eval.path")
         if self.source in ("jsonl", "parquet", "hf") and not self.path:
             raise ValueError(f"source={self.source!r} needs path (the dataset file or directory)")
         if self.source in TASKS and self.path:

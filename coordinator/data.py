@@ -8,7 +8,7 @@ resuming at a step needs no saved cursor or RNG state. Finite datasets are reshu
 
 import hashlib
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
@@ -177,6 +177,14 @@ class PromptSource:
                 messages = [{"role": "system", "content": self.config.system_prompt}] + messages
             records.append(PromptRecord(f"{'s' if self.split == 'train' else 'e'}{step}-p{i}", tuple(messages), answer, index))
         return records
+
+
+def eval_prompts(config: DataConfig, seed: int) -> list[PromptRecord]:
+    """The held-out prompts of `data.eval`: a built-in task's eval split, or the first rows of `eval.path`."""
+    if config.eval.path is None:
+        return PromptSource(config, seed, split="eval").batch(0, config.eval.prompts)
+    source = PromptSource(config.model_copy(update={"path": config.eval.path, "shuffle": False}), seed)
+    return [replace(r, prompt_id="e" + r.prompt_id[1:]) for r in source.batch(0, min(config.eval.prompts, source.dataset.size))]
 
 
 def render_prompt(tokenizer, messages, chat_template: bool) -> list[int]:

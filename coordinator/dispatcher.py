@@ -12,8 +12,8 @@ import time
 import ray
 
 from .data import PromptRecord
-from .step_record import GroupReport
-from .work_queue import Lease, ProbeResult, StepWork, WorkQueue
+from .step_record import EvalRecord, GroupReport
+from .work_queue import EvalTask, Lease, ProbeResult, StepWork, WorkQueue
 
 
 class Dispatcher:
@@ -33,6 +33,15 @@ class Dispatcher:
         with self._lock:
             self._now()
             self.queue.add_step(step, records, probe)
+
+    def add_eval(self, task: EvalTask) -> None:
+        with self._lock:
+            self.queue.add_eval(task)
+
+    def take_eval(self, version: int) -> EvalRecord | None:
+        with self._lock:
+            self._now()
+            return self.queue.take_eval(version)
 
     def progress(self, step: int) -> tuple[int, int, bool]:
         """(groups done, groups in the step, complete) of a queued step."""
@@ -81,7 +90,7 @@ class Dispatcher:
         with self._lock:
             return self.queue.renew(worker, lease_ids, self._now(), busy_seconds)
 
-    def complete(self, worker: str, lease_id: int, result: GroupReport | ProbeResult, busy_seconds: float) -> None:
+    def complete(self, worker: str, lease_id: int, result: GroupReport | ProbeResult | EvalRecord, busy_seconds: float) -> None:
         with self._lock:
             self.queue.complete(worker, lease_id, result, self._now(), busy_seconds)
 
@@ -104,5 +113,5 @@ class DispatcherClient:
     def renew(self, worker: str, lease_ids: list[int], busy_seconds: float) -> list[int]:
         return self._call("renew", worker, lease_ids, busy_seconds)
 
-    def complete(self, worker: str, lease_id: int, result: GroupReport | ProbeResult, busy_seconds: float) -> None:
+    def complete(self, worker: str, lease_id: int, result: GroupReport | ProbeResult | EvalRecord, busy_seconds: float) -> None:
         self._call("complete", worker, lease_id, result, busy_seconds)

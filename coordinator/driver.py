@@ -40,15 +40,16 @@ from sparrow.cost import CostModel, ModelShape, RolloutSpec, resolve_hardware
 from sparrow.schedule import SparsitySchedule
 
 from .config import SparrowConfig
-from .data import PromptSource
+from .data import PromptSource, eval_prompts
 from .dispatcher import Dispatcher
 from .fleet import JobFailed, RolloutFleet, WorkerSetup, describe
 from .pools import TrainerPool
-from .progress import Progress, step_line
+from .progress import Progress, fmt, step_line
 from .ray_session import RaySession
 from .run_dir import RunDir
 from .step_record import (
     ControllerSummary,
+    EvalRecord,
     FaultEvent,
     PublishStats,
     StepRecord,
@@ -58,6 +59,7 @@ from .step_record import (
     schedule_snapshot,
 )
 from .trainer_host import ShardResult
+from .work_queue import EvalTask
 
 POLL_S = 0.25
 
@@ -103,6 +105,8 @@ class TrainingJob:
         self.trainer_restarts = 0
         self.tokens_seen = 0
         self._events_logged = 0
+        self._evaluations: list[EvalRecord] = []
+        """Held-out evaluations since the last step record (it carries them)."""
         self._warned_loose = False
 
     # ------------------------------------------------------------------ start and stop
@@ -126,6 +130,7 @@ class TrainingJob:
         self.cost_shape, self.cost_hardware = ModelShape.from_hf_config(self.model), resolve_hardware(cfg.run.cost_hardware)
         self.session.start()
         self.data = PromptSource(cfg.data, cfg.run.seed)
+        self.eval_set = eval_prompts(cfg.data, cfg.run.seed) if cfg.data.eval.every else []
         self.metrics = SparrowMetrics.for_coordinator(cfg.metrics)
         if cfg.metrics.enabled:
             self.metrics_server = start_metrics_server(self.metrics)
@@ -148,6 +153,8 @@ class TrainingJob:
         self._push_schedule(self.schedule)
         self._busy_mark = (time.perf_counter(), {})
         self._apply_control_requests()
+        if self.eval_set:
+            self._evaluate()  # the policy the job starts from
         self.control_server = JobControlServer(self.run_dir.path, cfg.transport, self.credentials, self,
                                                advertise_host=advertised_host(cfg.transport.host))
         self.log(f"control: {self.control_server.start()} (sparrow pool status {self.run_dir.path})")
@@ -315,6 +322,9 @@ class TrainingJob:
         self.version += 1
         publish = self._publish(wait=cfg.run.mode == "sync")
         t_publish = time.perf_counter()
+        if self.eval_set and (self.version % cfg.data.eval.every == 0 or k + 1 == cfg.run.steps):
+            self._evaluate()
+        t_eval = time.perf_counter()
         before = self.schedule
         alpha, upper, decision = self._control(k, results[0])
         t_control = time.perf_counter()
@@ -332,10 +342,12 @@ class TrainingJob:
             predicted_speedup=self._predicted_speedup(collected["summary"]),
             publish=publish,
             timing=StepTiming(rollout_wait=t_rollout - t0, collect=t_collect - t_rollout, train=t_train - t_collect,
-                              publish=t_publish - t_train, control=t_control - t_publish,
+                              publish=t_publish - t_train, evaluate=t_eval - t_publish, control=t_control - t_eval,
                               step=time.perf_counter() - t0, elapsed=time.perf_counter() - self.started),
             faults=self.fleet.resolved[self._events_logged:],
+            evaluations=self._evaluations,
         )
+        self._evaluations = []
         self._events_logged = len(self.fleet.resolved)
         for event in record.faults:
             self.run_dir.append(self.run_dir.events_file, dataclasses.asdict(event))
@@ -360,6 +372,21 @@ class TrainingJob:
                 "rollout.sampling.logprobs and trainer.recompute_topk, or set controller.statistic: midpoint"
             )
         self._warned_loose = bool(loose)
+
+    def _evaluate(self) -> None:
+        """Score the held-out set with policy `self.version` (dense and/or sparse) on one idle worker."""
+        cfg = self.config.data.eval
+        task = EvalTask(self.version, tuple(self.eval_set), tuple(cfg.modes), cfg.samples, cfg.decoding == "greedy")
+        ray.get(self.dispatcher.add_eval.remote(task))
+        while (record := ray.get(self.dispatcher.take_eval.remote(self.version))) is None:
+            self.fleet.check()
+            self._apply_control_requests()
+            time.sleep(POLL_S)
+        self.metrics.record_eval(record)
+        self._evaluations.append(record)
+        scores = ", ".join(f"{r.mode} {fmt(r.accuracy, '.3f')}" for r in record.results)
+        self.log(f"eval of policy {record.policy_version} on {record.prompts} held-out prompts ({record.decoding}): "
+                 f"accuracy {scores}")
 
     def _trainer_call(self, refs: list) -> list:
         """Results of calls on the trainer ranks, supervising the rollout fleet meanwhile (async mode

@@ -20,6 +20,7 @@ PLOTS = {
     "response_length.png": "Response length per step",
     "alpha_tail.png": "Tail α per length bin vs τ",
     "budgets.png": "KV budget per length bin over steps",
+    "eval_accuracy.png": "Held-out accuracy by policy version",
 }
 
 
@@ -39,8 +40,8 @@ def plot(run_dir: RunDir, rows: list[StepRecord], target: float) -> list[Path]:
     steps = [r.step + 1 for r in rows]
     files = []
 
-    def save(fig, ax, name, ylabel):
-        ax.set_xlabel("step")
+    def save(fig, ax, name, ylabel, xlabel="step"):
+        ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
         ax.set_title(PLOTS[name])
         ax.grid(alpha=0.3)
@@ -87,6 +88,15 @@ def plot(run_dir: RunDir, rows: list[StepRecord], target: float) -> list[Path]:
     ax.axhline(dense_y, color="grey", ls=":", lw=1)
     ax.text(x[0], dense_y, " dense", va="bottom", fontsize=8, color="grey")
     save(fig, ax, "budgets.png", "KV blocks attended (0 = initial)")
+
+    evaluations = [e for r in rows for e in r.evaluations]
+    if evaluations:
+        fig, ax = plt.subplots(figsize=(6, 3.6))
+        for mode in sorted({x.mode for e in evaluations for x in e.results}):
+            points = [(e.policy_version, x.accuracy) for e in evaluations for x in e.results if x.mode == mode]
+            ax.plot([v for v, _ in points], [a for _, a in points], "o-", label=f"{mode} decoding")
+        ax.set_ylim(-0.02, 1.02)
+        save(fig, ax, "eval_accuracy.png", "accuracy", xlabel="policy version (0 = before training)")
     return files
 
 
@@ -162,6 +172,17 @@ def loose_tail_note(rows: list[StepRecord]) -> list[str]:
     ]
 
 
+def eval_table(rows: list[StepRecord]) -> str:
+    evaluations = [e for r in rows for e in r.evaluations]
+    if not evaluations:
+        return "no held-out evaluation (data.eval.every = 0)"
+    return format_table(
+        ["policy", "mode", "decoding", "prompts", "accuracy", "mean reward", "length", "s"],
+        [[e.policy_version, x.mode, e.decoding, e.prompts, fmt(x.accuracy), fmt(x.reward_mean),
+          fmt(x.response_length_mean, ".1f"), f"{x.seconds:.0f}"] for e in evaluations for x in e.results],
+    )
+
+
 def faults_table(rows: list[StepRecord]) -> str:
     events = [(r.step + 1, e) for r in rows for e in r.faults]
     if not events:
@@ -193,6 +214,12 @@ def write_report(run_dir: RunDir | str | Path) -> Path:
         "blocks are the KV blocks attended per bin after the step's controller decision (`d` = dense).",
         "",
         "```", per_step_table(rows), "```",
+        "",
+        "## Held-out evaluation",
+        "",
+        "The `data.eval` prompts scored with each evaluated policy, decoded densely and under the schedule in force.",
+        "",
+        "```", eval_table(rows), "```",
         "",
         "## Faults and recovery",
         "",

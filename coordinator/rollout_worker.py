@@ -17,9 +17,10 @@ import asyncio
 import logging
 import os
 import queue
+import statistics
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import ray
 import torch
@@ -36,7 +37,8 @@ from .dispatcher import DispatcherClient
 from .data import render_prompt
 from .rewards import RewardFunction, reward_metadata
 from .step_record import GroupReport
-from .work_queue import GroupTask, Lease, LeaseError, ProbeResult, ProbeTask
+from .step_record import EvalRecord, EvalResult
+from .work_queue import EvalTask, GroupTask, Lease, LeaseError, ProbeResult, ProbeTask
 
 POLL_S = 0.05
 _DONE = object()
@@ -214,23 +216,26 @@ class RolloutWorker:
                 leases = []
                 if not wants_sync and held < capacity:
                     leases = self._lease(capacity - held)
-                probes = [lease for lease in leases if isinstance(lease.task, ProbeTask)]
-                groups = [lease for lease in leases if not isinstance(lease.task, ProbeTask)]
+                alone = [lease for lease in leases if lease.exclusive]
+                groups = [lease for lease in leases if not lease.exclusive]
                 if groups:
                     stream = stream or _EngineStream(self)
                     for lease in groups:
                         self._start(lease, stream)
-                if stream is not None and not self._held and (wants_sync or probes or not groups):
+                if stream is not None and not self._held and (wants_sync or alone or not groups):
                     stream.close()
                     stream = None
-                for lease in probes:
-                    self._probe(lease)
+                for lease in alone:
+                    if isinstance(lease.task, ProbeTask):
+                        self._probe(lease)
+                    else:
+                        self._evaluate(lease)
                 sender.raise_errors()
                 if self._heartbeat_error is not None:
                     raise self._heartbeat_error
-                busy = bool(self._held or probes)
+                busy = bool(self._held or alone)
                 self._report_throughput()
-                if not groups and not probes:
+                if not groups and not alone:
                     time.sleep(POLL_S)
         finally:
             if stream is not None:
@@ -304,6 +309,46 @@ class RolloutWorker:
                 rates.append(tokens / (time.perf_counter() - start))
             self.engine.set_schedule(schedule)
         self._complete(lease, ProbeResult(*rates))
+
+    def _evaluate(self, lease: Lease) -> None:
+        """The held-out prompts in each mode (dense, and sparse under the schedule in force); scored, not sent."""
+        task: EvalTask = lease.task
+        s = self.config.rollout.sampling
+        sampling = SamplingParams(max_tokens=s.max_tokens, temperature=0.0 if task.greedy else s.temperature,
+                                  n=task.samples, logprobs=0)
+        requests = [RolloutRequest(f"{r.prompt_id}-v{task.version}", tuple(render_prompt(
+            self.tokenizer, r.messages, self.config.data.chat_template)), replace(sampling, seed=stable_seed(
+                self.config.run.seed, r.index, 5))) for r in task.records]
+        by_id = {req.request_id: r for req, r in zip(requests, task.records)}
+        results = []
+        with self._engine_lock:
+            schedule = self.engine.schedule
+            for mode in task.modes:
+                self.engine.set_schedule(None if mode == "dense" else schedule)
+                start = time.perf_counter()
+                samples = self.engine.generate(requests)
+                results.append(self._score_eval(mode, samples, by_id, time.perf_counter() - start))
+            self.engine.set_schedule(schedule)
+        self._complete(lease, EvalRecord(task.version, len(task.records), "greedy" if task.greedy else "sampled",
+                                         self.engine.schedule_version, results))
+
+    def _score_eval(self, mode: str, samples, records: dict, seconds: float) -> EvalResult:
+        rewards, lengths = [], []
+        for x in samples:
+            if x.finish_reason == "error":
+                continue
+            record = records[x.request_id]
+            text = self.tokenizer.decode(x.token_ids.tolist(), skip_special_tokens=True)
+            meta = reward_metadata(record, -1, x.sample_index, x.finish_reason, f"{x.request_id}#{x.sample_index}")
+            rewards.append(self.reward(text, record.answer, x.finish_reason, meta))
+            lengths.append(int(x.token_ids.numel()))
+        correct = self.config.reward.correct
+        return EvalResult(
+            mode=mode, accuracy=statistics.fmean(r >= correct for r in rewards) if rewards else None,
+            reward_mean=statistics.fmean(rewards) if rewards else None,
+            response_length_mean=statistics.fmean(lengths) if lengths else None,
+            samples=len(samples), tokens=sum(lengths), seconds=seconds,
+        )
 
     def _complete(self, lease: Lease, result) -> bool:
         try:

@@ -142,6 +142,8 @@ class StepTiming:
     control: float
     step: float
     elapsed: float
+    evaluate: float = 0.0
+    """Seconds spent on a held-out evaluation after this step's update (data.eval)."""
 
 
 @dataclass
@@ -159,6 +161,34 @@ class FaultEvent:
 
 
 @dataclass
+class EvalResult:
+    """The held-out set decoded in one mode (dense, or sparse under the schedule in force)."""
+
+    mode: str
+    accuracy: float | None
+    reward_mean: float | None
+    response_length_mean: float | None
+    samples: int
+    tokens: int
+    seconds: float
+
+
+@dataclass
+class EvalRecord:
+    """One evaluation of policy `policy_version` on the held-out prompts (`data.eval`)."""
+
+    policy_version: int
+    prompts: int
+    decoding: str
+    schedule_version: int
+    results: list[EvalResult]
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "EvalRecord":
+        return cls(**{**data, "results": [EvalResult(**r) for r in data["results"]]})
+
+
+@dataclass
 class StepRecord:
     step: int
     policy_version: int
@@ -172,6 +202,8 @@ class StepRecord:
     publish: PublishStats
     timing: StepTiming
     faults: list[FaultEvent] = field(default_factory=list)
+    evaluations: list[EvalRecord] = field(default_factory=list)
+    """Evaluations finished during this step: before the first step (policy 0) and after every data.eval.every-th."""
 
     @property
     def tis_capped_fraction(self) -> float | None:
@@ -189,6 +221,7 @@ class StepRecord:
                  "publish": PublishStats, "timing": StepTiming}
         values = {k: (parts[k](**v) if k in parts else v) for k, v in data.items()}
         values["faults"] = [FaultEvent(**f) for f in data.get("faults", [])]
+        values["evaluations"] = [EvalRecord.from_dict(e) for e in data.get("evaluations", [])]
         return cls(**values)
 
 

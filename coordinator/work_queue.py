@@ -19,7 +19,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from .data import PromptRecord
-from .step_record import GroupReport
+from .step_record import EvalRecord, GroupReport
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,18 @@ class ProbeTask:
 
 
 @dataclass(frozen=True)
+class EvalTask:
+    """Score the held-out prompts with policy `version` exactly, in each mode, on an otherwise idle engine
+    (nothing is sent or trained); the dispatcher hands it to a worker serving that version."""
+
+    version: int
+    records: tuple[PromptRecord, ...]
+    modes: tuple[str, ...]
+    samples: int
+    greedy: bool
+
+
+@dataclass(frozen=True)
 class ProbeResult:
     sparse_tokens_per_s: float
     dense_tokens_per_s: float
@@ -55,9 +67,14 @@ class ProbeResult:
 @dataclass
 class Lease:
     lease_id: int
-    task: GroupTask | ProbeTask
+    task: GroupTask | ProbeTask | EvalTask
     worker: str
     expires: float
+
+    @property
+    def exclusive(self) -> bool:
+        """A probe or an evaluation: run alone on an idle engine, between streams."""
+        return not isinstance(self.task, GroupTask)
 
 
 @dataclass
@@ -79,6 +96,13 @@ class StepWork:
 
 
 @dataclass
+class EvalWork:
+    task: EvalTask
+    leased: bool = False
+    result: EvalRecord | None = None
+
+
+@dataclass
 class WorkerState:
     last_seen: float
     busy_seconds: float = 0.0
@@ -95,6 +119,8 @@ class WorkQueue:
             raise ValueError(f"max_staleness={max_staleness} must be >= 0 and lease_timeout_s={lease_timeout_s} > 0")
         self.max_staleness, self.lease_timeout_s = max_staleness, lease_timeout_s
         self.steps: dict[int, StepWork] = {}
+        self.evals: dict[int, EvalWork] = {}
+        """Evaluations by the policy version they score."""
         self.leases: dict[int, Lease] = {}
         self.workers: dict[str, WorkerState] = {}
         self._next_lease = 0
@@ -117,6 +143,18 @@ class WorkQueue:
         self._attempts[prompt_id] = attempt
         return attempt
 
+    def add_eval(self, task: EvalTask) -> None:
+        if task.version in self.evals:
+            raise ValueError(f"policy version {task.version} is already queued for evaluation")
+        self.evals[task.version] = EvalWork(task)
+
+    def take_eval(self, version: int) -> EvalRecord | None:
+        """The evaluation of `version` once done (it leaves the queue), else None."""
+        work = self.evals.get(version)
+        if work is None or work.result is None:
+            return None
+        return self.evals.pop(version).result
+
     def step_complete(self, step: int) -> bool:
         return self.steps[step].complete
 
@@ -134,6 +172,8 @@ class WorkQueue:
             del self.leases[lease.lease_id]
         for s in [s for s in self.steps if s >= step]:
             del self.steps[s]
+        for v in [v for v in self.evals if v >= step]:
+            del self.evals[v]
         return dropped
 
     def release(self, worker: str) -> list[Lease]:
@@ -158,6 +198,10 @@ class WorkQueue:
 
     def _requeue(self, lease: Lease) -> None:
         del self.leases[lease.lease_id]
+        if isinstance(lease.task, EvalTask):
+            if lease.task.version in self.evals:
+                self.evals[lease.task.version].leased = False
+            return
         work = self.steps.get(lease.task.step)
         if work is None:
             return
@@ -173,7 +217,8 @@ class WorkQueue:
     # ------------------------------------------------------------------ the workers' side
 
     def lease(self, worker: str, policy_version: int, max_groups: int, now: float, busy_seconds: float = 0.0) -> list[Lease]:
-        """Up to `max_groups` admissible groups (oldest step first), or one probe if the worker is idle.
+        """Up to `max_groups` admissible groups (oldest step first), or, to an idle worker, one evaluation of
+        exactly its version or one probe.
 
         A worker holds at most its fair share of the admissible groups not yet done (split over the
         workers seen within a lease timeout), so the first worker to ask does not take everything, and
@@ -184,6 +229,10 @@ class WorkQueue:
             return []
         admissible = [w for s, w in sorted(self.steps.items()) if s - self.max_staleness <= policy_version <= s]
         idle = not any(lease.worker == worker for lease in self.leases.values())
+        evaluation = self.evals.get(policy_version)
+        if idle and evaluation is not None and not evaluation.leased and evaluation.result is None:
+            evaluation.leased = True
+            return [self._grant(None, evaluation.task, worker, now)]
         for work in admissible:
             if idle and work.probe is not None and not work.probe_leased and work.probe_result is None:
                 work.probe_leased = True
@@ -201,11 +250,11 @@ class WorkQueue:
                 out.append(self._grant(work, task, worker, now))
         return out
 
-    def _grant(self, work: StepWork, task, worker: str, now: float) -> Lease:
+    def _grant(self, work: StepWork | None, task, worker: str, now: float) -> Lease:
         lease = Lease(self._next_lease, task, worker, now + self.lease_timeout_s)
         self._next_lease += 1
         self.leases[lease.lease_id] = lease
-        if work.first_lease is None:
+        if work is not None and work.first_lease is None:
             work.first_lease = now
         return lease
 
@@ -226,13 +275,16 @@ class WorkQueue:
                 lease.expires = now + self.lease_timeout_s
         return lost
 
-    def complete(self, worker: str, lease_id: int, result: GroupReport | ProbeResult, now: float,
+    def complete(self, worker: str, lease_id: int, result: GroupReport | ProbeResult | EvalRecord, now: float,
                  busy_seconds: float = 0.0) -> None:
         lease = self.leases.get(lease_id)
         if lease is None or lease.worker != worker:
             raise LeaseError(f"{worker}: lease {lease_id} is no longer held (expired, requeued or discarded)")
         del self.leases[lease_id]
         self._seen(worker, now, busy_seconds)
+        if isinstance(lease.task, EvalTask):
+            self.evals[lease.task.version].result = result
+            return
         work = self.steps[lease.task.step]
         if isinstance(lease.task, ProbeTask):
             work.probe_result = result

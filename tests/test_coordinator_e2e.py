@@ -188,3 +188,26 @@ def test_async_job_bounds_staleness_and_resumes(ray_cluster, tiny_qwen3, tmp_pat
     assert not (run_dir.checkpoints / "step1").exists(), "keep_checkpoints=1 deletes older checkpoints"
     assert (run_dir.report / "report.md").is_file() and (run_dir.report / "alpha_tail.png").is_file()
     assert "report:" in out.out
+
+
+def test_held_out_evaluation_before_during_and_after_training(ray_cluster, tiny_qwen3, tmp_path):
+    path = _config_file(tmp_path, tiny_qwen3, ranks=1, steps=2, mode="async")
+    config = load_config(path, ["data.arithmetic={min_value: 0, max_value: 50, operations: ['+']}",
+                                "data.eval={every: 1, prompts: 3, samples: 2}", "run.name=eval"])
+    run_dir = RunDir.create(config.run.out_dir, "eval")
+    run_dir.config_file.write_text(config.dump())
+    with TrainingJob(config, run_dir, progress=False, log=lambda *_: None) as job:
+        records = job.run()
+        coordinator = _scrape(job.metrics_server.url)
+    evaluations = [e for r in records for e in r.evaluations]
+    assert [e.policy_version for e in evaluations] == [0, 1, 2], "before training and after each update"
+    assert [e.policy_version for e in records[0].evaluations] == [0, 1]
+    for e in evaluations:
+        assert e.prompts == 3 and e.decoding == "greedy" and [x.mode for x in e.results] == ["dense", "sparse"]
+        assert all(x.samples == 6 and 0 <= x.accuracy <= 1 and x.tokens > 0 for x in e.results)
+    assert 'sparrow_eval_policy_version 2.0' in coordinator and 'sparrow_eval_accuracy{mode="sparse"}' in coordinator
+    assert RunDir.read_jsonl(run_dir.metrics_file)[1]["evaluations"][0]["policy_version"] == 2
+    from sparrow.coordinator.report import write_report
+
+    report = write_report(run_dir).read_text()
+    assert "## Held-out evaluation" in report and (run_dir.report / "eval_accuracy.png").is_file()

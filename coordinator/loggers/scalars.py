@@ -7,6 +7,8 @@ writes as null is left out: None (not measured, e.g. the α tail of a bin withou
 measured speedup of a step without a dense probe) and NaN/inf. A dense bin has no
 `schedule/blocks/bin<b>` (no budget; a number would plot as one) and `schedule/dense/bin<b>` = 1,
 like Prometheus' `sparrow_schedule_budget_blocks` (NaN) and `sparrow_schedule_dense` (1).
+A held-out evaluation during the step adds `eval/<mode>/{accuracy,reward_mean,response_length_mean}`
+and `eval/policy_version` (the last one of the step when there were two).
 """
 
 import math
@@ -68,6 +70,12 @@ def step_scalars(record: StepRecord) -> dict[str, float]:
         "timing/control": t.control,
         "timing/step": t.step,
         "timing/elapsed": t.elapsed,
+        "timing/evaluate": t.evaluate,
         "faults/count": len(record.faults),
     }
+    for evaluation in record.evaluations:
+        values["eval/policy_version"] = evaluation.policy_version
+        for e in evaluation.results:
+            values.update({f"eval/{e.mode}/accuracy": e.accuracy, f"eval/{e.mode}/reward_mean": e.reward_mean,
+                           f"eval/{e.mode}/response_length_mean": e.response_length_mean})
     return {tag: float(v) for tag, v in values.items() if v is not None and math.isfinite(v)}

@@ -50,6 +50,7 @@ ROLE_FAMILIES: dict[str, frozenset[str]] = {
         "sparrow_train_step", "sparrow_rollout_kv_read_fraction", "sparrow_rollout_utilisation",
         "sparrow_weight_publication_seconds", "sparrow_staleness_steps",
         "sparrow_recoveries", "sparrow_recovery_seconds",
+        "sparrow_eval_accuracy", "sparrow_eval_reward", "sparrow_eval_policy_version",
         *TRANSPORT_FAMILIES,
     }),
     # A rollout worker: what it generated and scored, the policy and schedule versions it decodes with.
@@ -303,6 +304,14 @@ class SparrowMetrics:
         if target is not None:
             self.alpha_target.set(target)
 
+    def record_eval(self, record) -> None:
+        """A held-out evaluation (`EvalRecord`): accuracy and mean reward per mode, and the policy it scored."""
+        for r in record.results:
+            if r.accuracy is not None:
+                self.eval_accuracy.labels(mode=r.mode).set(r.accuracy)
+                self.eval_reward.labels(mode=r.mode).set(r.reward_mean)
+        self.eval_policy_version.set(record.policy_version)
+
     def record_recovery(self, kind: str, seconds: float) -> None:
         """A finished recovery of `kind` (e.g. rollout_worker_lost, trainer_lost) that took `seconds`
         (record_step calls it for the faults of a step record)."""
@@ -387,6 +396,12 @@ _FAMILIES: dict[str, tuple[str, Callable[[], object]]] = {
     "sparrow_recoveries": ("recoveries", _counter("sparrow_recoveries", "Recoveries from a lost process, by kind", ("kind",))),
     "sparrow_recovery_seconds": ("recovery_seconds", _histogram(
         "sparrow_recovery_seconds", "Seconds from a loss to the job running again, by kind", ("kind",), RECOVERY_BUCKETS)),
+    "sparrow_eval_accuracy": ("eval_accuracy", _gauge(
+        "sparrow_eval_accuracy", "Held-out accuracy of the latest evaluated policy, per decoding mode", ("mode",))),
+    "sparrow_eval_reward": ("eval_reward", _gauge(
+        "sparrow_eval_reward", "Held-out mean reward of the latest evaluated policy, per decoding mode", ("mode",))),
+    "sparrow_eval_policy_version": ("eval_policy_version", lambda: _Settable(
+        "sparrow_eval_policy_version", "Policy version of the latest held-out evaluation")),
     "sparrow_rollout_tokens": ("tokens", _counter("sparrow_rollout_tokens", "Tokens generated", _PROCESS)),
     "sparrow_rollout_tokens_per_second": ("tokens_per_second", _gauge(
         "sparrow_rollout_tokens_per_second", "Tokens the worker's engine generated per busy second, last second of work",
