@@ -20,7 +20,7 @@ from records import make_record
 from sparrow.coordinator.controller import ControllerConfig, PowerLawResponse, Simulator, SparsityController
 from sparrow.coordinator.metrics import ROLE_FAMILIES, ROLES, MetricsConfig, SparrowMetrics, start_metrics_server
 from sparrow.coordinator.metrics.registry import TRANSPORT_FAMILIES
-from sparrow.coordinator.step_record import BatchSummary, FaultEvent
+from sparrow.coordinator.step_record import BatchSummary, EvalRecord, EvalResult, FaultEvent
 from sparrow.coordinator.transport import Trajectory
 from sparrow.cost import CostModel, resolve_hardware, resolve_model
 from sparrow.rollout_workers.api import RolloutSample
@@ -91,6 +91,8 @@ def test_coordinator_exports_alpha_control_and_the_step_record():
         second, predicted_speedup=predicted, publish=replace(second.publish, seconds=2.5), faults=[],
         rollout=replace(second.rollout, kv_read_fraction=0.5, speedup_measured=None, utilisation={}),
     ), BLANK_SUMMARY)
+    metrics.record_eval(EvalRecord(6, 32, "greedy", 3, [EvalResult("dense", 0.5, 0.5, 41.0, 32, 1312, 2.0),
+                                                        EvalResult("sparse", 0.4375, 0.4375, 40.5, 32, 1296, 1.5)]))
     metrics.watch_transport("stats", lambda: {"queue_depth": 1.0, "queue_capacity": 10.0, "accepted": 1.0,
                                               "duplicate": 1.0, "invalid_argument": 0.0, "unavailable": 0.0, "waits": 0.0})
     families = serve_and_scrape(metrics)
@@ -116,6 +118,9 @@ def test_coordinator_exports_alpha_control_and_the_step_record():
     speedup = sample_value(families["sparrow_speedup_predicted"], "sparrow_speedup_predicted", pool="rollout")
     assert speedup == pytest.approx(predicted) and speedup > 1.5
     assert sample_value(families["sparrow_train_step"], "sparrow_train_step") == 6
+    assert sample_value(families["sparrow_eval_accuracy"], "sparrow_eval_accuracy", mode="sparse") == 0.4375
+    assert sample_value(families["sparrow_eval_reward"], "sparrow_eval_reward", mode="dense") == 0.5
+    assert sample_value(families["sparrow_eval_policy_version"], "sparrow_eval_policy_version") == 6
     assert sample_value(families["sparrow_rollout_kv_read_fraction"], "sparrow_rollout_kv_read_fraction") == 0.5
     assert sample_value(families["sparrow_rollout_utilisation"], "sparrow_rollout_utilisation", worker="rollout-0") == 0.75
     publication = families["sparrow_weight_publication_seconds"]
