@@ -1,6 +1,6 @@
 """Fuzz every RPC with hypothesis-generated malformed messages (sparrow.coordinator.transport.fuzz) against
-a trajectory server, a monitor server and a coordinator-like control server (ResizePool) in child
-processes; prints tables last.
+a trajectory server and a coordinator-like control server (ResizePool; Drain answered UNIMPLEMENTED) in
+child processes; prints tables last.
 
 Checked: every message gets the answer its mutation calls for (field mutations: INVALID_ARGUMENT naming
 the field, in the ack of a stream or the status of a unary call; protocol mutations: the status the
@@ -34,11 +34,10 @@ def main() -> None:
 
     config = fuzz_config(security={"tls": args.tls})
     credentials = JobCredentials.create(config)
-    with ServerProcess(config, credentials) as trajectory, ServerProcess(config, credentials, "monitor") as monitor, \
-            ServerProcess(config, credentials, "control") as control:
-        targets = FuzzTargets(trajectory.address, monitor.address, trajectory.resume, control.address)
-        valid_traffic(targets, config, credentials, "before", schedule_version=10**9)
-        servers = {"trajectory": trajectory, "monitor": monitor, "control": control}
+    with ServerProcess(config, credentials) as trajectory, ServerProcess(config, credentials, "control") as control:
+        targets = FuzzTargets(trajectory.address, trajectory.resume, control.address)
+        valid_traffic(targets, config, credentials, "before")
+        servers = {"trajectory": trajectory, "control": control}
         readings = [{kind: server.stats() for kind, server in servers.items()}]
         report, generate_s, send_s = FuzzReport(), 0.0, 0.0
         for r in range(args.rounds):
@@ -49,7 +48,7 @@ def main() -> None:
                 report.outcomes += fuzzer.run(generated_cases).outcomes
             generate_s, send_s = generate_s + generated - start, send_s + time.perf_counter() - generated
             readings.append({kind: server.stats() if server.alive else None for kind, server in servers.items()})
-        after_traffic = valid_traffic(targets, config, credentials, "after", schedule_version=10**9 + 1)
+        after_traffic = valid_traffic(targets, config, credentials, "after")
         alive = {kind: server.alive for kind, server in servers.items()}
 
     def reading(kind: str, key: str, i: int) -> str:

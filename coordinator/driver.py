@@ -570,9 +570,6 @@ class TrainingJob:
         return Health("serving", "coordinator", self.schedule.version, self.version, {"step": float(self.step)},
                       list(self._pool_status))
 
-    def update_schedule(self, schedule):
-        raise NotImplementedError("the coordinator's schedule comes from its controller")
-
     def drain(self, timeout_s: float):
         raise NotImplementedError("the coordinator does not drain; stop the job instead")
 

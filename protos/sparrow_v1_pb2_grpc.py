@@ -99,78 +99,6 @@ class TrajectoryService:
             _registered_method=True)
 
 
-class MonitorServiceStub:
-    """Missing associated documentation comment in .proto file."""
-
-    def __init__(self, channel):
-        """Constructor.
-
-        Args:
-            channel: A grpc.Channel.
-        """
-        self.StreamStats = channel.stream_stream(
-                '/sparrow.v1.MonitorService/StreamStats',
-                request_serializer=sparrow__v1__pb2.StatsStreamRequest.SerializeToString,
-                response_deserializer=sparrow__v1__pb2.StreamReply.FromString,
-                _registered_method=True)
-
-
-class MonitorServiceServicer:
-    """Missing associated documentation comment in .proto file."""
-
-    def StreamStats(self, request_iterator, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-
-def add_MonitorServiceServicer_to_server(servicer, server):
-    rpc_method_handlers = {
-            'StreamStats': grpc.stream_stream_rpc_method_handler(
-                    servicer.StreamStats,
-                    request_deserializer=sparrow__v1__pb2.StatsStreamRequest.FromString,
-                    response_serializer=sparrow__v1__pb2.StreamReply.SerializeToString,
-            ),
-    }
-    generic_handler = grpc.method_handlers_generic_handler(
-            'sparrow.v1.MonitorService', rpc_method_handlers)
-    server.add_generic_rpc_handlers((generic_handler,))
-    server.add_registered_method_handlers('sparrow.v1.MonitorService', rpc_method_handlers)
-
-
- # This class is part of an EXPERIMENTAL API.
-class MonitorService:
-    """Missing associated documentation comment in .proto file."""
-
-    @staticmethod
-    def StreamStats(request_iterator,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.stream_stream(
-            request_iterator,
-            target,
-            '/sparrow.v1.MonitorService/StreamStats',
-            sparrow__v1__pb2.StatsStreamRequest.SerializeToString,
-            sparrow__v1__pb2.StreamReply.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-
 class ControlServiceStub:
     """Missing associated documentation comment in .proto file."""
 
@@ -180,11 +108,6 @@ class ControlServiceStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.UpdateSchedule = channel.unary_unary(
-                '/sparrow.v1.ControlService/UpdateSchedule',
-                request_serializer=sparrow__v1__pb2.UpdateScheduleRequest.SerializeToString,
-                response_deserializer=sparrow__v1__pb2.UpdateScheduleReply.FromString,
-                _registered_method=True)
         self.Drain = channel.unary_unary(
                 '/sparrow.v1.ControlService/Drain',
                 request_serializer=sparrow__v1__pb2.DrainRequest.SerializeToString,
@@ -205,20 +128,16 @@ class ControlServiceStub:
 class ControlServiceServicer:
     """Missing associated documentation comment in .proto file."""
 
-    def UpdateSchedule(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def Drain(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Stop taking samples (acks UNAVAILABLE) and wait for the queue to empty: the trajectory server.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Health(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Status, versions and gauges; the coordinator's also lists its pools.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -233,11 +152,6 @@ class ControlServiceServicer:
 
 def add_ControlServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'UpdateSchedule': grpc.unary_unary_rpc_method_handler(
-                    servicer.UpdateSchedule,
-                    request_deserializer=sparrow__v1__pb2.UpdateScheduleRequest.FromString,
-                    response_serializer=sparrow__v1__pb2.UpdateScheduleReply.SerializeToString,
-            ),
             'Drain': grpc.unary_unary_rpc_method_handler(
                     servicer.Drain,
                     request_deserializer=sparrow__v1__pb2.DrainRequest.FromString,
@@ -263,33 +177,6 @@ def add_ControlServiceServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class ControlService:
     """Missing associated documentation comment in .proto file."""
-
-    @staticmethod
-    def UpdateSchedule(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/sparrow.v1.ControlService/UpdateSchedule',
-            sparrow__v1__pb2.UpdateScheduleRequest.SerializeToString,
-            sparrow__v1__pb2.UpdateScheduleReply.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
 
     @staticmethod
     def Drain(request,

@@ -1,4 +1,4 @@
-"""Protobuf conversions round-trip exactly, and validation names the offending field."""
+"""The Sample conversions round-trip exactly, and validation names the offending field."""
 
 import math
 
@@ -6,27 +6,17 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from sparrow.acceptance import AlphaHistogram
 from sparrow.coordinator.transport import (
     InvalidMessage,
     RetryConfig,
-    StatsRecord,
     Trajectory,
     TransportConfig,
-    histogram_from_proto,
-    histogram_to_proto,
-    schedule_from_proto,
-    schedule_to_proto,
-    stats_from_proto,
-    stats_to_proto,
     trajectory_from_proto,
     trajectory_to_proto,
     validate_sample,
-    validate_stats_report,
 )
 from sparrow.protos import sparrow_v1_pb2 as pb
 from sparrow.rollout_workers.api import RolloutRequest, RolloutSample
-from sparrow.schedule import load_schedule
 
 CONFIG = TransportConfig(vocab_size=1000)
 
@@ -63,47 +53,6 @@ def test_failed_sample_and_missing_reward_round_trip():
     back = trajectory_from_proto(msg)
     assert back.reward is None and back.sample.finish_reason == "error" and back.sample.error == "prompt too long"
     assert back.sample.top_ids.shape == (0, 0)
-
-
-def test_histogram_round_trip_matches_to_dict():
-    h = AlphaHistogram.empty(20, 2000)
-    g = torch.Generator().manual_seed(1)
-    h.add(torch.rand(5000, generator=g) ** 0.1, torch.randint(0, 20, (5000,), generator=g))
-    msg = histogram_to_proto(h)
-    d = h.to_dict()
-    assert [c // 2000 for c in msg.cells] == [c[0] for c in d["cells"]]
-    assert [c % 2000 for c in msg.cells] == [c[1] for c in d["cells"]]
-    assert list(msg.counts) == d["values"]
-    back = histogram_from_proto(msg)
-    assert torch.equal(back.counts, h.counts) and torch.equal(back.sums, h.sums)
-    assert torch.allclose(back.percentile(5), h.percentile(5), equal_nan=True)
-
-
-def test_schedule_round_trip_keeps_dense_bins():
-    s = load_schedule("qwen3-4b-0.86")
-    s = s.with_topk([None] + list(s.topk_blocks[1:]), version=12)
-    back = schedule_from_proto(schedule_to_proto(s))
-    assert back == s and back.topk_blocks[0] is None
-
-
-def test_schedule_with_wrong_bin_count_is_invalid():
-    msg = schedule_to_proto(load_schedule("qwen3-1.7b-0.86"))
-    del msg.topk_blocks[-1]
-    with pytest.raises(InvalidMessage, match="topk_blocks has 19 values") as exc:
-        schedule_from_proto(msg)
-    assert exc.value.field == "schedule"
-
-
-def test_schedule_name_and_notes_are_bounded():
-    msg = schedule_to_proto(load_schedule("qwen3-1.7b-0.86"))
-    msg.name = "n" * 100_000
-    with pytest.raises(InvalidMessage, match="schedule.name: has 100000 characters; at most 256 are allowed"):
-        schedule_from_proto(msg)
-    msg = schedule_to_proto(load_schedule("qwen3-1.7b-0.86"))
-    msg.notes.append("x" * 65_537)
-    with pytest.raises(InvalidMessage) as exc:
-        schedule_from_proto(msg)
-    assert exc.value.field == f"schedule.notes[{len(msg.notes) - 1}]"
 
 
 def corrupt(fn):
@@ -146,43 +95,6 @@ def test_logprob_shape_and_positive_logprob_messages_say_what_to_fix():
         validate_sample(corrupt(lambda m: m.top_ids.pop()), CONFIG)
     with pytest.raises(InvalidMessage, match=r"logprobs: \[0\]=0.5 must be a finite log-probability <= 0"):
         validate_sample(corrupt(lambda m: m.logprobs.__setitem__(0, 0.5)), CONFIG)
-
-
-def stats(alpha_upper=True) -> StatsRecord:
-    g = torch.Generator().manual_seed(2)
-    lower = AlphaHistogram.empty(4, 100).add(torch.rand(300, generator=g), torch.randint(0, 4, (300,), generator=g))
-    upper = AlphaHistogram(lower.counts.roll(1, -1), lower.sums) if alpha_upper else None
-    return StatsRecord("r-1", "trainer-0", 3, 3, 2, lower, upper, {"loss": 0.25, "tis_capped_fraction": 0.01})
-
-
-def test_stats_round_trip_and_validation():
-    msg = stats_to_proto(stats())
-    validate_stats_report(msg)
-    back = stats_from_proto(msg)
-    assert torch.equal(back.alpha.counts, stats().alpha.counts) and torch.equal(back.alpha_upper.counts, stats().alpha_upper.counts)
-    assert back.metrics == {"loss": 0.25, "tis_capped_fraction": 0.01}
-    assert stats_from_proto(stats_to_proto(stats(alpha_upper=False))).alpha_upper is None
-
-
-@pytest.mark.parametrize(
-    "field, fn",
-    [
-        ("alpha", lambda m: m.ClearField("alpha")),
-        ("alpha.sums", lambda m: m.alpha.sums.__setitem__(0, 1e9)),
-        ("alpha.cells", lambda m: m.alpha.cells.__setitem__(1, m.alpha.cells[0])),
-        ("alpha.counts", lambda m: m.alpha.counts.__setitem__(0, 0)),
-        ("alpha.resolution", lambda m: setattr(m.alpha, "resolution", 0)),
-        ("alpha_upper", lambda m: m.alpha_upper.counts.__setitem__(0, m.alpha_upper.counts[0] + 1)),
-        ("metrics[loss]", lambda m: m.metrics.__setitem__("loss", math.inf)),
-        ("step", lambda m: setattr(m, "step", -1)),
-    ],
-)
-def test_invalid_stats_report_names_the_field(field, fn):
-    msg = stats_to_proto(stats())
-    fn(msg)
-    with pytest.raises(InvalidMessage) as exc:
-        validate_stats_report(msg)
-    assert exc.value.field == field
 
 
 def test_transport_config_errors_name_the_field():

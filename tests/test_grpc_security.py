@@ -16,23 +16,22 @@ from pydantic import ValidationError
 from sparrow.coordinator.config import ConfigError, load_config
 from sparrow.coordinator.transport import (
     ControlClient,
+    ControlServer,
     CredentialsError,
     JobCredentials,
-    MonitorServer,
     RetryConfig,
     Trajectory,
     TrajectoryClient,
     TrajectoryServer,
     TransportConfig,
     TransportError,
-    schedule_to_proto,
     trajectory_to_proto,
 )
+from sparrow.coordinator.transport.harness import PoolRecorder
 from sparrow.coordinator.transport.pki import issue, new_ca
 from sparrow.protos import sparrow_v1_pb2 as pb
 from sparrow.protos import sparrow_v1_pb2_grpc as pb_grpc
 from sparrow.rollout_workers.api import RolloutSample
-from sparrow.schedule import load_schedule
 
 
 def trajectory(i: int) -> Trajectory:
@@ -63,12 +62,11 @@ def every_rpc(channel: grpc.Channel) -> dict:
     control = pb_grpc.ControlServiceStub(channel)
     opening = [pb.SampleStreamRequest(open=pb.StreamOpen(client_id="x")),
                pb.SampleStreamRequest(sample=trajectory_to_proto(trajectory(50)))]
-    schedule = schedule_to_proto(load_schedule("qwen3-1.7b-0.86").with_topk(load_schedule("qwen3-1.7b-0.86").topk_blocks, version=9))
     return {
         "StreamSamples": lambda: list(samples.StreamSamples(iter(opening), timeout=5)),
-        "UpdateSchedule": lambda: control.UpdateSchedule(pb.UpdateScheduleRequest(schedule=schedule), timeout=5),
         "Drain": lambda: control.Drain(pb.DrainRequest(timeout_s=0), timeout=5),
         "Health": lambda: control.Health(pb.HealthRequest(), timeout=5),
+        "ResizePool": lambda: control.ResizePool(pb.ResizePoolRequest(pool="rollout", size=2), timeout=5),
     }
 
 
@@ -85,8 +83,8 @@ def test_calls_without_the_job_token_are_unauthenticated_and_the_server_keeps_se
                     error = refused(call)
                     assert (rpc, error.code()) == (rpc, grpc.StatusCode.UNAUTHENTICATED) and reason in error.details()
         assert server.stats()["unauthenticated"] == 8
-        # Nothing the refused calls asked for happened: no sample queued, no schedule, no drain.
-        assert (server.queue_depth, server.schedule, server.health().status) == (0, None, "serving")
+        # Nothing the refused calls asked for happened: no sample queued, no drain.
+        assert (server.queue_depth, server.health().status) == (0, "serving")
         with TrajectoryClient(server.address, cfg, creds) as client:
             assert client.send([trajectory(1), trajectory(2)]).accepted == 2
         with ControlClient(server.address, cfg, creds) as control:
@@ -116,12 +114,12 @@ def test_mutual_tls_refuses_a_client_certificate_not_signed_by_the_job_ca():
     ca, ca_key = new_ca("another CA")
     forged = dataclasses.replace(creds, client_identity=issue(ca, ca_key, "intruder", server=False, client=True))
     no_cert = dataclasses.replace(creds, client_identity=None)
-    with MonitorServer(cfg, creds) as server:
+    with ControlServer(cfg, creds, PoolRecorder()) as server:  # as the coordinator's, for `sparrow pool`
         for stranger in (forged, no_cert):
             with ControlClient(server.address, cfg, stranger, timeout_s=5) as control, pytest.raises(TransportError, match="UNAVAILABLE"):
                 control.health()
         with ControlClient(server.address, cfg, creds) as control:
-            assert control.health().component == "monitor"
+            assert control.health().component == "coordinator"
 
 
 def write_files(tmp_path, names: list[str], client: bool = True) -> dict:

@@ -8,14 +8,10 @@ import grpc
 import pytest
 import torch
 
-from sparrow.acceptance import AlphaHistogram
 from sparrow.coordinator.transport import (
     ControlClient,
     JobCredentials,
-    MonitorServer,
     RetryConfig,
-    StatsClient,
-    StatsRecord,
     Trajectory,
     TrajectoryClient,
     TrajectoryServer,
@@ -26,7 +22,6 @@ from sparrow.coordinator.transport import (
 from sparrow.protos import sparrow_v1_pb2 as pb
 from sparrow.protos import sparrow_v1_pb2_grpc as pb_grpc
 from sparrow.rollout_workers.api import RolloutSample
-from sparrow.schedule import load_schedule
 
 
 def trajectory(i: int, n: int = 16, k: int = 4, worker: str = "w0") -> Trajectory:
@@ -241,52 +236,27 @@ def test_drain_gives_up_after_attempts_with_a_clear_error():
             client.send([trajectory(0)])
 
 
-def test_control_schedule_updates_apply_in_version_order_and_bad_ones_are_invalid():
-    applied = []
-    server = TrajectoryServer(config(), CREDS, on_schedule=applied.append)
-    with server, ControlClient(server.address, server.config, CREDS) as control:
-        base = load_schedule("qwen3-1.7b-0.86")
-        assert control.update_schedule(base.with_topk(base.topk_blocks, version=3)) == (True, 3)
-        assert control.update_schedule(base.with_topk(base.topk_blocks, version=3)) == (True, 3)  # resend
-        assert control.update_schedule(base.with_topk(base.topk_blocks, version=2)) == (False, 3)  # stale
-        assert control.update_schedule(base.with_topk([None] * 20, version=4)) == (True, 4)
-        assert [s.version for s in applied] == [3, 4] and server.schedule.topk_blocks[0] is None
+def test_trajectory_server_control_answers_drain_and_health_and_nothing_removed():
+    with TrajectoryServer(config(), CREDS) as server, ControlClient(server.address, server.config, CREDS) as control:
         stub = pb_grpc.ControlServiceStub(control.channel)
-        bad = pb.Schedule(name="x", topk_blocks=[29] * 3, edges=[2000], sink=1, recent=2, block_size=16, version=5)
-        with pytest.raises(grpc.RpcError) as exc:
-            stub.UpdateSchedule(pb.UpdateScheduleRequest(schedule=bad))
-        assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert exc.value.details().startswith("schedule: ") and "topk_blocks has 3 values" in exc.value.details()
         with pytest.raises(grpc.RpcError) as exc:
             stub.Drain(pb.DrainRequest(timeout_s=-1))
         assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "timeout_s" in exc.value.details()
         health = control.health()
-        assert (health.status, health.component, health.schedule_version) == ("serving", "trajectory-server", 4)
-
-
-def test_stats_stream_reaches_the_monitor_and_rejects_bad_histograms():
-    g = torch.Generator().manual_seed(0)
-
-    def report(i):
-        h = AlphaHistogram.empty(20, 2000).add(torch.rand(400, generator=g) ** 0.05, torch.randint(0, 20, (400,), generator=g))
-        return StatsRecord(f"t0-step{i}", "t0", i, i, 1, h, None, {"loss": 0.1 * i})
-
-    reports = [report(i) for i in range(3)]
-    with MonitorServer(config(), CREDS) as monitor, StatsClient(monitor.address, monitor.config, CREDS) as client:
-        assert client.send(reports).accepted == 3
-        assert client.send(reports[:1]).duplicate == 1
-        from sparrow.coordinator.transport import stats_to_proto
-
-        bad = stats_to_proto(report(9))
-        bad.alpha.sums[4] = -1.0
-        rejected = client.send([bad]).rejected
-        assert [r.field for r in rejected] == ["alpha.sums"]
-        got = monitor.get_batch(10, timeout=2)
-    assert [r.step for r in got] == [0, 1, 2]
-    merged = got[0].alpha.merge(got[1].alpha).merge(got[2].alpha)
-    expected = reports[0].alpha.merge(reports[1].alpha).merge(reports[2].alpha)
-    assert torch.equal(merged.counts, expected.counts)
-    assert got[2].metrics == {"loss": pytest.approx(0.2)}
+        assert (health.status, health.component, health.schedule_version, health.policy_version) == (
+            "serving", "trajectory-server", 0, 0)
+        assert health.gauges["queue_capacity"] == server.config.queue_capacity and health.pools == []
+        # Schedules and statistics travel over Ray now: a client built against the older API (UpdateSchedule,
+        # MonitorService.StreamStats) gets UNIMPLEMENTED, as the coordinator answered UpdateSchedule before.
+        update = control.channel.unary_unary("/sparrow.v1.ControlService/UpdateSchedule", request_serializer=None,
+                                             response_deserializer=None)
+        stats = control.channel.stream_stream("/sparrow.v1.MonitorService/StreamStats", request_serializer=None,
+                                              response_deserializer=None)
+        for call in (lambda: update(b"", timeout=5), lambda: list(stats(iter([b""]), timeout=5))):
+            with pytest.raises(grpc.RpcError) as exc:
+                call()
+            assert exc.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        assert server.stats()["unauthenticated"] == 0 and control.health().status == "serving"
 
 
 def open_stream(channel: grpc.Channel, hold: threading.Event):

@@ -19,7 +19,6 @@ from records import make_record
 
 from sparrow.coordinator.controller import ControllerConfig, PowerLawResponse, Simulator, SparsityController
 from sparrow.coordinator.metrics import ROLE_FAMILIES, ROLES, MetricsConfig, SparrowMetrics, start_metrics_server
-from sparrow.coordinator.metrics.registry import TRANSPORT_FAMILIES
 from sparrow.coordinator.step_record import BatchSummary, EvalRecord, EvalResult, FaultEvent
 from sparrow.coordinator.transport import Trajectory
 from sparrow.cost import CostModel, resolve_hardware, resolve_model
@@ -93,8 +92,6 @@ def test_coordinator_exports_alpha_control_and_the_step_record():
     ), BLANK_SUMMARY)
     metrics.record_eval(EvalRecord(6, 32, "greedy", 3, [EvalResult("dense", 0.5, 0.5, 41.0, 32, 1312, 2.0),
                                                         EvalResult("sparse", 0.4375, 0.4375, 40.5, 32, 1296, 1.5)]))
-    metrics.watch_transport("stats", lambda: {"queue_depth": 1.0, "queue_capacity": 10.0, "accepted": 1.0,
-                                              "duplicate": 1.0, "invalid_argument": 0.0, "unavailable": 0.0, "waits": 0.0})
     families = serve_and_scrape(metrics)
 
     alpha = families["sparrow_alpha"]
@@ -129,11 +126,12 @@ def test_coordinator_exports_alpha_control_and_the_step_record():
     assert sample_value(families["sparrow_recoveries"], "sparrow_recoveries_total", kind="rollout_worker_lost") == 1
     assert sample_value(families["sparrow_recovery_seconds"], "sparrow_recovery_seconds_sum", kind="rollout_worker_lost") == 42
     assert not [x for x in families["sparrow_recoveries"].samples if x.labels["kind"] == "trainer_lost"]
-    assert sample_value(families["sparrow_queue_depth"], "sparrow_queue_depth", queue="stats") == 1
-    messages = families["sparrow_transport_messages"]
-    assert sample_value(messages, "sparrow_transport_messages_total", queue="stats", status="duplicate") == 1
     assert set(families) == ROLE_FAMILIES["coordinator"]
     assert series(families) == ROLE_FAMILIES["coordinator"], "every family of the role was set"
+    # The coordinator serves no queue: statistics reach it over Ray, samples go to trainer rank 0.
+    assert not {"sparrow_queue_depth", "sparrow_transport_messages"} & set(families)
+    with pytest.raises(AttributeError, match="a coordinator process serves no queue .only trainer processes do"):
+        metrics.watch_transport("trajectory", dict)
 
 
 def test_rollout_worker_exports_its_samples_and_versions_only():
@@ -197,7 +195,7 @@ def test_trainer_rank_exports_its_step_memory_and_rank0_queue():
 
 def test_roles_and_ports():
     with pytest.raises(ValueError, match="one of coordinator, rollout, trainer"):
-        SparrowMetrics(role="monitor")
+        SparrowMetrics(role="observer")
     with pytest.raises(TypeError):
         SparrowMetrics()  # the role is explicit
     config = MetricsConfig(port=9400)
@@ -205,7 +203,7 @@ def test_roles_and_ports():
     assert (config.for_role("rollout").port, config.for_role("trainer").port) == (9401, 9401)
     assert config.for_role("trainer").port_search == 256
     assert MetricsConfig(port=0).for_role("rollout").port == 0
-    shared = {"sparrow_schedule_version", *TRANSPORT_FAMILIES}
+    shared = {"sparrow_schedule_version"}  # the coordinator's decided version and each worker's own
     for a in ROLES:
         for b in ROLES:
             if a < b:

@@ -62,7 +62,7 @@ def test_file_sd_groups_rejects_what_prometheus_would(url, labels, message):
     with pytest.raises(ValueError, match="listed twice"):
         file_sd_groups([("http://h:1/metrics", {}), ("http://h:1/metrics", {})])
     with pytest.raises(ValueError, match="one of coordinator, rollout, trainer"):
-        target_labels("monitor", "m", "r1")
+        target_labels("observer", "o", "r1")
 
 
 def test_write_file_sd_replaces_the_file_atomically(tmp_path):
@@ -101,7 +101,7 @@ def test_scrape_targets_follow_membership_in_every_file(tmp_path):
     targets.remove("trainer-0")
     assert listed() == {"coordinator": ("coordinator", "10.0.0.1:9400"), "rollout-0": ("rollout", "10.0.0.5:9401")}
     with pytest.raises(ValueError, match="one of coordinator"):
-        targets.set("x", "monitor", "http://h:1/metrics")
+        targets.set("x", "observer", "http://h:1/metrics")
     targets.clear()
     assert listed() == {}
 

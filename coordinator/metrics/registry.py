@@ -41,7 +41,7 @@ MEMORY_FAMILIES = ("sparrow_gpu_memory_bytes", "sparrow_host_memory_bytes")
 
 ROLE_FAMILIES: dict[str, frozenset[str]] = {
     # `sparrow train` itself: α and the controller, the schedule, per-step results of the whole job
-    # (from the step record), weight publication, and the MonitorServer's `stats` queue.
+    # (from the step record), weight publication. It serves no queue (statistics reach it over Ray).
     "coordinator": frozenset({
         "sparrow_alpha", "sparrow_alpha_tail", "sparrow_alpha_target",
         "sparrow_schedule_budget_blocks", "sparrow_schedule_dense", "sparrow_schedule_version",
@@ -51,7 +51,6 @@ ROLE_FAMILIES: dict[str, frozenset[str]] = {
         "sparrow_weight_publication_seconds", "sparrow_staleness_steps",
         "sparrow_recoveries", "sparrow_recovery_seconds",
         "sparrow_eval_accuracy", "sparrow_eval_reward", "sparrow_eval_policy_version",
-        *TRANSPORT_FAMILIES,
     }),
     # A rollout worker: what it generated and scored, the policy and schedule versions it decodes with.
     "rollout": frozenset({
@@ -354,7 +353,11 @@ class SparrowMetrics:
 
     # transport -----------------------------------------------------------------------------------
     def watch_transport(self, queue: str, stats: Callable[[], dict[str, float]]) -> None:
-        """Export a transport server's queue depth and message counters (`server.stats`) as `queue`."""
+        """Export a transport server's queue depth and message counters (`server.stats`) as `queue`
+        (trainer rank 0's TrajectoryServer: the only server with a queue)."""
+        if not self._has("sparrow_queue_depth"):
+            owners = " and ".join(role for role, families in ROLE_FAMILIES.items() if "sparrow_queue_depth" in families)
+            raise AttributeError(f"watch_transport: a {self.role} process serves no queue (only {owners} processes do; ROLE_FAMILIES)")
         self._transport.sources[queue] = stats
 
 

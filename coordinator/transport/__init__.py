@@ -1,5 +1,6 @@
-"""gRPC transport (package sparrow.v1): trajectories worker → trainer, statistics trainer → coordinator
-monitor, control coordinator → components and user → coordinator (`sparrow pool`). See docs/grpc_api.md.
+"""gRPC transport (package sparrow.v1): trajectories rollout worker → trainer pool, and ControlService for
+operators and observers (`sparrow pool` → the coordinator; drain and health of the trajectory server).
+Everything else inside a job travels over Ray. See docs/grpc_api.md.
 
 Names load on first use (PEP 562), so `sparrow pool` imports the control client without the
 conversions' torch, and `from sparrow.coordinator.transport import X` works as before.
@@ -9,16 +10,14 @@ import importlib
 
 _WHERE = {
     "address": ("advertised_host",),
-    "client": ("ControlClient", "Rejection", "SendReport", "StatsClient", "TrajectoryClient", "TransportError"),
+    "client": ("ControlClient", "Rejection", "SendReport", "TrajectoryClient", "TransportError"),
     "config": ("RetryConfig", "SecurityConfig", "TransportConfig"),
-    "control": ("ControlHandler", "ControlServicer", "Health", "PoolStatus", "ResizeRequests", "ScheduleState"),
-    "convert": ("StatsRecord", "Trajectory", "histogram_from_proto", "histogram_to_proto", "schedule_from_proto",
-                "schedule_to_proto", "stats_from_proto", "stats_to_proto", "trajectory_from_proto", "trajectory_to_proto"),
+    "control": ("ControlHandler", "ControlServicer", "Health", "PoolStatus", "ResizeRequests"),
+    "convert": ("Trajectory", "trajectory_from_proto", "trajectory_to_proto"),
     "endpoint": ("Endpoint", "EndpointError", "JobControlServer", "read_endpoint"),
     "security": ("CredentialsError", "JobCredentials"),
-    "servers": ("ControlServer", "MonitorServer", "TrajectoryServer"),
-    "validate": ("InvalidMessage", "validate_histogram", "validate_resize_pool", "validate_sample", "validate_schedule",
-                 "validate_stats_report"),
+    "servers": ("ControlServer", "TrajectoryServer"),
+    "validate": ("InvalidMessage", "validate_resize_pool", "validate_sample"),
 }
 _MODULE_OF = {name: module for module, names in _WHERE.items() for name in names}
 

@@ -1,4 +1,5 @@
-"""Clients: rollout workers send trajectories, trainers send statistics, the coordinator controls.
+"""Clients: rollout workers send trajectories (`TrajectoryClient`); operators and tests call ControlService
+(`ControlClient`: `sparrow pool`, a drain of the trajectory server).
 
 `send()` keeps at most the granted window of messages in flight, matches the in-order acks, and on a
 broken stream reopens one (exponential backoff) and resends whatever was not acknowledged. Resends
@@ -20,14 +21,13 @@ import grpc
 
 from sparrow.protos import sparrow_v1_pb2 as pb
 from sparrow.protos import sparrow_v1_pb2_grpc as pb_grpc
-from sparrow.schedule import SparsitySchedule
 
 from .config import TransportConfig
 from .control import Health
 from .security import JobCredentials
 
 if TYPE_CHECKING:
-    from .convert import StatsRecord, Trajectory
+    from .convert import Trajectory
 
 RETRYABLE = {
     grpc.StatusCode.UNAVAILABLE,
@@ -197,27 +197,9 @@ class TrajectoryClient(_Client):
         return self._sender.send(t if isinstance(t, pb.Sample) else trajectory_to_proto(t) for t in trajectories)
 
 
-class StatsClient(_Client):
-    """A trainer's connection to the coordinator's MonitorServer."""
-
-    def __init__(self, address: str, config: TransportConfig, credentials: JobCredentials, client_id: str = "trainer"):
-        super().__init__(address, config, credentials)
-        self._sender = _AckedSender(
-            pb_grpc.MonitorServiceStub(self.channel).StreamStats,
-            open_request=pb.StatsStreamRequest(open=pb.StreamOpen(client_id=client_id)),
-            wrap=lambda msg: pb.StatsStreamRequest(report=msg),
-            id_of=lambda msg: msg.report_id,
-            config=self.config,
-        )
-
-    def send(self, reports: Iterable[StatsRecord | pb.StatsReport]) -> SendReport:
-        from .convert import stats_to_proto
-
-        return self._sender.send(r if isinstance(r, pb.StatsReport) else stats_to_proto(r) for r in reports)
-
-
 class ControlClient(_Client):
-    """The coordinator's handle on one component's ControlService (unary calls, retried on UNAVAILABLE)."""
+    """A handle on one server's ControlService (unary calls, retried on UNAVAILABLE): the coordinator's
+    (`sparrow pool`) or the trajectory server's."""
 
     def __init__(self, address: str, config: TransportConfig, credentials: JobCredentials, timeout_s: float = 10.0):
         super().__init__(address, config, credentials)
@@ -234,12 +216,6 @@ class ControlClient(_Client):
                     raise TransportError(f"{exc.code().name}: {exc.details()}", exc.code(), exc.details() or "") from None
             time.sleep(backoff)
             backoff = min(2 * backoff, retry.max_backoff_s)
-
-    def update_schedule(self, schedule: SparsitySchedule) -> tuple[bool, int]:
-        from .convert import schedule_to_proto
-
-        reply = self._call(self._stub.UpdateSchedule, pb.UpdateScheduleRequest(schedule=schedule_to_proto(schedule)), self._timeout_s)
-        return reply.applied, reply.current_version
 
     def drain(self, timeout_s: float = 0.0) -> tuple[bool, int]:
         reply = self._call(self._stub.Drain, pb.DrainRequest(timeout_s=timeout_s), self._timeout_s + timeout_s)

@@ -106,7 +106,7 @@ class SecurityConfig(BaseModel):
 
 
 class TransportConfig(BaseModel):
-    """Trajectory/monitor/control endpoints. Defaults suit one trainer host; see docs/grpc_api.md."""
+    """Trajectory and control endpoints. Defaults suit one trainer host; see docs/grpc_api.md."""
 
     model_config = ConfigDict(extra="forbid")
 

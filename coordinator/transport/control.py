@@ -1,12 +1,15 @@
-"""ControlService: schedule updates, drain and health, served by every component; pool resizes,
-served by the coordinator.
+"""ControlService: drain and health, for operators and observers; pool resizes, served by the coordinator.
+
+Two servers serve it: the trainer pool's trajectory server (drain, health: `servers.TrajectoryServer`)
+and the coordinator (health and `sparrow pool resize`: `endpoint.JobControlServer`, the driver as
+handler). The job's own control (schedules, weights, leases, statistics) is Ray calls, not this service.
 
 A component implements `ControlHandler`; `ControlServicer` adapts it to gRPC (grpc.aio) and turns bad
 requests into INVALID_ARGUMENT naming the field. Handler methods run in a worker thread: they may
 block (a drain waits for pending work) and must not stall the transport loop. A handler without
 `resize_pool`, or whose method raises NotImplementedError, answers that RPC with UNIMPLEMENTED.
 
-No torch here (schedules are converted on demand), so the `sparrow pool` client starts fast.
+No torch here, so the `sparrow pool` client starts fast.
 """
 
 import asyncio
@@ -19,7 +22,6 @@ from typing import Protocol
 import grpc
 
 from sparrow.protos import sparrow_v1_pb2 as pb
-from sparrow.schedule import SparsitySchedule
 
 from . import wire
 from .validate import InvalidMessage, validate_resize_pool
@@ -79,9 +81,6 @@ class Health:
 
 
 class ControlHandler(Protocol):
-    def update_schedule(self, schedule: SparsitySchedule) -> tuple[bool, int]:
-        """Apply `schedule` unless it is older than the one in force; returns (applied, version in force)."""
-
     def drain(self, timeout_s: float) -> tuple[bool, int]:
         """Stop taking new work, wait up to `timeout_s` for pending work; returns (drained, pending)."""
 
@@ -113,31 +112,6 @@ class ResizeRequests:
             return self._pending.pop(pool, None)
 
 
-class ScheduleState:
-    """The schedule in force at a component; newer versions replace it, older ones are ignored.
-
-    `on_update` (e.g. a rollout engine's `set_schedule`) runs under the lock, so updates apply in order.
-    """
-
-    def __init__(self, on_update: Callable[[SparsitySchedule], None] | None = None):
-        self.schedule: SparsitySchedule | None = None
-        self._on_update = on_update
-        self._lock = threading.Lock()
-
-    @property
-    def version(self) -> int:
-        return -1 if self.schedule is None else self.schedule.version
-
-    def update(self, schedule: SparsitySchedule) -> tuple[bool, int]:
-        with self._lock:
-            if self.schedule is not None and schedule.version <= self.schedule.version:
-                return schedule.version == self.schedule.version and schedule == self.schedule, self.schedule.version
-            if self._on_update is not None:
-                self._on_update(schedule)
-            self.schedule = schedule
-            return True, schedule.version
-
-
 def _unimplemented(what: str, handler) -> str:
     name = getattr(handler, "component", None) or type(handler).__name__
     if what == "ResizePool":
@@ -152,7 +126,6 @@ class ControlServicer:
 
     def service(self) -> grpc.GenericRpcHandler:
         return wire.service(pb.DESCRIPTOR.services_by_name["ControlService"].full_name, {
-            "UpdateSchedule": wire.unary_unary(self.UpdateSchedule, pb.UpdateScheduleRequest, pb.UpdateScheduleReply),
             "Drain": wire.unary_unary(self.Drain, pb.DrainRequest, pb.DrainReply),
             "Health": wire.unary_unary(self.Health, pb.HealthRequest, pb.HealthReply),
             "ResizePool": wire.unary_unary(self.ResizePool, pb.ResizePoolRequest, pb.ResizePoolReply),
@@ -170,19 +143,6 @@ class ControlServicer:
             return await asyncio.to_thread(method, *args)
         except NotImplementedError as exc:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{rpc}: {exc}" if str(exc) else _unimplemented(rpc, self.handler))
-
-    async def UpdateSchedule(self, request, context: grpc.aio.ServicerContext) -> pb.UpdateScheduleReply:
-        from .convert import schedule_from_proto  # torch, for the samples' conversions: loaded by the first update
-
-        request = await self._decoded(request, context)
-        if not request.HasField("schedule"):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "schedule: missing")
-        try:
-            schedule = schedule_from_proto(request.schedule)
-        except InvalidMessage as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        applied, version = await self._call(context, "UpdateSchedule", self.handler.update_schedule, schedule)
-        return pb.UpdateScheduleReply(applied=applied, current_version=version)
 
     async def Drain(self, request, context: grpc.aio.ServicerContext) -> pb.DrainReply:
         request = await self._decoded(request, context)

@@ -1,7 +1,8 @@
-"""Conversions between protobuf messages and Sparrow's Python objects.
+"""Conversions between the `Sample` message and Sparrow's Python objects.
 
 `Trajectory` is what travels from a rollout worker to the trainer pool: a `RolloutSample` plus the
 ids that make resends idempotent and group samples for GRPO, and the reward when the worker scored it.
+It is the only payload of the wire API: statistics, α histograms and schedules travel over Ray.
 """
 
 from dataclasses import dataclass
@@ -9,12 +10,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from sparrow.acceptance import AlphaHistogram
 from sparrow.protos import sparrow_v1_pb2 as pb
 from sparrow.rollout_workers.api import RolloutSample
-from sparrow.schedule import ScheduleError, SparsitySchedule
-
-from .validate import InvalidMessage, validate_schedule
 
 FINISH_TO_PROTO = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "error": pb.FINISH_REASON_ERROR}
 FINISH_FROM_PROTO = {v: k for k, v in FINISH_TO_PROTO.items()}
@@ -39,20 +36,6 @@ class Trajectory:
             reward=reward,
             worker_id=worker_id,
         )
-
-
-@dataclass
-class StatsRecord:
-    """One trainer's dense-recompute statistics for one step, as received by the monitor."""
-
-    report_id: str
-    trainer_id: str
-    step: int
-    policy_version: int
-    schedule_version: int
-    alpha: AlphaHistogram
-    alpha_upper: AlphaHistogram | None
-    metrics: dict[str, float]
 
 
 def _tensor(values, dtype: np.dtype, torch_dtype: torch.dtype) -> torch.Tensor:
@@ -113,88 +96,3 @@ def trajectory_from_proto(msg: pb.Sample) -> Trajectory:
         reward=msg.reward if msg.HasField("reward") else None,
         worker_id=msg.worker_id,
     )
-
-
-def histogram_to_proto(h: AlphaHistogram) -> pb.AlphaHistogram:
-    bins, res = h.counts.shape
-    flat = h.counts.reshape(-1)
-    cells = flat.nonzero().squeeze(-1)
-    return pb.AlphaHistogram(
-        num_length_bins=bins,
-        resolution=res,
-        cells=cells.tolist(),
-        counts=flat[cells].tolist(),
-        sums=h.sums.tolist(),
-    )
-
-
-def histogram_from_proto(msg: pb.AlphaHistogram) -> AlphaHistogram:
-    """Assumes `validate_histogram` passed."""
-    h = AlphaHistogram.empty(msg.num_length_bins, msg.resolution)
-    if len(msg.cells):
-        cells = _tensor(msg.cells, np.int64, torch.long)
-        h.counts.view(-1)[cells] = _tensor(msg.counts, np.int64, torch.long)
-    h.sums = _tensor(msg.sums, np.float64, torch.float64)
-    return h
-
-
-def stats_to_proto(r: StatsRecord) -> pb.StatsReport:
-    msg = pb.StatsReport(
-        report_id=r.report_id,
-        trainer_id=r.trainer_id,
-        step=r.step,
-        policy_version=r.policy_version,
-        schedule_version=r.schedule_version,
-        alpha=histogram_to_proto(r.alpha),
-        metrics={k: float(v) for k, v in r.metrics.items()},
-    )
-    if r.alpha_upper is not None:
-        msg.alpha_upper.CopyFrom(histogram_to_proto(r.alpha_upper))
-    return msg
-
-
-def stats_from_proto(msg: pb.StatsReport) -> StatsRecord:
-    """Assumes `validate_stats_report` passed."""
-    return StatsRecord(
-        report_id=msg.report_id,
-        trainer_id=msg.trainer_id,
-        step=msg.step,
-        policy_version=msg.policy_version,
-        schedule_version=msg.schedule_version,
-        alpha=histogram_from_proto(msg.alpha),
-        alpha_upper=histogram_from_proto(msg.alpha_upper) if msg.HasField("alpha_upper") else None,
-        metrics=dict(msg.metrics),
-    )
-
-
-def schedule_to_proto(s: SparsitySchedule) -> pb.Schedule:
-    return pb.Schedule(
-        name=s.name,
-        topk_blocks=[-1 if v is None else v for v in s.topk_blocks],
-        edges=list(s.edges),
-        sink=s.sink,
-        recent=s.recent,
-        block_size=s.block_size,
-        version=s.version,
-        source=s.source,
-        notes=list(s.notes),
-    )
-
-
-def schedule_from_proto(msg: pb.Schedule) -> SparsitySchedule:
-    """Raises InvalidMessage (field `schedule...`) for a schedule that cannot be used."""
-    validate_schedule(msg)
-    try:
-        return SparsitySchedule(
-            name=msg.name,
-            topk_blocks=tuple(None if v == -1 else v for v in msg.topk_blocks),
-            edges=tuple(msg.edges),
-            sink=msg.sink,
-            recent=msg.recent,
-            block_size=msg.block_size,
-            version=msg.version,
-            source=msg.source,
-            notes=tuple(msg.notes),
-        )
-    except ScheduleError as exc:
-        raise InvalidMessage("schedule", str(exc)) from None

@@ -36,7 +36,9 @@ CLIENT_KEY_FILE = "client.key"
 FORMAT = 1
 """endpoint.json's `format`; a reader refuses others (a job of another Sparrow version)."""
 CONTROL_PORT_OFFSET = 2
-"""With a fixed transport.port P the control server listens on P + 2 (trajectory P, monitor P + 1)."""
+"""With a fixed transport.port P the control server listens on P + 2 (the trajectory server on P). P + 1,
+the statistics server's until the job's control plane moved to Ray, stays unused, so firewall rules and
+port-forwards written for P + 2 keep working."""
 
 
 class EndpointError(RuntimeError):

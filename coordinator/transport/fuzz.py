@@ -11,10 +11,9 @@ import grpc
 
 from sparrow.protos import sparrow_v1_pb2 as pb
 
-from .client import ControlClient, StatsClient, TrajectoryClient
+from .client import ControlClient, TrajectoryClient
 from .config import TransportConfig
-from .convert import schedule_from_proto
-from .examples import valid_report, valid_sample, valid_schedule
+from .examples import valid_sample
 from .fuzz_cases import STREAMS, Answer, Call, Payload
 from .security import JobCredentials
 
@@ -41,11 +40,10 @@ class Outcome:
 
 @dataclass
 class FuzzTargets:
-    """Where each RPC goes: the trajectory server serves StreamSamples and control, the monitor StreamStats,
-    `control` (a ControlServer whose handler resizes, like the coordinator's) ResizePool."""
+    """Where each RPC goes: the trajectory server serves StreamSamples, Drain and Health, `control` (a
+    ControlServer whose handler resizes, like the coordinator's) ResizePool."""
 
     trajectory: str
-    monitor: str
     resume: Callable[[], None]
     control: str | None = None
 
@@ -92,8 +90,7 @@ class Fuzzer:
     def __init__(self, targets: FuzzTargets, config: TransportConfig, credentials: JobCredentials):
         self.targets, self.config = targets, config
         options = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", 64 * 2**20)]
-        self._channels = {"trajectory": credentials.channel(targets.trajectory, options),
-                          "monitor": credentials.channel(targets.monitor, options)}
+        self._channels = {"trajectory": credentials.channel(targets.trajectory, options)}
         if targets.control is not None:
             self._channels["control"] = credentials.channel(targets.control, options)
 
@@ -108,7 +105,7 @@ class Fuzzer:
         self.close()
 
     def _method(self, rpc: str, target: str | None = None):
-        target = target or {"StreamStats": "monitor", "ResizePool": "control"}.get(rpc, "trajectory")
+        target = target or {"ResizePool": "control"}.get(rpc, "trajectory")
         if target not in self._channels:
             raise ValueError(f"{rpc} cases need FuzzTargets.{target} (a ControlServer whose handler resizes pools)")
         channel = self._channels[target]
@@ -160,17 +157,18 @@ class Fuzzer:
 
 
 def valid_traffic(targets: FuzzTargets, config: TransportConfig, credentials: JobCredentials, prefix: str,
-                  schedule_version: int, samples: int = 200, reports: int = 50) -> dict[str, tuple[int, int]]:
-    """Valid samples, reports and control calls; (accepted or served, sent) per kind."""
+                  samples: int = 200) -> dict[str, tuple[int, int]]:
+    """Valid samples and control calls; (accepted or served, sent) per kind."""
     with TrajectoryClient(targets.trajectory, config, credentials) as client:
         accepted = client.send(valid_sample(i, prefix, vocab=config.vocab_size) for i in range(samples)).accepted
-    with StatsClient(targets.monitor, config, credentials) as client:
-        stats = client.send(valid_report(i, prefix) for i in range(reports)).accepted
     with ControlClient(targets.trajectory, config, credentials) as control:
-        applied, _ = control.update_schedule(schedule_from_proto(valid_schedule(schedule_version)))
-        serving = control.health().status == "serving"
-    out = {"samples accepted": (accepted, samples), "reports accepted": (stats, reports),
-           "schedule applied, health serving": (int(applied) + int(serving), 2)}
+        states = [control.health().status]
+        control.drain(0.0)
+        states.append(control.health().status)
+        targets.resume()
+        states.append(control.health().status)
+    served = sum(a == b for a, b in zip(states, ("serving", "draining", "serving")))
+    out = {"samples accepted": (accepted, samples), "health, drain, resume": (served, 3)}
     if targets.control is not None:
         with ControlClient(targets.control, config, credentials) as control:
             resized = [control.resize_pool("rollout", n)[:2] == (True, n) for n in (2, 5, 1)]

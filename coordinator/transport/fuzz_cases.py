@@ -6,8 +6,9 @@ oracle is not the validator under test. Stream payloads share a stream and must 
 field (`Payload`); protocol mutations (no StreamOpen, the wrong kind, an oversized message, random
 bytes) and unary requests each get a call of their own (`Call`) and must end with a status whose
 details start with the field. ResizePool goes to a coordinator-like control server (`FuzzTargets.control`)
-and, valid, to the trajectory server too, which cannot resize (UNIMPLEMENTED). Random bytes that happen to parse are judged by what they parse to
-(there the validator is the oracle). Generation only: `fuzz.py` sends the cases.
+and, valid, to the trajectory server too, which cannot resize (UNIMPLEMENTED). Random bytes that happen
+to parse are judged by what they parse to (there the validator is the oracle). Generation only:
+`fuzz.py` sends the cases.
 """
 
 import itertools
@@ -22,14 +23,12 @@ from hypothesis import strategies as st
 from sparrow.protos import sparrow_v1_pb2 as pb
 
 from .config import TransportConfig
-from .convert import schedule_from_proto
-from .examples import valid_report, valid_sample, valid_schedule
-from .validate import MAX_HISTOGRAM_BINS, MAX_HISTOGRAM_RESOLUTION, MAX_ID_CHARS, MAX_POOL_SIZE, MAX_TEXT_CHARS, InvalidMessage
-from .validate import validate_resize_pool, validate_sample, validate_stats_report
+from .examples import valid_sample
+from .validate import MAX_ID_CHARS, MAX_POOL_SIZE, MAX_TEXT_CHARS, InvalidMessage, validate_resize_pool, validate_sample
 
 INT32 = (-(2**31), 2**31 - 1)
 INT64 = (-(2**63), 2**63 - 1)
-STREAMS = {"StreamSamples": (pb.SampleStreamRequest, "sample"), "StreamStats": (pb.StatsStreamRequest, "report")}
+STREAMS = {"StreamSamples": (pb.SampleStreamRequest, "sample")}
 """Request type and payload field of each stream RPC."""
 
 
@@ -135,14 +134,6 @@ def _put(path: str) -> Apply:
     return apply
 
 
-def _answered_as(field: str | None, apply: Apply) -> Apply:
-    """`apply`, but the answer must name `field` (None: the message stays valid)."""
-    def wrapped(msg, param):
-        apply(msg, param)
-        return field
-    return wrapped
-
-
 def _resize(values, length: int, fill) -> None:
     del values[length:]
     values.extend([fill] * (length - len(values)))
@@ -225,75 +216,6 @@ def _sample_mutations(config: TransportConfig) -> list[tuple[str, st.SearchStrat
     ]
 
 
-def _histogram_mutations(h: str) -> list[tuple[str, st.SearchStrategy, Apply]]:
-    """Mutations of the histogram at field `h` ("alpha" or "alpha_upper")."""
-    def cell_not_increasing(msg, index):
-        cells = getattr(msg, h).cells
-        cells.append(cells[index % len(cells)])
-        getattr(msg, h).counts.append(1)
-        return f"{h}.cells"
-
-    def cell_out_of_range(msg, value):
-        hist = getattr(msg, h)
-        hist.cells.append(max(value, hist.num_length_bins * hist.resolution))
-        hist.counts.append(1)
-        return f"{h}.cells"
-
-    def sums_length(msg, longer):
-        sums = getattr(msg, h).sums
-        sums.append(0.0) if longer else sums.pop()
-        return f"{h}.sums"
-
-    return [
-        (f"{h}.num_length_bins:out of range", st.integers(INT32[0], 0) | st.integers(MAX_HISTOGRAM_BINS + 1, INT32[1]),
-         _set(f"{h}.num_length_bins")),
-        (f"{h}.resolution:out of range", st.integers(INT32[0], 0) | st.integers(MAX_HISTOGRAM_RESOLUTION + 1, INT32[1]),
-         _set(f"{h}.resolution")),
-        (f"{h}.counts:wrong length", st.integers(0, 50), _other_length(f"{h}.counts", 1)),
-        (f"{h}.counts:zero", _index.map(lambda i: (i, 0)), _put(f"{h}.counts")),
-        (f"{h}.cells:not increasing", _index, cell_not_increasing),
-        (f"{h}.cells:out of range", st.integers(0, 2**32 - 1), cell_out_of_range),
-        (f"{h}.sums:wrong length", st.booleans(), sums_length),
-        (f"{h}.sums:nan/inf/out of range",
-         st.tuples(_index, _nonfinite | st.floats(1e6, 1e300) | st.floats(-1e300, -1e-3)), _put(f"{h}.sums")),
-    ]
-
-
-def _report_mutations() -> list[tuple[str, st.SearchStrategy, Apply]]:
-    ids = st.sampled_from(["report_id", "trainer_id"])
-    versions = st.sampled_from(["policy_version", "schedule_version"])
-
-    def other_shape(msg, extra_bins):  # a valid histogram, of another shape than alpha
-        msg.alpha_upper.num_length_bins += extra_bins
-        msg.alpha_upper.sums.extend([0.0] * extra_bins)
-        return "alpha_upper"
-
-    def other_counts(msg, index):  # a valid histogram, with other counts per bin than alpha
-        counts = msg.alpha_upper.counts
-        counts[index % len(counts)] += 1
-        return "alpha_upper"
-
-    def metric(msg, pair):
-        key, value = pair
-        msg.metrics[key] = value
-        return f"metrics[{key}]" if 0 < len(key) <= MAX_ID_CHARS else "metrics"
-
-    return [
-        ("id:empty", ids.map(lambda f: (f, "")), _set_pair()),
-        ("id:oversized", st.tuples(ids, _oversized_id), _set_pair()),
-        ("step:negative", st.integers(INT64[0], -1), _set("step")),
-        ("step:huge (valid)", st.integers(2**31, INT64[1]), _set("step", valid=True)),
-        ("version:negative", st.tuples(versions, st.integers(INT64[0], -1)), _set_pair()),
-        ("alpha:missing", st.none(), _clear("alpha")),
-        *_histogram_mutations("alpha"),
-        *_histogram_mutations("alpha_upper"),
-        ("alpha_upper:other shape", st.integers(1, 64), other_shape),
-        ("alpha_upper:other counts", _index, other_counts),
-        ("metrics:nan/inf or bad key", st.tuples(st.text(min_size=1, max_size=12), _nonfinite)
-         | st.tuples(st.just("") | _oversized_id, st.floats(-1, 1)), metric),
-    ]
-
-
 def _payloads(rpc: str, base: Callable[[int, object], object], shape: st.SearchStrategy, mutations,
               ids: itertools.count) -> st.SearchStrategy:
     """One mutation of a valid message `base(unique id number, shape)`, with the shape drawn too."""
@@ -311,19 +233,11 @@ def _payloads(rpc: str, base: Callable[[int, object], object], shape: st.SearchS
 
 def _decoded_answer(rpc: str, data: bytes, config: TransportConfig) -> Answer:
     """The answer random bytes must get, from what they parse to."""
-    request_type = {"UpdateSchedule": pb.UpdateScheduleRequest, "Drain": pb.DrainRequest, "Health": pb.HealthRequest,
-                    "ResizePool": pb.ResizePoolRequest}[rpc]
+    request_type = {"Drain": pb.DrainRequest, "Health": pb.HealthRequest, "ResizePool": pb.ResizePoolRequest}[rpc]
     try:
         msg = request_type.FromString(data)
     except DecodeError:
         return Answer("status", "INVALID_ARGUMENT", "request")
-    if rpc == "UpdateSchedule":
-        if not msg.HasField("schedule"):
-            return Answer("status", "INVALID_ARGUMENT", "schedule")
-        try:
-            schedule_from_proto(msg.schedule)
-        except InvalidMessage as exc:
-            return Answer("status", "INVALID_ARGUMENT", exc.field)
     if rpc == "Drain" and not (math.isfinite(msg.timeout_s) and msg.timeout_s >= 0):
         return Answer("status", "INVALID_ARGUMENT", "timeout_s")
     if rpc == "ResizePool":
@@ -344,10 +258,7 @@ def _stream_bytes_answer(rpc: str, data: bytes, config: TransportConfig) -> Answ
     if msg.WhichOneof("kind") != payload:
         return Answer("status", "FAILED_PRECONDITION", "kind")
     try:
-        if payload == "sample":
-            validate_sample(msg.sample, config)
-        else:
-            validate_stats_report(msg.report)
+        validate_sample(getattr(msg, payload), config)
     except InvalidMessage as exc:
         return Answer("ack", "INVALID_ARGUMENT", exc.field)
     return Answer("ack", "ACCEPTED")
@@ -355,7 +266,8 @@ def _stream_bytes_answer(rpc: str, data: bytes, config: TransportConfig) -> Answ
 
 def _stream_calls(rpc: str, config: TransportConfig, ids: itertools.count) -> st.SearchStrategy:
     request_type, payload = STREAMS[rpc]
-    make = (lambda i: valid_sample(i, "fz", vocab=config.vocab_size)) if rpc == "StreamSamples" else (lambda i: valid_report(i, "fz"))
+    def make(i: int) -> pb.Sample:
+        return valid_sample(i, "fz", vocab=config.vocab_size)
 
     def opening(client_id: str = "fuzz") -> bytes:
         return request_type(open=pb.StreamOpen(client_id=client_id)).SerializeToString()
@@ -365,7 +277,7 @@ def _stream_calls(rpc: str, config: TransportConfig, ids: itertools.count) -> st
 
     def oversized() -> list[bytes]:
         big = make(next(ids))
-        setattr(big, "worker_id" if rpc == "StreamSamples" else "trainer_id", "z" * (config.max_message_mb * 2**20 + 1024))
+        big.worker_id = "z" * (config.max_message_mb * 2**20 + 1024)
         return [opening(), request_type(**{payload: big}).SerializeToString()]
 
     def call(label, requests, expected):
@@ -397,66 +309,25 @@ def _undecodable(request_type, data: bytes) -> bool:
     return False
 
 
-def _schedule_mutations() -> list[tuple[str, st.SearchStrategy, Apply]]:
-    """Mutations of an UpdateScheduleRequest; rules of SparsitySchedule itself are answered as `schedule`."""
-    def topk_below_dense(msg, param):
-        index, value = param
-        topk = msg.schedule.topk_blocks
-        topk[index % len(topk)] = value
-        return f"schedule.topk_blocks[{index % len(topk)}]"
-
-    def oversized_note(msg, note):
-        msg.schedule.notes.append(note)
-        return f"schedule.notes[{len(msg.schedule.notes) - 1}]"
-
-    def edges_not_increasing(msg, index):
-        edges = msg.schedule.edges
-        j = 1 + index % (len(edges) - 1)
-        edges[j] = edges[j - 1]
-        return "schedule"
-
-    out_of_range = (st.tuples(st.sampled_from(["schedule.block_size", "schedule.recent"]), st.integers(INT32[0], 0))
-                    | st.tuples(st.just("schedule.sink"), _negative32))
-    return [
-        ("valid", st.tuples(st.just(0), st.integers(-1, 64)), _answered_as(None, _put("schedule.topk_blocks"))),
-        ("schedule:missing", st.none(), _clear("schedule")),
-        ("schedule.topk_blocks:below -1", st.tuples(_index, st.integers(INT32[0], -2)), topk_below_dense),
-        ("schedule.version:negative", st.integers(INT64[0], -1), _set("schedule.version")),
-        ("schedule.name:oversized", _oversized_id, _set("schedule.name")),
-        ("schedule.notes:oversized", _oversized_text, oversized_note),
-        ("schedule:bin count", st.sampled_from([19, 21, 0, 40]), _answered_as("schedule", _other_length("schedule.topk_blocks", 1))),
-        ("schedule:edges not increasing", _index, edges_not_increasing),
-        ("schedule:edges not positive", st.tuples(_index, st.integers(INT32[0], 0)), _answered_as("schedule", _put("schedule.edges"))),
-        ("schedule:block_size/sink/recent out of range", out_of_range, _answered_as("schedule", _set_pair())),
-    ]
-
-
-def _unary_calls(rpc: str, config: TransportConfig, versions: itertools.count, resume: Callable[[], None]) -> st.SearchStrategy:
-    def call(label, request, expected: Answer, after=None) -> Call:
+def _unary_calls(rpc: str, config: TransportConfig, resume: Callable[[], None]) -> st.SearchStrategy:
+    def call(label, request, expected: Answer, after=None, target=None) -> Call:
         data = request if isinstance(request, bytes) else request.SerializeToString()
-        return Call(rpc, label, lambda: [data], expected, after)
+        return Call(rpc, label, lambda: [data], expected, after, target)
 
     random_bytes = st.binary(max_size=64).map(lambda b: call("random bytes", b, _decoded_answer(rpc, b, config)))
     if rpc == "ResizePool":
         return _resize_calls(call, random_bytes)
     if rpc == "Health":
         return random_bytes | st.none().map(lambda _: call("valid", pb.HealthRequest(), Answer("status", "OK")))
-    if rpc == "Drain":
-        invalid = _nonfinite | st.floats(max_value=-1e-9, allow_infinity=True, allow_nan=False)
-        return st.one_of(
-            random_bytes,
-            invalid.map(lambda t: call("timeout_s:nan/inf/negative", pb.DrainRequest(timeout_s=t),
-                                       Answer("status", "INVALID_ARGUMENT", "timeout_s"))),
-            st.floats(0, 0.05).map(lambda t: call("valid (then resumed)", pb.DrainRequest(timeout_s=t), Answer("status", "OK"), resume)),
-        )
-
-    def schedule_call(label: str, apply: Apply, param) -> Call:
-        request = pb.UpdateScheduleRequest(schedule=valid_schedule(next(versions)))
-        field = apply(request, param)
-        return call(label, request, Answer("status", "INVALID_ARGUMENT", field) if field else Answer("status", "OK"))
-
-    return st.one_of(random_bytes, *(param.map(lambda p, label=label, apply=apply: schedule_call(label, apply, p))
-                                     for label, param, apply in _schedule_mutations()))
+    invalid = _nonfinite | st.floats(max_value=-1e-9, allow_infinity=True, allow_nan=False)
+    return st.one_of(
+        random_bytes,
+        invalid.map(lambda t: call("timeout_s:nan/inf/negative", pb.DrainRequest(timeout_s=t),
+                                   Answer("status", "INVALID_ARGUMENT", "timeout_s"))),
+        st.floats(0, 0.05).map(lambda t: call("valid (then resumed)", pb.DrainRequest(timeout_s=t), Answer("status", "OK"), resume)),
+        st.floats(0, 0.05).map(lambda t: call("valid, to the coordinator (does not drain)", pb.DrainRequest(timeout_s=t),
+                                              Answer("status", "UNIMPLEMENTED"), target="control")),
+    )
 
 
 def _resize_calls(call: Callable, random_bytes: st.SearchStrategy) -> st.SearchStrategy:
@@ -487,9 +358,8 @@ def _resize_calls(call: Callable, random_bytes: st.SearchStrategy) -> st.SearchS
 # ---------------------------------------------------------------------- generation and sending
 
 QUOTAS = {  # share of the messages per RPC and kind
-    ("StreamSamples", "payload"): 0.37, ("StreamSamples", "call"): 0.08,
-    ("StreamStats", "payload"): 0.20, ("StreamStats", "call"): 0.06,
-    ("UpdateSchedule", "call"): 0.11, ("Drain", "call"): 0.06, ("Health", "call"): 0.06, ("ResizePool", "call"): 0.06,
+    ("StreamSamples", "payload"): 0.55, ("StreamSamples", "call"): 0.12,
+    ("Drain", "call"): 0.11, ("Health", "call"): 0.11, ("ResizePool", "call"): 0.11,
 }
 
 
@@ -511,19 +381,15 @@ def generate(strategy: st.SearchStrategy, n: int, random_seed: int) -> list:
 def cases(config: TransportConfig, n: int, random_seed: int, resume: Callable[[], None]) -> list:
     """About `n` cases (`Payload`s and `Call`s) over every RPC in the `QUOTAS` shares; `resume` reopens the
     trajectory server after an accepted Drain."""
-    ids, versions = itertools.count(), itertools.count(1)
+    ids = itertools.count()
     strategies = {
         ("StreamSamples", "payload"): _payloads(
             "StreamSamples", lambda i, shape: valid_sample(i, "fz", vocab=config.vocab_size, tokens=shape[0], top_k=shape[1]),
             st.tuples(st.integers(1, 24), st.integers(0, config.max_top_k)), _sample_mutations(config), ids),
         ("StreamSamples", "call"): _stream_calls("StreamSamples", config, ids),
-        ("StreamStats", "payload"): _payloads(
-            "StreamStats", lambda i, variant: valid_report(i, f"fz{variant}"), st.integers(0, 10**6), _report_mutations(), ids),
-        ("StreamStats", "call"): _stream_calls("StreamStats", config, ids),
-        ("UpdateSchedule", "call"): _unary_calls("UpdateSchedule", config, versions, resume),
-        ("Drain", "call"): _unary_calls("Drain", config, versions, resume),
-        ("Health", "call"): _unary_calls("Health", config, versions, resume),
-        ("ResizePool", "call"): _unary_calls("ResizePool", config, versions, resume),
+        ("Drain", "call"): _unary_calls("Drain", config, resume),
+        ("Health", "call"): _unary_calls("Health", config, resume),
+        ("ResizePool", "call"): _unary_calls("ResizePool", config, resume),
     }
     out = []
     for k, (key, strategy) in enumerate(strategies.items()):

@@ -38,7 +38,7 @@ SEPARATE_CONNECTION = ("grpc.use_local_subchannel_pool", 1)
 
 class PoolRecorder:
     """A coordinator-like ControlHandler: accepts every resize (the servicer has validated it), records
-    (pool, size), and reports the pools in `health()`; schedule updates and drains are UNIMPLEMENTED."""
+    (pool, size), and reports the pools in `health()`; drains are UNIMPLEMENTED, as the coordinator's."""
 
     component = "coordinator"
 
@@ -53,9 +53,6 @@ class PoolRecorder:
             was, self.pools[pool] = self.pools[pool], size
         return True, size, f"was {was}; new workers join at the next weights version"
 
-    def update_schedule(self, schedule):
-        raise NotImplementedError("the coordinator's schedule comes from its controller")
-
     def drain(self, timeout_s: float):
         raise NotImplementedError("the coordinator does not drain; stop the job instead")
 
@@ -67,10 +64,12 @@ class PoolRecorder:
 
 
 class ServerProcess:
-    """A TrajectoryServer (or MonitorServer, or a ControlServer around a `PoolRecorder`) in a child process
+    """A TrajectoryServer (or, `kind="control"`, a ControlServer around a `PoolRecorder`) in a child process
     whose consumer empties the queue as it fills."""
 
     def __init__(self, config: TransportConfig, credentials: JobCredentials, kind: str = "trajectory"):
+        if kind not in ("trajectory", "control"):
+            raise ValueError(f"kind={kind!r}: 'trajectory' or 'control'")
         self.config, self.credentials, self.kind = config, credentials, kind
         self._port: int | None = None
         self._proc: subprocess.Popen | None = None
@@ -127,7 +126,7 @@ class ServerProcess:
 
 
 def _serve_child() -> None:
-    from .servers import ControlServer, MonitorServer, TrajectoryServer
+    from .servers import ControlServer, TrajectoryServer
 
     config_json, credentials, kind = pickle.loads(base64.b64decode(sys.stdin.readline()))
     config = TransportConfig.model_validate_json(config_json)
@@ -135,8 +134,7 @@ def _serve_child() -> None:
     if kind == "control":
         server = ControlServer(config, credentials, recorder)
     else:
-        server_class = {"trajectory": TrajectoryServer, "monitor": MonitorServer}[kind]
-        server = server_class(config, credentials, server_id=f"harness-{kind}")
+        server = TrajectoryServer(config, credentials, server_id=f"harness-{kind}")
     port = server.start()
 
     def consume():

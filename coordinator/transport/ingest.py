@@ -63,7 +63,8 @@ class DedupeWindow:
 
 
 class AckedIngest:
-    """One acknowledged stream endpoint (samples or stats) feeding one bounded queue."""
+    """One acknowledged stream endpoint (`payload`: the request field it carries, "sample") feeding one
+    bounded queue."""
 
     def __init__(
         self,

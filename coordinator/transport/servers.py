@@ -1,27 +1,24 @@
-"""The gRPC servers: trajectories (rollout workers → trainer pool), statistics (trainers → coordinator
-monitor), and ControlService alone (rollout workers; the coordinator's, for `sparrow pool`, through
-`endpoint.JobControlServer`). Both ingest servers also serve ControlService.
+"""The gRPC servers: `TrajectoryServer` (rollout workers → trainer pool, plus ControlService for drain and
+health) and `ControlServer`, ControlService alone (the coordinator's, for `sparrow pool`, through
+`endpoint.JobControlServer`).
 
 Every server is a grpc.aio server on the process's transport loop (`loop.py`) behind the job token
 (`auth.TokenCheck`) and, when the job uses TLS, a certificate for the addresses it is dialled at.
 Its API stays synchronous: `start() -> port`, `stop()`, `get`, `get_batch`, `stats()`.
 """
 
-from collections.abc import Callable
-
 import grpc
 
 from sparrow.protos import sparrow_v1_pb2 as pb
-from sparrow.schedule import SparsitySchedule
 
 from . import loop, wire
 from .auth import TokenCheck
 from .config import TransportConfig
-from .control import ControlHandler, ControlServicer, Health, ScheduleState
-from .convert import stats_from_proto, trajectory_from_proto
+from .control import ControlHandler, ControlServicer, Health
+from .convert import trajectory_from_proto
 from .ingest import AckedIngest
 from .security import JobCredentials
-from .validate import validate_sample, validate_stats_report
+from .validate import validate_sample
 
 
 class _GrpcServer:
@@ -84,7 +81,7 @@ class _GrpcServer:
 
 
 class ControlServer(_GrpcServer):
-    """ControlService alone, for a component that receives no stream (a rollout worker, the coordinator)."""
+    """ControlService alone, for a component that receives no stream (the coordinator)."""
 
     component = "control"
 
@@ -96,22 +93,27 @@ class ControlServer(_GrpcServer):
         return [ControlServicer(self.handler).service()]
 
 
-class _IngestServer(_GrpcServer):
-    """A server around one AckedIngest, plus ControlService (drain, health, schedule)."""
+class TrajectoryServer(_GrpcServer):
+    """Trainer-pool endpoint: TrajectoryService around one AckedIngest, plus ControlService (drain, health)
+    with itself as the handler. `get` / `get_batch` return `Trajectory` objects in arrival order."""
 
-    service_name = ""
-    method = ""
-    request_type: type = type(None)
+    component = "trajectory-server"
 
-    def __init__(self, config: TransportConfig, credentials: JobCredentials, ingest: AckedIngest,
-                 on_schedule: Callable[[SparsitySchedule], None] | None):
+    def __init__(self, config: TransportConfig, credentials: JobCredentials, server_id: str = "trajectory-server"):
         super().__init__(config, credentials)
-        self.ingest = ingest
-        self.schedule_state = ScheduleState(on_schedule)
+        self.ingest = AckedIngest(
+            payload="sample",
+            id_field="sample_id",
+            validate=lambda msg: validate_sample(msg, config),
+            convert=trajectory_from_proto,
+            config=config,
+            server_id=server_id,
+        )
 
     def _services(self) -> list[grpc.GenericRpcHandler]:
-        stream = wire.stream_stream(self.ingest.serve, self.request_type, pb.StreamReply)
-        return [wire.service(self.service_name, {self.method: stream}), ControlServicer(self).service()]
+        stream = wire.stream_stream(self.ingest.serve, pb.SampleStreamRequest, pb.StreamReply)
+        service = pb.DESCRIPTOR.services_by_name["TrajectoryService"].full_name
+        return [wire.service(service, {"StreamSamples": stream}), ControlServicer(self).service()]
 
     def start(self) -> int:
         self.ingest.open()
@@ -139,16 +141,9 @@ class _IngestServer(_GrpcServer):
     def stats(self) -> dict[str, float]:
         return {**self.ingest.stats(), **super().stats()}
 
-    @property
-    def schedule(self) -> SparsitySchedule | None:
-        return self.schedule_state.schedule
-
     # ControlHandler
-    def update_schedule(self, schedule: SparsitySchedule) -> tuple[bool, int]:
-        return self.schedule_state.update(schedule)
-
     def drain(self, timeout_s: float) -> tuple[bool, int]:
-        """Refuse new messages (acked UNAVAILABLE) and wait for the consumer to empty the queue."""
+        """Refuse new samples (acked UNAVAILABLE) and wait for the consumer to empty the queue."""
         self.ingest.draining.set()
         drained = self.ingest.wait_empty(timeout_s)
         return drained, self.queue_depth
@@ -157,47 +152,6 @@ class _IngestServer(_GrpcServer):
         self.ingest.draining.clear()
 
     def health(self) -> Health:
+        """Status and gauges; no versions (the trainer's schedule and weights are the coordinator's to report)."""
         status = "not_serving" if self._server is None else "draining" if self.ingest.draining.is_set() else "serving"
-        return Health(status, self.component, max(self.schedule_state.version, 0), 0, self.stats())
-
-
-class TrajectoryServer(_IngestServer):
-    """Trainer-pool endpoint; `get` / `get_batch` return `Trajectory` objects in arrival order."""
-
-    component = "trajectory-server"
-    service_name = pb.DESCRIPTOR.services_by_name["TrajectoryService"].full_name
-    method = "StreamSamples"
-    request_type = pb.SampleStreamRequest
-
-    def __init__(self, config: TransportConfig, credentials: JobCredentials, server_id: str = "trajectory-server",
-                 on_schedule: Callable[[SparsitySchedule], None] | None = None):
-        ingest = AckedIngest(
-            payload="sample",
-            id_field="sample_id",
-            validate=lambda msg: validate_sample(msg, config),
-            convert=trajectory_from_proto,
-            config=config,
-            server_id=server_id,
-        )
-        super().__init__(config, credentials, ingest, on_schedule)
-
-
-class MonitorServer(_IngestServer):
-    """Coordinator endpoint for dense-recompute statistics; `get` / `get_batch` return `StatsRecord`s."""
-
-    component = "monitor"
-    service_name = pb.DESCRIPTOR.services_by_name["MonitorService"].full_name
-    method = "StreamStats"
-    request_type = pb.StatsStreamRequest
-
-    def __init__(self, config: TransportConfig, credentials: JobCredentials, server_id: str = "monitor",
-                 on_schedule: Callable[[SparsitySchedule], None] | None = None):
-        ingest = AckedIngest(
-            payload="report",
-            id_field="report_id",
-            validate=validate_stats_report,
-            convert=stats_from_proto,
-            config=config,
-            server_id=server_id,
-        )
-        super().__init__(config, credentials, ingest, on_schedule)
+        return Health(status, self.component, 0, 0, self.stats())

@@ -15,11 +15,9 @@ from .config import TransportConfig
 LOGPROB_TOLERANCE = 1e-3
 """Largest log-probability accepted: > 0 is impossible, tiny positives are float rounding."""
 MAX_ID_CHARS = 256
-"""Longest id or name accepted (sample, prompt, group, worker, report, trainer ids; metadata keys)."""
+"""Longest id or name accepted (sample, prompt, group, worker and client ids; pool names; metadata keys)."""
 MAX_TEXT_CHARS = 65_536
 """Longest free text accepted (an error message, a metadata value): a bound, since answers may quote it."""
-MAX_HISTOGRAM_BINS = 4096
-MAX_HISTOGRAM_RESOLUTION = 100_000
 RESIZABLE_POOLS = ("rollout",)
 """Pools ResizePool may change. The trainer pool is fixed for a run: its DeepSpeed ranks shard the model
 and optimizer state, and the data-parallel world size is part of every checkpoint."""
@@ -148,68 +146,6 @@ def validate_sample(msg: pb.Sample, config: TransportConfig) -> None:
         _check_logprobs(np.where(listed, top_lp, 0.0), "top_logprobs")
         if np.isnan(top_lp[~listed]).any() or (top_lp[~listed] > 0).any():
             raise InvalidMessage("top_logprobs", "padding entries (top_ids -1) must hold a value <= 0 or -inf, not NaN")
-
-
-def validate_histogram(msg: pb.AlphaHistogram, field: str) -> None:
-    """A sparse α histogram: sizes, strictly increasing cell indices, positive counts, consistent sums."""
-    bins, res = msg.num_length_bins, msg.resolution
-    _check(1 <= bins <= MAX_HISTOGRAM_BINS, f"{field}.num_length_bins", f"={bins} must be in [1, {MAX_HISTOGRAM_BINS}]")
-    _check(
-        1 <= res <= MAX_HISTOGRAM_RESOLUTION, f"{field}.resolution", f"={res} must be in [1, {MAX_HISTOGRAM_RESOLUTION}]"
-    )
-    cells, counts = _array(msg.cells, np.int64), _array(msg.counts, np.int64)
-    _check(
-        len(cells) == len(counts),
-        f"{field}.counts",
-        f"has {len(counts)} values for {len(cells)} cells; give one count per listed cell",
-    )
-    if len(cells):
-        _check(bool((np.diff(cells) > 0).all()), f"{field}.cells", "must be strictly increasing (each cell listed once)")
-        _check(int(cells[-1]) < bins * res, f"{field}.cells", f"index {int(cells[-1])} >= num_length_bins*resolution = {bins * res}")
-        _check(bool((counts > 0).all()), f"{field}.counts", "must be > 0 (list only non-empty cells)")
-    sums = _array(msg.sums, np.float64)
-    _check(len(sums) == bins, f"{field}.sums", f"has {len(sums)} values; expected one per length bin ({bins})")
-    _check(bool(np.isfinite(sums).all()), f"{field}.sums", "must be finite")
-    per_bin = np.bincount(cells // res, weights=counts, minlength=bins) if len(cells) else np.zeros(bins)
-    bad = (sums < -1e-9) | (sums > per_bin * (1 + 1e-9) + 1e-9)
-    if bad.any():
-        b = int(np.flatnonzero(bad)[0])
-        raise InvalidMessage(f"{field}.sums", f"[{b}]={sums[b]} must lie in [0, count of bin {b} = {int(per_bin[b])}] (α is in [0, 1])")
-
-
-def validate_stats_report(msg: pb.StatsReport) -> None:
-    _check_id(msg.report_id, "report_id")
-    _check_id(msg.trainer_id, "trainer_id")
-    _check(msg.step >= 0, "step", f"={msg.step} must be >= 0")
-    _check_version(msg.policy_version, "policy_version")
-    _check_version(msg.schedule_version, "schedule_version")
-    _check(msg.HasField("alpha"), "alpha", "is missing; every report carries the α histogram of its step")
-    validate_histogram(msg.alpha, "alpha")
-    if msg.HasField("alpha_upper"):
-        validate_histogram(msg.alpha_upper, "alpha_upper")
-        shape = (msg.alpha.num_length_bins, msg.alpha.resolution)
-        upper_shape = (msg.alpha_upper.num_length_bins, msg.alpha_upper.resolution)
-        _check(shape == upper_shape, "alpha_upper", f"has shape {upper_shape} but alpha has {shape}; they must match")
-        counts = lambda h: np.bincount(_array(h.cells, np.int64) // h.resolution, weights=_array(h.counts, np.int64), minlength=h.num_length_bins)  # noqa: E731
-        _check(
-            bool(np.array_equal(counts(msg.alpha), counts(msg.alpha_upper))),
-            "alpha_upper",
-            "counts per length bin differ from alpha's; both bounds must cover the same tokens",
-        )
-    for key, value in msg.metrics.items():
-        _check(0 < len(key) <= MAX_ID_CHARS, "metrics", f"keys must have 1 to {MAX_ID_CHARS} characters (one has {len(key)})")
-        _check(math.isfinite(value), f"metrics[{key}]", f"={value} must be finite")
-
-
-def validate_schedule(msg: pb.Schedule) -> None:
-    """Wire-level checks; SparsitySchedule's own validation runs on conversion."""
-    _check_text(msg.name, "schedule.name", MAX_ID_CHARS)
-    _check_text(msg.source, "schedule.source", MAX_TEXT_CHARS)
-    for i, note in enumerate(msg.notes):
-        _check_text(note, f"schedule.notes[{i}]", MAX_TEXT_CHARS)
-    for i, v in enumerate(msg.topk_blocks):
-        _check(v >= -1, f"schedule.topk_blocks[{i}]", f"={v} must be >= 0, or -1 for a dense bin")
-    _check_version(msg.version, "schedule.version")
 
 
 def validate_resize_pool(msg: pb.ResizePoolRequest) -> None:
