@@ -120,3 +120,11 @@ def test_worker_payload_inlines_a_schedule_file_so_other_nodes_need_not_have_it(
     worker_view = SparrowConfig.model_validate(payload)
     assert worker_view.initial_schedule().topk_blocks == load_schedule("qwen3-4b-0.86").topk_blocks
     assert worker_view.schedule_template().edges == edges
+
+
+def test_the_docs_list_every_key_with_its_default():
+    """docs/coordinator.md's "Every key" tables are generated from the config models (config_docs)."""
+    from sparrow.coordinator.config_docs import DOC, rewritten
+
+    text = DOC.read_text()
+    assert rewritten(text) == text, "run: python -m sparrow.coordinator.config_docs"
