@@ -17,7 +17,7 @@ from .config import BASE, SparrowConfig, build_config
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "coordinator.md"
 START, END = "<!-- every-key:start -->", "<!-- every-key:end -->"
-MAX_DEFAULT = 40
+MAX_DEFAULT = 60
 
 
 def _shown(value) -> str:
@@ -25,7 +25,7 @@ def _shown(value) -> str:
         return "null"
     if isinstance(value, BaseModel):
         value = value.model_dump(mode="json")
-    text = json.dumps(value, ensure_ascii=False) if not isinstance(value, str) else value
+    text = json.dumps(value, ensure_ascii=False) if not isinstance(value, str) else value.replace("\n", "\\n")
     text = text if len(text) <= MAX_DEFAULT else text[: MAX_DEFAULT - 1] + "…"
     return f"`{text}`"
 
