@@ -30,6 +30,7 @@ from pathlib import Path
 
 import ray
 from ray.exceptions import RayActorError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from sparrow.acceptance import AlphaHistogram
 from sparrow.coordinator.controller import ControllerConfig, SparsityController, initial_schedule
@@ -136,8 +137,9 @@ class TrainingJob:
             self.metrics_server = start_metrics_server(self.metrics)
             self.scrape_targets = ScrapeTargets.for_run(self.run_dir, cfg.metrics)
             self.scrape_targets.set("coordinator", "coordinator", self.metrics_server.url)
-        self.dispatcher = ray.remote(Dispatcher).options(num_cpus=0, max_concurrency=64).remote(
-            cfg.run.staleness, cfg.run.recovery.lease_timeout_s)
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        self.dispatcher = ray.remote(Dispatcher).options(  # on the driver's node: it lives and dies with the job
+            num_cpus=0, max_concurrency=64, scheduling_strategy=here).remote(cfg.run.staleness, cfg.run.recovery.lease_timeout_s)
         self.controller_config = ControllerConfig(**cfg.controller.model_dump(exclude={"enabled"}))
         self._start_controller()
         self.fleet = RolloutFleet(cfg, self.model, self.credentials, self.dispatcher, self.log, self.scrape_targets)

@@ -24,6 +24,7 @@ ray = pytest.importorskip("ray")
 from sparrow.cli.main import main  # noqa: E402
 from sparrow.coordinator.config import load_config  # noqa: E402
 from sparrow.coordinator.run_dir import RunDir  # noqa: E402
+from sparrow.coordinator.transport import JobCredentials  # noqa: E402
 from sparrow.trainer import RecomputeResult, Trajectory, TrajectoryBatch  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -58,7 +59,7 @@ def _job(tmp: Path, model: Path, *overrides: str):
     ])
     run_dir = RunDir.create(tmp, "run")
     run_dir.config_file.write_text(config.dump())
-    return config, run_dir, TrainerPool(config.trainer, str(model))
+    return config, run_dir, TrainerPool(config.trainer, str(model), JobCredentials.create(config.transport))
 
 
 def _each_rank(pool, method: str, batch: TrajectoryBatch) -> list:

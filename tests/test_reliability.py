@@ -200,10 +200,10 @@ def test_a_slow_worker_gives_its_share_to_the_others(cluster, tiny_qwen3, tmp_pa
         pid = ray.get(job.fleet.pool.slots[0].actor.info.remote())["pid"]
         stop = threading.Event()
 
-        def throttle():  # SIGSTOP/SIGCONT: a CPU-starved node, never long enough for its leases to expire
+        def throttle():  # SIGSTOP/SIGCONT: a node at a tenth of its speed, never long enough for its leases to expire
             while not stop.is_set():
                 os.kill(pid, signal.SIGSTOP)
-                time.sleep(0.4)
+                time.sleep(0.9)
                 os.kill(pid, signal.SIGCONT)
                 time.sleep(0.1)
 
