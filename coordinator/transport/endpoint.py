@@ -23,7 +23,6 @@ from pathlib import Path
 
 import psutil
 
-from . import pki
 from .config import WILDCARD_HOSTS, TransportConfig
 from .security import JobCredentials
 
@@ -85,6 +84,8 @@ def write_endpoint(run_dir: str | Path, address: str, config: TransportConfig, c
         _write(folder / CA_FILE, credentials.ca_pem, 0o644)
     if credentials.client_auth:
         if credentials.ca_key_pem is not None:  # tls=job: a client certificate of its own, from the job CA
+            from . import pki  # TLS only: cryptography
+
             cert, key = pki.issue(credentials.ca_pem, credentials.ca_key_pem, "sparrow control client", server=False, client=True)
             _write(folder / CLIENT_CERT_FILE, cert, 0o644)
             _write(folder / CLIENT_KEY_FILE, key, 0o600)

@@ -14,11 +14,7 @@ from pathlib import Path
 
 import grpc
 import psutil
-from cryptography import x509
-from cryptography.hazmat.primitives import serialization
-from cryptography.x509.oid import NameOID
 
-from . import pki
 from .auth import TokenMetadata
 from .config import DEFAULT_SERVER_NAME, WILDCARD_HOSTS, TransportConfig
 
@@ -66,6 +62,9 @@ def _read_token(path: str | None) -> str:
 def certificate_names(cert_pem: bytes) -> list[str]:
     """The DNS names a server certificate (the first in `cert_pem`) is valid for: its subjectAltName DNS
     entries, or its common name when it has none (as gRPC's name check does)."""
+    from cryptography import x509
+    from cryptography.x509.oid import NameOID
+
     cert = x509.load_pem_x509_certificates(cert_pem)[0]
     try:
         san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
@@ -100,6 +99,9 @@ def _check_server_name(security, cert: bytes) -> None:
 
 def _read_files(security) -> tuple[bytes, bytes, bytes]:
     """(ca, cert, key) PEM of tls=files, each checked to parse as what its key says it is."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+
     ca, cert, key = _read("ca_file", security.ca_file), _read("cert_file", security.cert_file), _read("key_file", security.key_file)
     for name, path, data, load in (
         ("ca_file", security.ca_file, ca, x509.load_pem_x509_certificates),
@@ -142,6 +144,8 @@ class JobCredentials:
         if mode == "off":
             return cls(token, server_name=security.server_name)
         if mode == "job":
+            from . import pki  # cryptography is needed with TLS only
+
             ca, ca_key = pki.new_ca("sparrow job CA")
             client = pki.issue(ca, ca_key, "sparrow job client", server=False, client=True) if security.client_auth else None
             return cls(token, True, security.client_auth, ca, ca_key, None, client, security.server_name)
@@ -160,6 +164,8 @@ class JobCredentials:
         if self.server_identity is not None:
             cert, key = self.server_identity
         else:
+            from . import pki
+
             cert, key = pki.issue(self.ca_pem, self.ca_key_pem, socket.gethostname(), [*node_names(host), self.server_name],
                                   server=True)
         return grpc.ssl_server_credentials(
