@@ -89,6 +89,30 @@ def test_bench_rollout_cli(capsys):
     code = main(["bench", "rollout", "--model", "tiny", "--prompt-len", "64", "--gen-len", "8", "--batch", "4",
                  "--samples", "2", "--budget", "3", "--json"])
     result = json.loads(capsys.readouterr().out)
-    assert code == 0 and result["dense"]["errors"] == result["sparse"]["errors"] == 0
-    assert result["sparse"]["mean_blocks"] < result["dense"]["mean_blocks"]
+    dense, sparse = result["modes"]["dense"], result["modes"]["sparse"]
+    assert code == 0 and dense["errors"] == sparse["errors"] == 0
+    assert dense["decode_steps"] == sparse["decode_steps"] == 7 and dense["decode_tokens"] == 4 * 7
+    assert sparse["mean_blocks"] < dense["mean_blocks"]
+    assert [w["first_context"] for w in dense["step_profile"]] == [65]
     assert torch.isfinite(torch.tensor(result["decode_speedup"]))
+
+
+def test_bench_rollout_one_mode_per_run_then_merge(tmp_path, capsys):
+    """Each mode in its own process, same seed: the same requests; the merge refuses mismatched settings."""
+    common = ["bench", "rollout", "--model", "tiny", "--prompt-len", "40", "--gen-len", "6", "--batch", "2",
+              "--budget", "3"]
+    for mode in ("dense", "sparse"):
+        assert main([*common, "--mode", mode, "--out", str(tmp_path / f"{mode}.json")]) == 0
+    out = capsys.readouterr().out
+    assert "sparse / dense" not in out
+    assert main(["bench", "rollout-merge", str(tmp_path / "dense.json"), str(tmp_path / "sparse.json"), "--json"]) == 0
+    merged = json.loads(capsys.readouterr().out)
+    assert set(merged["modes"]) == {"dense", "sparse"} and len(merged["commands"]) == 2
+    assert merged["modes"]["dense"]["decode_tokens"] == merged["modes"]["sparse"]["decode_tokens"] == 2 * 5
+    assert merged["decode_speedup"] > 0
+    other = json.loads((tmp_path / "sparse.json").read_text()) | {"gen_len": 7}
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    assert main(["bench", "rollout-merge", str(tmp_path / "dense.json"), str(tmp_path / "other.json")]) == 2
+    assert "gen_len=7" in capsys.readouterr().err
+    assert main(["bench", "rollout-merge", str(tmp_path / "dense.json"), str(tmp_path / "dense.json")]) == 2
+    assert "mode 'dense' is already" in capsys.readouterr().err

@@ -1,9 +1,46 @@
-"""The options of `sparrow bench decode-step` and `sparrow bench rollout-paper` (the CLI registers them; the
-benches run only when chosen, on CUDA)."""
+"""The options of `sparrow bench rollout`, `rollout-merge`, `decode-step` and `rollout-paper` (the CLI registers
+them; the benches import the engine only when chosen; decode-step and rollout-paper need CUDA)."""
 
 from pathlib import Path
 
 from sparrow.layout import BLOCK_SIZE
+
+
+def register_rollout(actions) -> None:
+    r = actions.add_parser("rollout", help="native engine: dense vs sparse rollout tokens/s, end to end")
+    r.add_argument("--model", required=True, metavar="DIR_OR_SHAPE", help="HF directory, or a shape name (random weights)")
+    r.add_argument("--prompt-len", type=int, required=True)
+    r.add_argument("--gen-len", type=int, required=True)
+    r.add_argument("--batch", required=True, metavar="N|auto",
+                   help="sequences decoded together (prompts x samples); auto = the most groups whose KV fits the GPU")
+    sparse = r.add_mutually_exclusive_group()
+    sparse.add_argument("--schedule", default="qwen3-4b-0.86", help="sparsity schedule name or file (default qwen3-4b-0.86)")
+    sparse.add_argument("--budget", type=int, help="constant budget in blocks (sink + top-k + recent) instead of a schedule")
+    r.add_argument("--mode", default="both", choices=["both", "dense", "sparse"],
+                   help="modes to run in this process (one per invocation fits long runs in a time limit; see rollout-merge)")
+    r.add_argument("--samples", type=int, default=1, help="samples per prompt sharing its KV blocks; must divide --batch")
+    r.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    r.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    r.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "reference", "triton"])
+    r.add_argument("--no-cuda-graphs", action="store_true", help="decode with eager launches on CUDA (default: graphs)")
+    r.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
+    r.add_argument("--repeats", type=int, default=1, help="run the modes alternately this many times; keep each one's fastest")
+    r.add_argument("--time-cap", type=float, default=None, help="seconds after which a run stops (marked truncated)")
+    r.add_argument("--memory-fraction", type=float, default=0.9, help="share of free GPU memory --batch auto fills")
+    r.add_argument("--replayed", type=int, default=0, metavar="POINTS",
+                   help="CUDA: time the graph-replayed step at this many contexts of the run (real vs replayed)")
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--out", type=Path, help="write the results as JSON here")
+    r.add_argument("--json", action="store_true", help="print the results as one JSON object")
+    r.set_defaults(handler=run_rollout)
+
+
+def register_rollout_merge(actions) -> None:
+    m = actions.add_parser("rollout-merge", help="join single-mode `bench rollout --out` files into one comparison")
+    m.add_argument("files", nargs="+", type=Path, help="JSON files written by `bench rollout --mode dense|sparse --out`")
+    m.add_argument("--out", type=Path, help="write the merged results as JSON here")
+    m.add_argument("--json", action="store_true", help="print the merged results as one JSON object")
+    m.set_defaults(handler=run_rollout_merge)
 
 
 def register_decode_step(actions) -> None:
@@ -36,6 +73,43 @@ def register_rollout_paper(actions) -> None:
     p.add_argument("--replays", type=int, default=5, help="graph replays per measured context (median)")
     p.add_argument("--out", type=Path, help="JSON path (default benchmarks/results/rollout-paper-<gpu>-<time>.json)")
     p.set_defaults(handler=run_rollout_paper)
+
+
+def run_rollout(args) -> int:
+    from . import rollout
+
+    for flag in ("prompt_len", "gen_len", "samples", "repeats"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')}={getattr(args, flag)}: must be >= 1")
+    if args.batch != "auto" and not (args.batch.isdigit() and int(args.batch) >= 1):
+        raise ValueError(f"--batch={args.batch}: give a number >= 1 or auto")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads={args.threads}: must be >= 1")
+        import torch
+
+        torch.set_num_threads(args.threads)
+    if args.replayed < 0 or (args.time_cap is not None and args.time_cap <= 0):
+        raise ValueError("--replayed must be >= 0 and --time-cap > 0")
+    if not 0 < args.memory_fraction <= 0.97:
+        raise ValueError(f"--memory-fraction={args.memory_fraction}: use a value in (0, 0.97]")
+    rollout.write(rollout.run(args), args.out, args.json)
+    return 0
+
+
+def run_rollout_merge(args) -> int:
+    import json
+
+    from . import rollout
+
+    reports = []
+    for path in args.files:
+        try:
+            reports.append(json.loads(path.read_text()))
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"{path}: not a readable `bench rollout --out` JSON file ({exc})") from None
+    rollout.write(rollout.merge(reports, [str(p) for p in args.files]), args.out, args.json)
+    return 0
 
 
 def run_decode_step(args) -> int:

@@ -1,12 +1,10 @@
 """`sparrow bench rollout-paper`: the paper's 32K rollout protocol on one GPU, real run + projection."""
 
-import time
 from pathlib import Path
 
 import torch
 
 from sparrow.kernels import SparseAttentionConfig
-from sparrow.rollout_workers.api import RolloutRequest, SamplingParams
 from sparrow.schedule import SparsitySchedule, load_schedule
 from sparrow.tables import format_table
 
@@ -17,6 +15,7 @@ from .common import (DEVICE, DTYPE, PAPER_ROLLOUT_SPEEDUP, TARGET_OVER_PAPER, de
                      default_out_path)
 from .filled import FilledDecode, free_gpu_memory
 from .floor import byte_floor_speedup
+from .real_run import protocol_requests, real_rollout
 
 
 def protocol_batch(model: DecoderModel, attention: SparseAttentionConfig, max_len: int, samples: int,
@@ -78,38 +77,6 @@ def measure_step_times(filled: FilledDecode, schedule: SparsitySchedule | None, 
     return out
 
 
-def real_rollout(engine, prompts, samples: int, gen_len: int, time_cap_s: float) -> dict:
-    """One generation of `prompts` × `samples` (ignore EOS, T = 1, top-20 logprobs), step by step, stopped
-    (and marked truncated) once `time_cap_s` has passed."""
-    requests = [RolloutRequest(f"p{i}", p, SamplingParams(max_tokens=gen_len, temperature=1.0, seed=i, n=samples,
-                                                          ignore_eos=True, logprobs=20))
-                for i, p in enumerate(prompts)]
-    before = engine.stats()
-    start = time.perf_counter()
-    for r in requests:
-        if engine.add_request(r):
-            raise RuntimeError(f"request {r.request_id} was refused by the engine")
-    truncated = False
-    step_s = []
-    while engine.has_unfinished():
-        t0 = time.perf_counter()
-        engine.step()
-        step_s.append(time.perf_counter() - t0)
-        if time.perf_counter() - start > time_cap_s:
-            engine.drop_unfinished()
-            truncated = True
-            break
-    wall = time.perf_counter() - start
-    after = engine.stats()
-    d = {k: after[k] - before[k] for k in ("prefill_seconds", "decode_seconds", "decode_tokens", "decode_steps",
-                                           "tokens_generated")}
-    ordered = sorted(step_s)
-    return {**d, "wall_s": wall, "truncated": truncated, "median_step_ms": 1e3 * ordered[len(ordered) // 2],
-            "last_step_ms": 1e3 * step_s[-1],  # the step that finishes the samples (gathers their outputs)
-            "decode_tok_s": d["decode_tokens"] / d["decode_seconds"],
-            "total_tok_s": d["tokens_generated"] / (d["prefill_seconds"] + d["decode_seconds"])}
-
-
 def run_model(name: str, schedules: list[str], real_prompt: int, real_gen: int, project_prompt: int,
               project_gen: int, samples: int, memory_fraction: float, time_cap_s: float, replays: int, log) -> dict:
     from ..config import NativeEngineConfig
@@ -141,10 +108,10 @@ def run_model(name: str, schedules: list[str], real_prompt: int, real_gen: int, 
     prompts = [tuple(torch.randint(0, spec.vocab_size, (real_prompt,), generator=gen).tolist()) for _ in range(groups)]
     for mode in (None, schedule):  # warm-up: prefill and sampler kernels
         engine.set_schedule(mode)
-        real_rollout(engine, prompts, samples, 2, time_cap_s)
+        real_rollout(engine, protocol_requests(prompts, samples, 2), time_cap_s)
     for label, mode in (("dense", None), ("sparse", schedule)):
         engine.set_schedule(mode)
-        res = real_rollout(engine, prompts, samples, real_gen, time_cap_s)
+        res = real_rollout(engine, protocol_requests(prompts, samples, real_gen), time_cap_s)
         out["real"][label] = res
         log(f"  real {label}: {res['decode_tok_s']:.0f} decode tok/s over {res['decode_steps']} steps "
             f"({res['decode_seconds']:.1f} s, median step {res['median_step_ms']:.2f} ms, last step "

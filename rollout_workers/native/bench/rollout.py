@@ -1,0 +1,194 @@
+"""`sparrow bench rollout`: dense vs block-sparse rollout throughput of the native engine, measured end to end.
+
+Both modes in one process (`--mode both`), or one mode per invocation (`--mode dense|sparse`; the same
+`--seed` gives the same prompts and sampling seeds) with `--out` files that `sparrow bench rollout-merge`
+joins, so that a 32K-token run of each mode fits one 10-minute GPU job. `--replayed N` (CUDA) then times
+the engine's graph-replayed decode step (model + sampler, a filled cache, the same batch) at N contexts of
+the run: the real step's host overhead over the replayed one, per context.
+
+`--model` is an HF directory (real weights) or a shape name (`sparrow cost` shapes such as qwen3-1.7b, plus
+smollm2-135m and tiny) with random weights. Prompts are random token ids and samples ignore EOS, so every
+sample decodes exactly `--gen-len` tokens.
+"""
+
+import datetime
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from sparrow.layout import DEFAULT_LAYOUT
+from sparrow.schedule import SparsitySchedule, load_schedule
+from sparrow.tables import format_table
+
+from .real_run import protocol_requests, real_rollout
+
+MODES = ("dense", "sparse")
+RUN_KEYS = ("model", "device", "device_name", "dtype", "backend", "cuda_graphs", "prompt_len", "gen_len", "batch",
+            "samples", "seed", "schedule")
+"""What two single-mode results must share to be merged into one comparison."""
+SPARE_BLOCKS = 16
+
+
+def bench_schedule(schedule_name: str, budget: int | None) -> SparsitySchedule:
+    reserved = DEFAULT_LAYOUT.reserved_blocks
+    if budget is None:
+        return load_schedule(schedule_name)
+    if budget < reserved:
+        raise ValueError(f"--budget={budget}: must be >= {reserved} (sink + recent)")
+    return SparsitySchedule(name=f"budget-{budget}", topk_blocks=(budget - reserved,), edges=())
+
+
+def largest_batch(model, total: int, samples: int, memory_fraction: float) -> int:
+    """`--batch auto`: the most whole groups of `samples` whose `total`-token KV fits the free GPU memory."""
+    from .rollout_paper import protocol_batch
+
+    if model.device.type != "cuda":
+        raise ValueError("--batch auto sizes the batch from free GPU memory; give a number on the CPU")
+    return protocol_batch(model, DEFAULT_LAYOUT, total, samples, memory_fraction)
+
+
+def build_engine(args, model, batch: int):
+    from ..config import NativeEngineConfig
+    from ..engine import NativeEngine
+
+    total = args.prompt_len + args.gen_len
+    config = NativeEngineConfig(
+        device=str(model.device), dtype=args.dtype, attention_backend=args.attention_backend, max_num_seqs=batch,
+        cuda_graphs=False if args.no_cuda_graphs else None,
+        num_kv_blocks=batch * DEFAULT_LAYOUT.blocks_for(total + 1) + SPARE_BLOCKS,
+        max_model_len=min(total + DEFAULT_LAYOUT.block_size, model.rope.cos.shape[0]),
+        prefill_chunk_size=max(2048, args.prompt_len),
+    )
+    engine = NativeEngine(config, model=model)
+    if engine.stats()["cuda_graphs"]:
+        engine.capture_decode_graphs([batch], total + 1)  # no capture inside the timed run
+    return engine
+
+
+def replayed_steps(model, batch: int, total: int, schedule: SparsitySchedule | None, profile: list[dict],
+                   points: int, replays: int = 20) -> list[dict]:
+    """The real run's median step in `points` windows of its profile next to the graph-replayed step (model +
+    sampler) at the window's middle context on a filled cache of the same batch."""
+    from .filled import FilledDecode, free_gpu_memory
+    from .rollout_paper import measure_step_times
+
+    picks = [profile[round(i * (len(profile) - 1) / max(points - 1, 1))] for i in range(min(points, len(profile)))]
+    contexts = [(w["first_context"] + w["last_context"]) // 2 for w in picks]
+    free_gpu_memory()
+    filled = FilledDecode(model, DEFAULT_LAYOUT, batch, total + 1)
+    times = measure_step_times(filled, schedule, [(c, c) for c in contexts], replays)
+    filled.release()
+    return [{"context": c, "real_ms": w["median_ms"], "replayed_ms": times[c], "real_over_replayed": w["median_ms"] / times[c]}
+            for c, w in zip(contexts, picks)]
+
+
+def run(args) -> dict:
+    """Measure the modes `args.mode` names; returns the report (`--out` writes it as JSON)."""
+    from ..model_loader import resolve_device, resolve_dtype
+    from ..shapes import build_model
+
+    device = resolve_device(args.device)
+    if args.replayed and (device.type != "cuda" or args.no_cuda_graphs):
+        raise ValueError("--replayed compares against the engine's CUDA graphs: run on --device cuda with graphs on")
+    dtype = resolve_dtype(args.dtype, device)
+    total = args.prompt_len + args.gen_len
+    try:
+        model = build_model(args.model, device, dtype, total, args.seed)
+    except ValueError as exc:
+        raise ValueError(f"{exc} (--prompt-len + --gen-len = {total})") from None
+    batch = largest_batch(model, total, args.samples, args.memory_fraction) if args.batch == "auto" else int(args.batch)
+    if batch % args.samples:
+        raise ValueError(f"--batch={batch} is not a multiple of --samples={args.samples}")
+    schedule = bench_schedule(args.schedule, args.budget)
+    engine = build_engine(args, model, batch)
+    gen = torch.Generator().manual_seed(args.seed)
+    prompts = [tuple(torch.randint(0, model.spec.vocab_size, (args.prompt_len,), generator=gen).tolist())
+               for _ in range(batch // args.samples)]
+    modes = [(m, None if m == "dense" else schedule) for m in (MODES if args.mode == "both" else (args.mode,))]
+    for _, sched in modes:  # warm-up of each mode's kernels (Triton compiles on first use)
+        engine.set_schedule(sched)
+        real_rollout(engine, protocol_requests(prompts, args.samples, 2, args.seed))
+    results: dict[str, dict] = {}
+    for _ in range(args.repeats):
+        for mode, sched in modes:
+            engine.set_schedule(sched)
+            res = real_rollout(engine, protocol_requests(prompts, args.samples, args.gen_len, args.seed), args.time_cap,
+                               progress=lambda n, m=mode: print(f"  {m}: {n}/{args.gen_len - 1} decode steps", file=sys.stderr,
+                                                                flush=True))
+            if mode not in results or res["decode_tok_s"] > results[mode]["decode_tok_s"]:
+                results[mode] = res
+    stats = engine.stats()
+    del engine
+    if args.replayed:
+        for mode, sched in modes:
+            results[mode]["replayed"] = replayed_steps(model, batch, total, sched, results[mode]["step_profile"],
+                                                       args.replayed)
+    report = {
+        "command": "sparrow " + " ".join(sys.argv[1:]), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "model": args.model, "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads() if device.type == "cpu" else None,
+        "backend": stats["attention_backend"], "cuda_graphs": stats["cuda_graphs"], "prompt_len": args.prompt_len,
+        "gen_len": args.gen_len, "batch": batch, "samples": args.samples, "seed": args.seed, "schedule": schedule.name,
+        "modes": results,
+    }
+    return with_speedup(report)
+
+
+def with_speedup(report: dict) -> dict:
+    modes = report["modes"]
+    if all(m in modes for m in MODES):
+        report["decode_speedup"] = modes["sparse"]["decode_tok_s"] / modes["dense"]["decode_tok_s"]
+        report["total_speedup"] = modes["sparse"]["total_tok_s"] / modes["dense"]["total_tok_s"]
+    return report
+
+
+def merge(reports: list[dict], names: list[str]) -> dict:
+    """Single-mode reports of the same run settings joined into one comparison; a mismatch names the key."""
+    first = reports[0]
+    merged = {**{k: v for k, v in first.items() if k not in ("modes", "command", "date")},
+              "commands": [], "modes": {}}
+    for report, name in zip(reports, names):
+        for key in RUN_KEYS:
+            if report.get(key) != first.get(key):
+                raise ValueError(f"{name}: {key}={report.get(key)!r} but {names[0]} has {first.get(key)!r}; "
+                                 f"merge only runs of the same settings (one mode each)")
+        for mode, result in report["modes"].items():
+            if mode in merged["modes"]:
+                raise ValueError(f"{name}: mode {mode!r} is already in another file; give each mode once")
+            merged["modes"][mode] = result
+        merged["commands"].append({"command": report["command"], "date": report.get("date")})
+    return with_speedup(merged)
+
+
+def render(report: dict) -> str:
+    modes = report["modes"]
+    rows = [[mode if mode == "dense" else f"sparse ({report['schedule']})", f"{r['prefill_seconds']:.2f}",
+             f"{r['decode_seconds']:.2f}", f"{r['decode_tok_s']:.1f}", f"{r['total_tok_s']:.1f}",
+             f"{r['median_step_ms']:.2f}", f"{r['mean_blocks']:.1f}", "yes" if r["truncated"] else "no"]
+            for mode, r in modes.items()]
+    threads = f", {report['threads']} threads" if report.get("threads") else ""
+    lines = [f"{report['model']} on {report['device_name']}{threads} ({report['dtype']}, {report['backend']} attention"
+             f"{', CUDA graphs' if report['cuda_graphs'] else ''}), batch {report['batch']} "
+             f"({report['batch'] // report['samples']} prompts x {report['samples']}), prompt {report['prompt_len']} "
+             f"+ gen {report['gen_len']} tokens",
+             format_table(["mode", "prefill s", "decode s", "decode tok/s", "total tok/s", "median step ms",
+                           "blocks/token", "truncated"], rows)]
+    if "decode_speedup" in report:
+        lines.append(f"sparse / dense: decode {report['decode_speedup']:.2f}x, total {report['total_speedup']:.2f}x")
+    replay_rows = [[mode, p["context"], f"{p['real_ms']:.3f}", f"{p['replayed_ms']:.3f}", f"{p['real_over_replayed']:.3f}"]
+                   for mode, r in modes.items() for p in r.get("replayed", [])]
+    if replay_rows:
+        lines.append("real decode step (median of its window) vs the graph-replayed step + sampler:")
+        lines.append(format_table(["mode", "context", "real ms", "replayed ms", "real / replayed"], replay_rows))
+    return "\n".join(lines)
+
+
+def write(report: dict, out: Path | None, as_json: bool) -> None:
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=1))
+        print(f"wrote {out}", file=sys.stderr)
+    print(json.dumps(report) if as_json else render(report))
