@@ -4,21 +4,11 @@
 # Usage (repo root, CUDA machine): benchmarks/engine_gpu.sh [rollout-paper options]; logs and JSON go to $OUT.
 # Each stage has a time cap, so one that hangs or runs long leaves the others their time; STAGES picks stages.
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1
+source "$(dirname "$0")/gpu_env.sh"
 OUT=${OUT:-/tmp/sparrow-engine}
 TESTS_S=${TESTS_S:-200} SELECT_S=${SELECT_S:-60} DECODE_S=${DECODE_S:-150} ROLLOUT_S=${ROLLOUT_S:-300}
 STAGES=${STAGES:-"tests decode rollout"}
 mkdir -p "$OUT"
-if ! python3 -c "import pydantic" 2>/dev/null && [ -d .whl ]; then  # wheels carried to a machine without an index
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
-fi
-if ! python3 -c "import sparrow.rollout_workers.native" 2>/dev/null; then
-  # Not installed: the repo's folders are the packages sparrow.kernels, .rollout_workers, .trainer (setup.py).
-  for pkg in kernels rollout_workers trainer; do [ -e "sparrow/$pkg" ] || ln -s "../$pkg" "sparrow/$pkg"; done
-  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-fi
 { nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
   git log -1 --format='commit %H' 2>/dev/null; } | tee "$OUT/gpu.txt"

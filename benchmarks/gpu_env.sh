@@ -1,0 +1,13 @@
+# Sourced by the GPU benchmark scripts: the environment of a lent GPU machine with no package index.
+# Carried wheels (.whl, from ../shared/tools/device-wheels.sh) install into /tmp/site; the repo's folders
+# become the sparrow.* packages through symlinks when Sparrow is not installed (setup.py maps them).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1
+if ! python3 -c "import pydantic, ray" 2>/dev/null && [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+fi
+[ -d /tmp/site ] && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+if ! python3 -c "import sparrow.rollout_workers.native" 2>/dev/null; then
+  for pkg in coordinator kernels protos rollout_workers trainer; do [ -e "sparrow/$pkg" ] || ln -s "../$pkg" "sparrow/$pkg"; done
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
