@@ -126,7 +126,7 @@ def run(args) -> dict:
             results[mode]["replayed"] = replayed_steps(model, batch, total, sched, results[mode]["step_profile"],
                                                        args.replayed)
     report = {
-        "command": "sparrow " + " ".join(sys.argv[1:]), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": "sparrow bench " + " ".join(sys.argv[sys.argv.index("rollout"):] if "rollout" in sys.argv else sys.argv[1:]), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "model": args.model, "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads() if device.type == "cpu" else None,
