@@ -11,6 +11,7 @@ a wall-time cap: at the cap the job is interrupted (it shuts down cleanly) and t
 import argparse
 import json
 import math
+import shutil
 import signal
 import subprocess
 import sys
@@ -40,7 +41,7 @@ def _study_overrides(args) -> tuple[list[str], dict]:
                                  else args.tau, config.controller.ladder, native.max_model_len, args.fixed_topk)
     except (ConfigError, ValueError) as exc:
         _fail(str(exc))
-    study = [f"run.steps={args.steps}", f"run.seed={args.seed}", f"run.out_dir={args.out_dir}", f"run.name=arm-{args.arm}",
+    study = [f"run.steps={args.steps}", f"run.seed={args.seed}", f"run.out_dir={args.runs_dir}", f"run.name=arm-{args.arm}",
              f"data.eval.every={args.steps}", "data.eval.modes=[dense]", "run.checkpoint_every=0"]
     sets = arm_sets + study + args.set
     try:
@@ -63,11 +64,28 @@ def _interrupt(proc: subprocess.Popen, grace_s: float) -> None:
         proc.wait()
 
 
+SMALL_RUN_FILES = ("config.yaml", "metrics.jsonl", "controller_decisions.jsonl", "events.jsonl", "report")
+"""What of a run directory is kept next to the arm JSON when --runs-dir puts the run (and its checkpoint) elsewhere."""
+
+
+def _keep_small_files(run_dir: Path, dest: Path) -> None:
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in SMALL_RUN_FILES:
+        src = run_dir / name
+        if src.is_dir():
+            shutil.copytree(src, dest / name, dirs_exist_ok=True)
+        elif src.is_file():
+            shutil.copy2(src, dest / name)
+
+
 def run_arm(args) -> Path:
     out_dir = args.out_dir.resolve()
-    run_dir = out_dir / f"arm-{args.arm}"
+    args.runs_dir = (args.runs_dir or out_dir).resolve()
+    run_dir = args.runs_dir / f"arm-{args.arm}"
     if run_dir.exists():
-        _fail(f"{run_dir} exists; pick another --out-dir or remove it (each arm starts from a fresh run directory)")
+        _fail(f"{run_dir} exists; pick another --out-dir/--runs-dir or remove it (each arm starts from a fresh run "
+              "directory)")
+    out_dir.mkdir(parents=True, exist_ok=True)
     args.out_dir = out_dir
     sets, facts = _study_overrides(args)
     command = [sys.executable, "-m", "sparrow.cli.main", "train", "--no-progress"]
@@ -85,6 +103,8 @@ def run_arm(args) -> Path:
         print(f"arm {args.arm}: wall cap {args.max_wall_s:.0f} s reached; interrupting the job", flush=True)
         _interrupt(proc, args.grace_s)
     records = _records(run_dir / "metrics.jsonl")
+    if args.runs_dir != out_dir and run_dir.is_dir():
+        _keep_small_files(run_dir, out_dir / f"arm-{args.arm}")
     summary = arm_summary(args.arm, ARMS[args.arm], command, records, capped, proc.returncode, **facts)
     summary["wall_s"] = round(time.monotonic() - start, 1)
     path = out_dir / f"arm-{args.arm}.json"
@@ -133,7 +153,9 @@ def main(argv=None) -> int:
     p.add_argument("--fixed-topk", type=int, default=8, help="arm c's top-k blocks in every bin")
     p.add_argument("--max-wall-s", type=float, default=480.0, help="interrupt the job after this many seconds")
     p.add_argument("--grace-s", type=float, default=60.0, help="seconds an interrupted job gets to shut down")
-    p.add_argument("--out-dir", type=Path, required=True, help="arm run directories and JSONs, or the merged results")
+    p.add_argument("--out-dir", type=Path, required=True, help="arm JSONs (and run directories), or the merged results")
+    p.add_argument("--runs-dir", type=Path, help="run directories here instead (their checkpoint is large); "
+                   "config, metrics, decisions, events and report are copied to OUT_DIR/arm-<arm>/")
     args = p.parse_args(argv)
     if args.steps < 1:
         _fail(f"--steps {args.steps}: must be >= 1")
