@@ -240,6 +240,8 @@ def test_calibrate_on_the_needle_task(tiny_qwen3, tmp_path):
 def test_bad_task_knob_is_one_cli_line(tmp_path, capsys):
     assert main(["calibrate", "--prompts", "needle", "--task", "context_lines", "--out", str(tmp_path)]) == 2
     assert "--task 'context_lines': expected KEY=VALUE" in capsys.readouterr().err
+    assert main(["calibrate", "--prompts", "needle", "--task", "hops=2", "--out", str(tmp_path)]) == 2
+    assert "--task: task knob hops: Extra inputs are not permitted" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------ a real run on the tiny model

@@ -78,8 +78,10 @@ def run(args) -> int:
         )
     except ValidationError as exc:
         err = exc.errors()[0]
-        where = "--" + "-".join(str(x) for x in err["loc"]).replace("_", "-") if err["loc"] else "arguments"
-        raise CliError(f"{where}: {err['msg'].removeprefix('Value error, ')}") from None
+        msg = err["msg"].removeprefix("Value error, ")
+        where = "--" + "-".join(str(x) for x in err["loc"]).replace("_", "-") if err["loc"] else \
+            "--task" if msg.startswith("task knob") else "arguments"
+        raise CliError(f"{where}: {msg}") from None
     command = "sparrow calibrate " + " ".join(shlex.quote(a) for a in sys.argv[2:]) if sys.argv[1:2] == ["calibrate"] \
         else "sparrow calibrate"
     run_calibration(config, command=command, progress=not args.no_progress,
