@@ -120,7 +120,7 @@ def _records(path: Path) -> list[dict]:
 
 
 def merge(paths: list[Path], out_dir: Path) -> Path:
-    from sparrow.coordinator.calibration.table import markdown_table
+    from sparrow.tables import markdown_table
 
     arms = []
     for path in paths:
