@@ -19,7 +19,8 @@ def step_row(record: dict) -> dict:
         "step": record["step"],
         "reward_mean": rollout["reward_mean"],
         "accuracy": rollout["accuracy"],
-        "p5_alpha": alpha["p5"],
+        "p5_alpha": alpha["p5"],  # the top-K lower bound (the statistic the record keeps as the tail)
+        "p5_alpha_upper": alpha["p5_upper"],
         "alpha_tokens": alpha["tokens"],
         "topk_blocks": schedule["topk_blocks"],  # after this step's control: the next step's budgets
         "blocks": schedule["blocks_before"],
