@@ -11,6 +11,7 @@ a wall-time cap: at the cap the job is interrupted (it shuts down cleanly) and t
 import argparse
 import json
 import math
+import shlex
 import shutil
 import signal
 import subprocess
@@ -92,7 +93,7 @@ def run_arm(args) -> Path:
     command += ["--config", str(args.config)] if args.config else []
     command += [a for s in sets for a in ("--set", s)]
     print(f"arm {args.arm}: {ARMS[args.arm]}; {args.steps} steps, cap {args.max_wall_s:.0f} s", flush=True)
-    print("command: " + " ".join(command), flush=True)
+    print("command: " + shlex.join(command), flush=True)
     start = time.monotonic()
     proc = subprocess.Popen(command)  # its one line per step is the progress
     capped = False
