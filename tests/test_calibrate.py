@@ -185,6 +185,9 @@ def test_a_topk_lower_bound_below_tau_even_when_dense_is_flagged():
     ({"edges": [256, 128]}, "increasing"),
     ({"prompts": "data.csv"}, ".jsonl"),
     ({"hardware": "tpu"}, "h200"),
+    ({"prompts": "needle", "task": {"context_lines": [30, 20]}}, "context_lines"),
+    ({"prompts": "needle", "task": {"context_line": [3, 5]}}, "task knob context_line: Extra inputs"),
+    ({"prompts": "data.jsonl", "task": {"needles": 2}}, "apply to a built-in task"),
 ])
 def test_config_rejects_bad_values(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -207,6 +210,38 @@ def test_jsonl_prompts_need_no_answer_column(tiny_qwen3, tmp_path):
     ids = load_prompts(CalibrationConfig(prompts=str(path), num_prompts=5), AutoTokenizer.from_pretrained(tiny_qwen3),
                        notes.append)
     assert len(ids) == 3 and all(len(x) > 5 for x in ids) and "using all of them" in notes[0]
+
+
+def test_task_prompts_use_the_tasks_knobs(tiny_qwen3):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3)
+    lengths = {}
+    for lines in ([4, 4], [40, 40]):
+        config = CalibrationConfig(prompts="needle", task={"context_lines": lines, "needles": 2}, num_prompts=3)
+        lengths[lines[0]] = [len(x) for x in load_prompts(config, tokenizer, print)]
+    assert min(lengths[40]) > max(lengths[4]) + 300, lengths  # 36 more context lines of ~10+ tokens each
+
+
+def test_calibrate_on_the_needle_task(tiny_qwen3, tmp_path):
+    out = tmp_path / "needle"
+    code = main([
+        "calibrate", "--model", str(tiny_qwen3), "--prompts", "needle", "--task", "context_lines=[6,10]",
+        "--task", "needles=2", "--num-prompts", "2", "--samples", "1", "--max-tokens", "8", "--ignore-eos",
+        "--budgets", "4,64", "--bin-width", "64", "--threads", "1", "--out", str(out), "--no-progress",
+    ])
+    assert code == 0
+    data = json.loads((out / "measurements.json").read_text())
+    assert data["runs"]["4"]["tokens"] == 2 * 1 * 8
+    assert load_schedule(out / "schedule.json").edges[0] == 64
+    assert "prompts needle {'context_lines': [6, 10], 'needles': 2}" in load_schedule(out / "schedule.json").notes[0]
+
+
+def test_bad_task_knob_is_one_cli_line(tmp_path, capsys):
+    assert main(["calibrate", "--prompts", "needle", "--task", "context_lines", "--out", str(tmp_path)]) == 2
+    assert "--task 'context_lines': expected KEY=VALUE" in capsys.readouterr().err
+    assert main(["calibrate", "--prompts", "needle", "--task", "hops=2", "--out", str(tmp_path)]) == 2
+    assert "--task: task knob hops: Extra inputs are not permitted" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------ a real run on the tiny model

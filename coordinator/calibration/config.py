@@ -1,10 +1,11 @@
 """`CalibrationConfig`: what `sparrow calibrate` measures, on which prompts, and what it optimises for."""
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from sparrow.coordinator.tasks import TASKS
 from sparrow.cost import HARDWARE
 
 
@@ -15,7 +16,13 @@ class CalibrationConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str = Field("smollm2", description="HF model directory, or 'smollm2' (SmolLM2-135M-Instruct, fetched if missing)")
-    prompts: str = Field("arithmetic", description="'arithmetic' (the built-in task), a .jsonl or a .parquet file")
+    prompts: str = Field(
+        "arithmetic", description="a built-in task (arithmetic, lookup, needle: docs/tasks.md), a .jsonl or a .parquet file"
+    )
+    task: dict[str, Any] = Field(
+        default_factory=dict, description="knobs of the built-in task, as its data.<task> section, e.g. "
+        "{context_lines: [180, 600]} for needle (long contexts without a prompt file)"
+    )
     prompt_key: str = Field("prompt", description="column of a JSONL/Parquet file with the prompt text or chat messages")
     chat_template: bool = Field(True, description="wrap prompts in the tokenizer's chat template")
     num_prompts: int = Field(8, ge=1, description="prompts (a file with fewer rows uses all of them)")
@@ -45,6 +52,24 @@ class CalibrationConfig(BaseModel):
     seed: int = Field(0, description="prompt choice and sampling seeds; every budget reuses the same seeds")
     out: Path = Field(Path("calibration"), description="output directory")
 
+    def data_config(self):
+        """The training job's data section for these prompts (calibration reuses the job's prompt sources)."""
+        from sparrow.coordinator.config import DataConfig
+
+        if self.prompts in TASKS:
+            try:
+                return DataConfig.model_validate({"source": self.prompts, "chat_template": self.chat_template,
+                                                  self.prompts: self.task})
+            except ValidationError as exc:
+                err = exc.errors()[0]
+                key = ".".join(str(x) for x in err["loc"][1:])
+                raise ValueError(f"task knob {key or self.prompts}: {err['msg'].removeprefix('Value error, ')} "
+                                 f"(got {err.get('input')!r}; the knobs of {self.prompts} are in docs/tasks.md)") from None
+        source = "jsonl" if self.prompts.endswith(".jsonl") else "parquet"
+        # Calibration never scores a response, so the prompt column doubles as the (unused) answer column.
+        return DataConfig(source=source, path=self.prompts, prompt_key=self.prompt_key, answer_key=self.prompt_key,
+                          chat_template=self.chat_template)
+
     @field_validator("hardware")
     @classmethod
     def _hardware(cls, value: str) -> str:
@@ -55,8 +80,8 @@ class CalibrationConfig(BaseModel):
     @field_validator("prompts")
     @classmethod
     def _prompts(cls, value: str) -> str:
-        if value != "arithmetic" and Path(value).suffix not in (".jsonl", ".parquet"):
-            raise ValueError(f"prompts={value!r}: use 'arithmetic', a .jsonl file or a .parquet file")
+        if value not in TASKS and Path(value).suffix not in (".jsonl", ".parquet"):
+            raise ValueError(f"prompts={value!r}: use a built-in task ({', '.join(TASKS)}), a .jsonl file or a .parquet file")
         return value
 
     @field_validator("edges")
@@ -70,6 +95,10 @@ class CalibrationConfig(BaseModel):
     def _consistent(self):
         if self.edges is not None and self.bin_width is not None:
             raise ValueError("give either edges or bin_width, not both")
+        if self.task and self.prompts not in TASKS:
+            raise ValueError(f"task knobs {sorted(self.task)} apply to a built-in task; prompts={self.prompts!r} is a file")
+        if self.task:
+            self.data_config()  # a bad knob fails here, named
         if self.budgets is not None:
             if not self.budgets:
                 raise ValueError("budgets is empty; give total block counts, e.g. 4,8,16")

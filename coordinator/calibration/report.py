@@ -2,9 +2,9 @@
 
 from pathlib import Path
 
-from sparrow.tables import format_table
+from sparrow.tables import format_table, markdown_table
 
-from .table import CalibrationResult, alpha_table, budget_table, markdown_table
+from .table import CalibrationResult, alpha_table, budget_table
 
 LEGEND = ("cells: {p} of {stat} α (tokens); * = chosen budget, ? = fewer than {n} tokens, - = no tokens. "
           "Budgets are total blocks of {bs} tokens (sink + top-k + recent).")

@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from sparrow.acceptance import token_context_lengths
 from sparrow.coordinator.config import DataConfig
+from sparrow.coordinator.tasks import TASKS
 from sparrow.coordinator.data import PromptSource, render_prompt
 from sparrow.cost import CostModel, ModelShape, RolloutSpec, resolve_hardware
 from sparrow.rollout_workers.api import PromptScorer, RolloutEngine, RolloutRequest, RolloutSample, SamplingParams
@@ -57,14 +58,9 @@ def resolve_model_dir(model: str, log: Callable[[str], None]) -> Path:
 
 
 def data_config(config: CalibrationConfig) -> DataConfig:
-    if config.prompts == "arithmetic":
-        return DataConfig(source="arithmetic", chat_template=config.chat_template)
-    if not Path(config.prompts).is_file():
+    if config.prompts not in TASKS and not Path(config.prompts).is_file():
         raise FileNotFoundError(f"--prompts {config.prompts}: no such file")
-    source = "jsonl" if config.prompts.endswith(".jsonl") else "parquet"
-    # Calibration never scores a response, so the prompt column doubles as the (unused) answer column.
-    return DataConfig(source=source, path=config.prompts, prompt_key=config.prompt_key, answer_key=config.prompt_key,
-                      chat_template=config.chat_template)
+    return config.data_config()
 
 
 def load_prompts(config: CalibrationConfig, tokenizer, log: Callable[[str], None]) -> list[list[int]]:
@@ -234,7 +230,8 @@ def run_calibration(config: CalibrationConfig, command: str = "sparrow calibrate
         f"(encoding the {len(prompts)} prompts: {duration(encode_seconds)})")
 
     reserved = config.sink + config.recent
-    notes = (f"sparrow calibrate: {model_dir.name}, prompts {config.prompts} ({len(prompts)} x {config.samples} samples, "
+    knobs = f" {config.task}" if config.task else ""
+    notes = (f"sparrow calibrate: {model_dir.name}, prompts {config.prompts}{knobs} ({len(prompts)} x {config.samples} samples, "
              f"<= {config.max_tokens} tokens, T={config.temperature:g}), budgets {plan.budgets}, "
              f"p{config.percentile:g} of {config.statistic} α >= {config.target:g}",)
     result = assemble(plan.template, runs, config.target, config.percentile, config.min_tokens, config.statistic,

@@ -261,8 +261,3 @@ def budget_table(result: CalibrationResult) -> tuple[list[str], list[list[str]]]
         ])
     return headers, rows
 
-
-def markdown_table(headers: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    return "\n".join(lines)

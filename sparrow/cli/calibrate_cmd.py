@@ -16,7 +16,11 @@ def _ints(text: str) -> list[int]:
 
 def configure(p) -> None:
     p.add_argument("--model", default="smollm2", help="HF model directory, or smollm2 (fetched if missing; default)")
-    p.add_argument("--prompts", default="arithmetic", help="arithmetic (built-in task), FILE.jsonl or FILE.parquet")
+    p.add_argument("--prompts", default="arithmetic",
+                   help="a built-in task (arithmetic, lookup, needle; docs/tasks.md), FILE.jsonl or FILE.parquet")
+    p.add_argument("--task", action="append", default=[], metavar="KNOB=VALUE",
+                   help="a knob of the built-in task (its data.<task> key, YAML value), e.g. --task context_lines=[180,600] "
+                        "(repeatable)")
     p.add_argument("--prompt-key", default="prompt", help="prompt column of a JSONL/Parquet file (text or chat messages)")
     p.add_argument("--no-chat-template", action="store_true", help="feed the prompt text without the chat template")
     p.add_argument("--num-prompts", type=int, default=8, help="prompts (default 8)")
@@ -55,10 +59,17 @@ def run(args) -> int:
     from sparrow.cli.main import CliError
     from sparrow.coordinator.calibration import CalibrationConfig
     from sparrow.coordinator.calibration.runner import run_calibration
+    from sparrow.coordinator.config import ConfigError, set_override
 
+    task: dict = {}
+    try:
+        for knob in args.task:
+            set_override(task, knob)
+    except ConfigError as exc:
+        raise CliError(str(exc).replace("--set", "--task")) from None
     try:
         config = CalibrationConfig(
-            model=str(args.model), prompts=args.prompts, prompt_key=args.prompt_key, chat_template=not args.no_chat_template,
+            model=str(args.model), prompts=args.prompts, task=task, prompt_key=args.prompt_key, chat_template=not args.no_chat_template,
             num_prompts=args.num_prompts, samples=args.samples, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
             temperature=args.temperature, budgets=args.budgets, dense_baseline=not args.no_dense_baseline,
             edges=args.edges, bin_width=args.bin_width, target=args.target, percentile=args.percentile,
@@ -67,8 +78,10 @@ def run(args) -> int:
         )
     except ValidationError as exc:
         err = exc.errors()[0]
-        where = "--" + "-".join(str(x) for x in err["loc"]).replace("_", "-") if err["loc"] else "arguments"
-        raise CliError(f"{where}: {err['msg'].removeprefix('Value error, ')}") from None
+        msg = err["msg"].removeprefix("Value error, ")
+        where = "--" + "-".join(str(x) for x in err["loc"]).replace("_", "-") if err["loc"] else \
+            "--task" if msg.startswith("task knob") else "arguments"
+        raise CliError(f"{where}: {msg}") from None
     command = "sparrow calibrate " + " ".join(shlex.quote(a) for a in sys.argv[2:]) if sys.argv[1:2] == ["calibrate"] \
         else "sparrow calibrate"
     run_calibration(config, command=command, progress=not args.no_progress,

@@ -1,0 +1,97 @@
+"""Per-arm JSON from a run's step records, and the merged table's rows: pure (records in, plain data out)."""
+
+from statistics import fmean
+
+BAND = 0.02
+"""An arm has converged once every measured bin's p5 α lies in [τ, τ + BAND]."""
+
+
+def _rollout_seconds(rollout: dict) -> float | None:
+    """Lease to last acknowledgement of the step's rollouts (tokens / tokens_per_s is how the record keeps it)."""
+    rate = rollout.get("tokens_per_s")
+    return rollout["tokens"] / rate if rate else None
+
+
+def step_row(record: dict) -> dict:
+    """What the study keeps of one `metrics.jsonl` line (StepRecord.to_dict)."""
+    rollout, alpha, schedule, timing = record["rollout"], record["alpha"], record["schedule"], record["timing"]
+    return {
+        "step": record["step"],
+        "reward_mean": rollout["reward_mean"],
+        "accuracy": rollout["accuracy"],
+        "p5_alpha": alpha["p5"],  # the top-K lower bound (the statistic the record keeps as the tail)
+        "p5_alpha_upper": alpha["p5_upper"],
+        "alpha_tokens": alpha["tokens"],
+        "topk_blocks": schedule["topk_blocks"],  # after this step's control: the next step's budgets
+        "blocks": schedule["blocks_before"],
+        "blocks_next": schedule["blocks"],
+        "kv_read_fraction": rollout["kv_read_fraction"],
+        "rollout_s": _rollout_seconds(rollout),
+        "rollout_wait_s": timing["rollout_wait"],
+        "step_s": timing["step"],
+        "speedup_measured": rollout["speedup_measured"],
+    }
+
+
+def evaluations(records: list[dict], mode: str = "dense") -> list[dict]:
+    """Held-out results of `mode`, in order: {policy_version, accuracy, reward_mean, prompts}."""
+    out = []
+    for record in records:
+        for ev in record.get("evaluations") or []:
+            for result in ev["results"]:
+                if result["mode"] == mode:
+                    out.append({"policy_version": ev["policy_version"], "accuracy": result["accuracy"],
+                                "reward_mean": result["reward_mean"], "prompts": ev["prompts"]})
+    return out
+
+
+def arm_summary(arm: str, description: str, command: list[str], records: list[dict], capped: bool,
+                returncode: int | None, tau: float, edges: list[int], dense_blocks: list[int]) -> dict:
+    """The arm JSON; `dense_blocks` (per bin, the blocks of its longest context) places dense bins on the budget plot."""
+    evals = evaluations(records)
+    before = next((e for e in evals if e["policy_version"] == 0), None)
+    after = next((e for e in reversed(evals) if e["policy_version"] > 0), None)
+    return {"arm": arm, "description": description, "command": command, "tau": tau, "edges": edges,
+            "dense_blocks": dense_blocks,
+            "steps": [step_row(r) for r in records], "eval_dense_before": before, "eval_dense_after": after,
+            "evaluations_dense": evals, "wall_capped": capped, "returncode": returncode}
+
+
+def in_band(p5: list[float | None], tau: float) -> bool:
+    measured = [a for a in p5 if a is not None]
+    return bool(measured) and all(tau <= a <= tau + BAND for a in measured)
+
+
+def steps_to_band(arm: dict) -> int | None:
+    """Steps run until the first step whose every measured bin has p5 α in [τ, τ + BAND]; None if never."""
+    for i, row in enumerate(arm["steps"]):
+        if in_band(row["p5_alpha"], arm["tau"]):
+            return i + 1
+    return None
+
+
+def _mean(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return fmean(values) if values else None
+
+
+def _fmt(value, digits: int = 3) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def table_row(arm: dict) -> list[str]:
+    """One arm's row of the merged table (TABLE_HEADERS)."""
+    steps = arm["steps"]
+    rewards = [s["reward_mean"] for s in steps]
+    before, after = arm["eval_dense_before"], arm["eval_dense_after"]
+    held = f"{_fmt(before and before['accuracy'], 2)} -> {_fmt(after and after['accuracy'], 2)}"
+    converged = steps_to_band(arm)
+    final = steps[-1]["topk_blocks"] if steps else []
+    budgets = "/".join("dense" if k is None else str(k) for k in final)
+    return [arm["arm"], str(len(steps)), _fmt(rewards[-1] if rewards else None), _fmt(_mean(rewards)), held,
+            _fmt(_mean(s["rollout_s"] for s in steps), 1), _fmt(_mean(s["step_s"] for s in steps), 1),
+            "never" if converged is None else str(converged), budgets]
+
+
+TABLE_HEADERS = ["arm", "steps", "final reward", "mean reward", "held-out acc (dense) before -> after",
+                 "rollout s/step", "step s", "steps to p5 in [tau, tau+0.02]", "final top-k per bin"]

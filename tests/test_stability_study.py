@@ -1,0 +1,101 @@
+"""benchmarks/stability_study.py: the arms' overrides on the GPU study config, and one arm run for 2 steps with the
+tiny model through real Ray, gRPC and DeepSpeed (a `sparrow train` subprocess), then merged into a table and plots."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+from stability.arms import arm_overrides, covering_topk  # noqa: E402
+from stability.summary import in_band, steps_to_band  # noqa: E402
+from stability_study import main  # noqa: E402
+
+from sparrow.coordinator.config import load_config  # noqa: E402
+
+GPU_CONFIG = Path(__file__).resolve().parents[1] / "deploy/configs/smollm2-longctx-h200.yaml"
+
+TINY_JOB = """
+model: {model}
+data:
+  arithmetic: {{min_value: 0, max_value: 1, operations: ["+"]}}
+  eval: {{prompts: 2}}
+rollout:
+  pool: {{size: 1, cpus: 0.5}}
+  native: {{max_num_seqs: 16, max_model_len: 256, num_kv_blocks: 512}}
+  sampling: {{max_tokens: 12, n: 4, temperature: 1.0}}
+  speedup_probe_every: 2
+  schedule: {{name: tiny, edges: [80, 96], topk_blocks: [2, 2, 3]}}
+trainer:
+  pool: {{size: 1, cpus: 0.5}}
+  optimizer: {{lr: 1.0e-3}}
+  micro_batch_tokens: 512
+controller:
+  ladder: [1, 2, 3, 4, 6, 8]
+  min_samples: 20
+  window_steps: 1
+run:
+  prompts_per_step: 2
+  mode: async
+"""
+
+
+def _arm(arm: str) -> tuple:
+    config = load_config(GPU_CONFIG, arm_overrides(arm, load_config(GPU_CONFIG).initial_schedule(), 0.86,
+                                                   load_config(GPU_CONFIG).controller.ladder, 8192, 8))
+    return config.controller.enabled, config.initial_schedule(), config.schedule_template().edges
+
+
+def test_each_arm_keeps_the_bins_and_sets_controller_and_schedule():
+    edges = (3072, 4096, 5120, 6144)
+    assert _arm("a") == (False, None, edges)
+    enabled, schedule, bins = _arm("b")
+    assert (enabled, schedule.topk_blocks, bins) == (True, (61, 93, 125, 125, 157), edges)
+    assert _arm("c")[1].topk_blocks == (8,) * 5 and not _arm("c")[0]
+    assert _arm("d1")[1].topk_blocks == (29,) * 5 and _arm("d1")[0]
+    assert _arm("d2")[1].topk_blocks == (189, 253, 317, 381, 509) and _arm("d2")[0]
+
+
+def test_too_large_schedule_covers_each_bins_longest_context():
+    schedule = load_config(GPU_CONFIG).initial_schedule()
+    ladder = load_config(GPU_CONFIG).controller.ladder
+    for end, topk in zip([3072, 4096, 5120, 6144, 8192], covering_topk(schedule, 8192, ladder)):
+        assert (topk + schedule.sink + schedule.recent) * schedule.block_size >= end
+
+
+def test_unknown_arm_and_dense_config_are_refused_with_the_fix():
+    schedule = load_config(GPU_CONFIG).initial_schedule()
+    with pytest.raises(ValueError, match="unknown arm; pick one of a, b, c, d1, d2"):
+        arm_overrides("e", schedule, 0.86, [1, 2], 8192, 8)
+    with pytest.raises(ValueError, match="needs a sparse schedule"):
+        arm_overrides("b", None, 0.86, [1, 2], 8192, 8)
+
+
+def test_convergence_is_the_first_step_with_every_measured_bin_in_band():
+    assert in_band([0.87, None, 0.86], 0.86) and not in_band([0.87, 0.85], 0.86) and not in_band([None], 0.86)
+    arm = {"tau": 0.86, "steps": [{"p5_alpha": [0.80, 0.9]}, {"p5_alpha": [0.87, 0.95]}, {"p5_alpha": [0.861, 0.879]}]}
+    assert steps_to_band(arm) == 3
+    assert steps_to_band({"tau": 0.86, "steps": [{"p5_alpha": [0.5]}]}) is None
+
+
+@pytest.mark.slow
+def test_one_arm_runs_two_steps_and_merges(tiny_qwen3, tmp_path):
+    config = tmp_path / "job.yaml"
+    config.write_text(TINY_JOB.format(model=tiny_qwen3))
+    out = tmp_path / "study"
+    main(["--arm", "b", "--config", str(config), "--steps", "2", "--out-dir", str(out), "--max-wall-s", "240"])
+    arm = json.loads((out / "arm-b.json").read_text())
+    assert [s["step"] for s in arm["steps"]] == [0, 1] and not arm["wall_capped"] and arm["returncode"] == 0
+    assert arm["command"][1:4] == ["-m", "sparrow.cli.main", "train"] and "controller.enabled=true" in arm["command"]
+    assert arm["eval_dense_before"]["policy_version"] == 0 and arm["eval_dense_after"]["policy_version"] == 2
+    assert arm["steps"][0]["rollout_s"] > 0 and arm["steps"][0]["speedup_measured"] > 0
+    assert len(arm["steps"][0]["p5_alpha"]) == 3 and len(arm["steps"][0]["topk_blocks"]) == 3
+
+    merged = tmp_path / "merged"
+    main(["--merge", str(out / "arm-b.json"), "--out-dir", str(merged)])
+    results = json.loads((merged / "stability.json").read_text())
+    assert results["table"].splitlines()[2].startswith("| b | 2 |")
+    assert all((merged / name).stat().st_size > 0 for name in results["plots"])
