@@ -190,7 +190,8 @@ def substitute(expr: str) -> str:
     return expr.replace("$run", RUN).replace("$bin", ".*")
 
 
-def wait_for(prom: Prometheus, expr: str, check, timeout: float = 20.0) -> list[dict]:
+def wait_for(prom: Prometheus, expr: str, check, timeout: float = 90.0) -> list[dict]:
+    """Poll until `check` holds (a busy 2-core CI machine can take many scrape intervals), then the last result."""
     deadline = time.monotonic() + timeout
     while True:
         result = prom.query(expr)

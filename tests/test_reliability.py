@@ -117,6 +117,16 @@ def _holding(job: TrainingJob, slot_index: int):
     return check
 
 
+def _recovered(job: TrainingJob, kinds: set[str]) -> None:
+    """Between steps: supervise the fleet (as the driver does while it waits) until a recovery of one of `kinds`
+    has completed, so the next step's record lists it. Ray may take seconds to declare a removed node's actors
+    dead, and a vLLM replacement takes a minute to load on a busy CPU: a fixed number of steps can end first."""
+    def check():
+        job.fleet.check()
+        return any(e.kind in kinds for e in job.fleet.resolved)
+    _when(check, timeout_s=300)
+
+
 def _records(run_dir: RunDir) -> list[StepRecord]:
     return [StepRecord.from_dict(r) for r in RunDir.read_jsonl(run_dir.metrics_file)]
 
@@ -177,20 +187,17 @@ def test_a_job_survives_a_rollout_node_removal_and_a_trainer_rank_kill(cluster, 
         remover.start()
         job.run(steps=1)
         remover.join()
+        _recovered(job, {"rollout_worker_lost", "rollout_lease_expired"})
 
-        def kill_rank():
-            time.sleep(1.0)  # step 3's rollouts are running; rank 1 dies before the step trains
-            pid = ray.get(job.trainers.actors[1].node.remote())["pid"]
-            os.kill(pid, signal.SIGKILL)
-
-        killer = threading.Thread(target=kill_rank, daemon=True)
-        killer.start()
+        # Rank 1 dies between steps 2 and 3 (a timed kill inside step 3 can come after a 0.2 s step has ended):
+        # step 3's rollouts run, its training finds the rank gone, the trainer pool is rebuilt from the checkpoint.
+        pid = ray.get(job.trainers.actors[1].node.remote())["pid"]
+        os.kill(pid, signal.SIGKILL)
         job.run(steps=2)
-        killer.join()
         _assert_exactly_once(job, 4)
     _print_figures(run_dir)
     kinds = Counter(e.kind for r in _records(run_dir) for e in r.faults)
-    assert kinds["rollout_worker_lost"] >= 1 and kinds["trainer_lost"] == 1, kinds
+    assert kinds["rollout_worker_lost"] + kinds["rollout_lease_expired"] >= 1 and kinds["trainer_lost"] == 1, kinds
     assert [r.step for r in _records(run_dir)] == [0, 1, 2, 3]
 
 
@@ -244,8 +251,10 @@ def test_a_killed_vllm_worker_is_replaced(cluster, tiny_qwen3, tmp_path, monkeyp
 
         killer = threading.Thread(target=fault, daemon=True)
         killer.start()
-        job.run()
+        job.run(steps=1)
         killer.join()
+        _recovered(job, {"rollout_worker_lost"})
+        job.run(steps=1)
         _assert_exactly_once(job, 2)
     _print_figures(run_dir)
     lost = [e for r in _records(run_dir) for e in r.faults if e.kind == "rollout_worker_lost"]
