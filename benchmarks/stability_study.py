@@ -96,22 +96,27 @@ def run_arm(args) -> Path:
     print("command: " + shlex.join(command), flush=True)
     start = time.monotonic()
     proc = subprocess.Popen(command)  # its one line per step is the progress
-    capped = False
+
+    def write(capped: bool) -> Path:
+        records = _records(run_dir / "metrics.jsonl")
+        if args.runs_dir != out_dir and run_dir.is_dir():
+            _keep_small_files(run_dir, out_dir / f"arm-{args.arm}")
+        summary = arm_summary(args.arm, ARMS[args.arm], command, records, capped, proc.returncode, **facts)
+        summary["wall_s"] = round(time.monotonic() - start, 1)
+        path = out_dir / f"arm-{args.arm}.json"
+        path.write_text(json.dumps(summary, indent=1))
+        print(f"arm {args.arm}: {len(records)} steps in {summary['wall_s']:.0f} s (exit {proc.returncode}); {path}",
+              flush=True)
+        return path
+
     try:
         proc.wait(args.max_wall_s)
+        return write(capped=False)
     except subprocess.TimeoutExpired:
-        capped = True
         print(f"arm {args.arm}: wall cap {args.max_wall_s:.0f} s reached; interrupting the job", flush=True)
+        write(capped=True)  # the steps done so far are kept even if the machine's own limit ends us while it shuts down
         _interrupt(proc, args.grace_s)
-    records = _records(run_dir / "metrics.jsonl")
-    if args.runs_dir != out_dir and run_dir.is_dir():
-        _keep_small_files(run_dir, out_dir / f"arm-{args.arm}")
-    summary = arm_summary(args.arm, ARMS[args.arm], command, records, capped, proc.returncode, **facts)
-    summary["wall_s"] = round(time.monotonic() - start, 1)
-    path = out_dir / f"arm-{args.arm}.json"
-    path.write_text(json.dumps(summary, indent=1))
-    print(f"arm {args.arm}: {len(records)} steps in {summary['wall_s']:.0f} s (exit {proc.returncode}); {path}", flush=True)
-    return path
+        return write(capped=True)
 
 
 def _records(path: Path) -> list[dict]:

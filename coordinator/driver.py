@@ -56,6 +56,7 @@ from .step_record import (
     StepRecord,
     StepTiming,
     alpha_tail,
+    loose_tail_advice,
     rollout_stats,
     schedule_snapshot,
 )
@@ -369,9 +370,9 @@ class TrainingJob:
             self.log(
                 f"step {record.step + 1}: the α tail is only bracketed in bins {loose} (p{record.alpha.percentile:g} upper "
                 f"− lower bound up to {gaps[worst]:.2f}, bin {worst}): the top-{self.config.rollout.sampling.logprobs} "
-                "lists miss much of the distribution (flat distributions, e.g. random weights), so the controller "
-                f"acts on a pessimistic tail (statistic {self.controller_config.statistic!r}). Raise "
-                "rollout.sampling.logprobs and trainer.recompute_topk, or set controller.statistic: midpoint"
+                "lists miss much of the distribution (flat distributions, or a sampling temperature near 1), so the "
+                f"controller's statistic ({self.controller_config.statistic!r}) is not α itself: "
+                + loose_tail_advice(self.controller_config.statistic)
             )
         self._warned_loose = bool(loose)
 

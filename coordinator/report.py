@@ -13,7 +13,7 @@ from sparrow.tables import format_table
 
 from .progress import fmt
 from .run_dir import RunDir
-from .step_record import LOOSE_BOUND_GAP, StepRecord
+from .step_record import LOOSE_BOUND_GAP, StepRecord, loose_tail_advice
 
 PLOTS = {
     "reward.png": "Reward per step",
@@ -166,8 +166,7 @@ def loose_tail_note(rows: list[StepRecord]) -> list[str]:
     return [
         f"**The α tail was only bracketed in {len(loose)} of {len(rows)} steps**: the upper and lower top-k bounds of "
         f"its p{rows[0].alpha.percentile:g} differed by up to {worst:.2f} (more than {LOOSE_BOUND_GAP:g}), so the top-k "
-        "lists miss much of the distribution and the lower bound the controller acts on is pessimistic. Raise "
-        "`rollout.sampling.logprobs` and `trainer.recompute_topk`, or set `controller.statistic: midpoint`.",
+        "lists miss much of the distribution and the lower bound is pessimistic: " + loose_tail_advice(None) + ".",
         "",
     ]
 

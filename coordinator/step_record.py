@@ -87,6 +87,19 @@ LOOSE_BOUND_GAP = 0.05
 """A tail whose top-k upper and lower bounds differ by more than this is not measured, only bracketed."""
 
 
+def loose_tail_advice(statistic: str | None) -> str:
+    """What to change when the tail is only bracketed, for the controller's `statistic` (None: not known).
+
+    Measured on SmolLM2-135M (docs/stability.md, "Which α"): with top-20 lists the lower bound's p5 sits far
+    below exact α (0.29 under dense rollout at temperature 1.0, 0.76-0.87 at 0.7), the upper bound's 0.02-0.11
+    above it; wider lists are the fix that measures the tail itself."""
+    fix = "raise rollout.sampling.logprobs and trainer.recompute_topk together (up to 64)"
+    if statistic == "upper":
+        return fix + "; the upper bound is optimistic, so the tail may be below what the controller sees"
+    other = "midpoint" if statistic in (None, "lower") else "upper"
+    return fix + f", or set controller.statistic: {other} (closer to exact α, but optimistic where the lists miss mass)"
+
+
 @dataclass
 class AlphaTail:
     percentile: float

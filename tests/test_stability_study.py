@@ -99,3 +99,17 @@ def test_one_arm_runs_two_steps_and_merges(tiny_qwen3, tmp_path):
     results = json.loads((merged / "stability.json").read_text())
     assert results["table"].splitlines()[2].startswith("| b | 2 |")
     assert all((merged / name).stat().st_size > 0 for name in results["plots"])
+
+
+@pytest.mark.slow
+def test_an_arm_at_its_wall_cap_keeps_the_steps_it_finished(tiny_qwen3, tmp_path):
+    """The arm JSON is written before the job is interrupted (a GPU call's own time limit can end the study while
+    the job shuts down) and again after; both say the arm was capped."""
+    config = tmp_path / "job.yaml"
+    config.write_text(TINY_JOB.format(model=tiny_qwen3))
+    out = tmp_path / "study"
+    main(["--arm", "c", "--config", str(config), "--steps", "500", "--out-dir", str(out), "--max-wall-s", "30",
+          "--grace-s", "30"])
+    arm = json.loads((out / "arm-c.json").read_text())
+    assert arm["wall_capped"] and 1 <= len(arm["steps"]) < 500, len(arm["steps"])
+    assert arm["eval_dense_before"]["policy_version"] == 0 and arm["eval_dense_after"] is None

@@ -6,7 +6,7 @@ from records import make_record
 
 from sparrow.coordinator.report import write_report
 from sparrow.coordinator.run_dir import RunDir
-from sparrow.coordinator.step_record import LOOSE_BOUND_GAP, StepRecord
+from sparrow.coordinator.step_record import LOOSE_BOUND_GAP, StepRecord, loose_tail_advice
 
 
 def test_a_record_survives_its_json_line():
@@ -33,3 +33,11 @@ def test_the_report_warns_when_the_tail_was_only_bracketed(tmp_path):
     text = write_report(run_dir).read_text()
     assert "The α tail was only bracketed in 1 of 3 steps" in text and "up to 0.20" in text
     assert "controller.statistic: midpoint" in text
+
+
+def test_the_loose_tail_advice_never_suggests_the_statistic_in_use():
+    assert "controller.statistic: midpoint" in loose_tail_advice("lower")
+    assert "controller.statistic: upper" in loose_tail_advice("midpoint")
+    assert "controller.statistic" not in loose_tail_advice("upper") and "optimistic" in loose_tail_advice("upper")
+    assert all("rollout.sampling.logprobs and trainer.recompute_topk" in loose_tail_advice(s)
+               for s in ("lower", "midpoint", "upper", None))
