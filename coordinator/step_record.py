@@ -96,8 +96,10 @@ def loose_tail_advice(statistic: str | None) -> str:
     fix = "raise rollout.sampling.logprobs and trainer.recompute_topk together (up to 64)"
     if statistic == "upper":
         return fix + "; the upper bound is optimistic, so the tail may be below what the controller sees"
-    other = "midpoint" if statistic in (None, "lower") else "upper"
-    return fix + f", or set controller.statistic: {other} (closer to exact α, but optimistic where the lists miss mass)"
+    if statistic in (None, "lower"):
+        return fix + ", or set controller.statistic: midpoint (closer to α, still below it where the lists miss much)"
+    return fix + (", or set controller.statistic: upper (close to α but above it: raise controller.target by the margin "
+                  "sparrow calibrate measures for the model)")
 
 
 @dataclass
