@@ -359,7 +359,19 @@ class TrainingJob:
         if decision is not None:
             self.run_dir.append(self.run_dir.decisions_file, decision)
         self._warn_loose_tail(record)
+        self._note_numerical_guards(record)
         return record
+
+    def _note_numerical_guards(self, record: StepRecord) -> None:
+        """Say so when the trainer skipped an update (non-finite gradients) or left out non-finite α tokens."""
+        skipped = int(record.train.get("train/skipped_updates", 0))
+        nonfinite = int(record.train.get("train/alpha_nonfinite_tokens", 0))
+        if skipped:
+            self.log(f"step {record.step + 1}: {skipped} optimizer update(s) skipped: non-finite loss or gradients "
+                     "(the weights are unchanged by them; counted in sparrow_train_skipped_updates)")
+        if nonfinite:
+            self.log(f"step {record.step + 1}: {nonfinite} tokens with a non-finite α (non-finite logits) left out of "
+                     "the α histograms")
 
     def _warn_loose_tail(self, record: StepRecord) -> None:
         """Say so when the top-k lists cannot see the tail (the lower bound is then far below α itself)."""

@@ -28,6 +28,9 @@ class AlphaReport:
     num_length_bins: int
     lower: dict[int, AlphaHistogram] = field(default_factory=dict)
     upper: dict[int, AlphaHistogram] = field(default_factory=dict)
+    nonfinite: int = 0
+    """Loss tokens left out because their α was NaN/Inf (non-finite logits: the step's update is then skipped and
+    its weights are not published), so one bad step cannot poison the histograms or stop the job."""
 
     def _pair(self, version: int) -> tuple[AlphaHistogram, AlphaHistogram]:
         if version not in self.lower:
@@ -41,7 +44,7 @@ class AlphaReport:
         up.add(upper, bins)
 
     def merge(self, other: "AlphaReport") -> "AlphaReport":
-        out = AlphaReport(self.num_length_bins)
+        out = AlphaReport(self.num_length_bins, nonfinite=self.nonfinite + other.nonfinite)
         for report in (self, other):
             for v in report.lower:
                 lo, up = out._pair(v)
@@ -72,7 +75,9 @@ def add_trajectory_alpha(
     lower, upper = acceptance_bounds_topk(
         dense_top_ids.cpu(), dense_top_logprobs.cpu().float(), trajectory.top_ids, trajectory.top_logprobs.float()
     )
-    keep = trajectory.response_mask()
+    mask = trajectory.response_mask()
+    keep = mask & torch.isfinite(lower) & torch.isfinite(upper)
+    report.nonfinite += int(mask.sum() - keep.sum())
     bins = schedule.bins_for_lengths(token_context_lengths(trajectory.prompt_len, trajectory.response_len))
     report.add(trajectory.schedule_version, lower[keep], upper[keep], bins[keep])
     return lower, upper
