@@ -190,6 +190,25 @@ def test_async_job_bounds_staleness_and_resumes(ray_cluster, tiny_qwen3, tmp_pat
     assert "report:" in out.out
 
 
+def test_resume_with_another_trainer_pool_size(ray_cluster, tiny_qwen3, tmp_path, capsys):
+    """Saved by 2 trainer ranks, resumed on 1: the checkpoint goes through DeepSpeed's universal format,
+    whose copy lives inside the checkpoint and is pruned with it."""
+    path = _config_file(tmp_path, tiny_qwen3, ranks=2, steps=2, mode="sync")
+    config = load_config(path, ["run.checkpoint_every=1", "run.name=resize"])
+    run_dir = RunDir.create(config.run.out_dir, "resize")
+    run_dir.config_file.write_text(config.dump())
+    with TrainingJob(config, run_dir, progress=False, log=lambda *_: None) as job:
+        job.run(steps=1)
+    assert (run_dir.checkpoints / "step1").is_dir() and not (run_dir.checkpoints / "step1" / "universal").exists()
+
+    assert main(["train", "--resume", str(run_dir.path), "--set", "trainer.pool.size=1", "--no-progress"]) == 0
+    assert "resumed from" in capsys.readouterr().out
+    rows = RunDir.read_jsonl(run_dir.metrics_file)
+    assert [r["step"] for r in rows] == [0, 1] and [r["policy_version"] for r in rows] == [0, 1]
+    assert json.loads((run_dir.checkpoints / "step2.json").read_text())["step"] == 2
+    assert not (run_dir.checkpoints / "step1").exists(), "the universal copy went with its checkpoint"
+
+
 def test_held_out_evaluation_before_during_and_after_training(ray_cluster, tiny_qwen3, tmp_path):
     path = _config_file(tmp_path, tiny_qwen3, ranks=1, steps=2, mode="async")
     config = load_config(path, ["data.arithmetic={min_value: 0, max_value: 50, operations: ['+']}",

@@ -124,8 +124,8 @@ def test_the_cli_imports_no_torch_and_refuses_bad_requests_naming_the_field(tmp_
             assert (code, out) == (2, "")
             assert err.startswith(f"sparrow pool: error: the job refused the request: {reason} (workers in the pool)")
         code, _, err = sparrow(capsys, "pool", "resize", run_dir, "--trainer", 4)
-        assert code == 2 and ("the job refused the request: pool: 'trainer' cannot be resized: the trainer pool is "
-                              "fixed for a run") in err
+        assert code == 2 and ("the job refused the request: pool: 'trainer' cannot be resized while the job runs"
+                              in err) and "--set trainer.pool.size=N" in err
         assert recorder.resizes == [("rollout", 5)]  # nothing invalid reached the handler
 
 

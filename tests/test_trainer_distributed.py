@@ -1,6 +1,7 @@
 """Two DeepSpeed ranks as real Ray actors (gloo, fp32) against a single-process plain-torch reference:
-loss, gradients, the optimizer step and α under ZeRO-2 and ZeRO-3; checkpoints and HF export;
-weight publishing into the native rollout engine, including refused updates."""
+loss, gradients, the optimizer step and α under ZeRO-2 and ZeRO-3; checkpoints (also resumed on
+another number of ranks) and HF export; weight publishing into the native rollout engine, including
+refused updates."""
 
 import os
 
@@ -217,6 +218,70 @@ def test_checkpoint_resume_and_hf_export(ray_session, tiny_qwen3, tmp_path):
     state = model.state_dict()
     assert all(torch.equal(state[k], w_again[k]) for k in w_again)
     assert "tokenizer.json" in exported["files"]
+
+
+RESIZE_CASES = {  # DistillSparse needs ZeRO ≤ 2; with it the adapter and its own optimizer must come back too
+    "zero2-distill": (2, {"distill_sparse": {"enabled": True, "kl_coef": 1.0, "rank": 4, "alpha": 8}, "micro_batch_tokens": 256}),
+    "zero3": (3, {}),
+}
+
+
+@pytest.mark.parametrize("case", list(RESIZE_CASES))
+def test_resume_on_another_number_of_ranks(ray_session, tiny_qwen3, tmp_path, case):
+    """2 ranks → 1 → 2, each hop through DeepSpeed's universal checkpoint: the weights arrive exact, and
+    the next step (Adam moments, LR schedule, step count) matches the one the saving pool took."""
+    import shutil
+
+    from sparrow.schedule import SparsitySchedule
+
+    stage, kw = RESIZE_CASES[case]
+    distill = "distill_sparse" in kw
+    batch = _long_batch if distill else _batch
+    kw = {**kw, "optimizer": {"lr": LR, "weight_decay": 0.01, "grad_clip": 1.0, "warmup_steps": 8}}  # LR moves each step
+    two, one = _group(tiny_qwen3, stage, **kw), _group(tiny_qwen3, stage, num_ranks=1, **kw)
+    try:
+        if distill:  # sparse for most tokens, so the adapter trains
+            for group in (two, one):
+                group.set_schedule(SparsitySchedule(name="top1", topk_blocks=(1,) * 20).to_dict())
+        two.train_step(batch(0))
+        tag = two.save_checkpoint(str(tmp_path / "two"))
+        saved = _weights(two, 1)
+        on_two = two.train_step(batch(1)).metrics
+        w_two = _weights(two, 2)
+
+        assert one.load_checkpoint(str(tmp_path / "two")) == {"tag": tag, "step_count": 1}
+        loaded = _weights(one, 1)
+        on_one = one.train_step(batch(1)).metrics
+        w_one = _weights(one, 2)
+        tag2 = one.save_checkpoint(str(tmp_path / "one"))
+        next_on_one = one.train_step(batch(2)).metrics
+        w_next_one = _weights(one, 3)
+
+        assert two.load_checkpoint(str(tmp_path / "one")) == {"tag": tag2, "step_count": 2}
+        reloaded = _weights(two, 3)
+        next_on_two = two.train_step(batch(2)).metrics
+        w_next_two = _weights(two, 4)
+
+        bad = tmp_path / "bad"
+        shutil.copytree(tmp_path / "two" / tag, bad / tag, ignore=shutil.ignore_patterns("universal*"))
+        next(iter((bad / tag).glob("*rank_1_*optim_states.pt"))).unlink()
+        with pytest.raises(ray.exceptions.RayTaskError) as exc:
+            one.load_checkpoint(str(bad), tag)
+    finally:
+        two.shutdown()
+        one.shutdown()
+    assert (tmp_path / "two" / tag / "universal" / "zero").is_dir() and not (tmp_path / "two" / "latest_universal").exists()
+    assert all(torch.equal(saved[k], loaded[k]) for k in saved)  # with DistillSparse: W + (α/r)·B·A
+    assert all(torch.equal(w_one[k], reloaded[k]) for k in w_one)
+    keys = ["train/lr", "train/pg_loss"] + (["distill/lr", "distill/kl"] if distill else [])
+    for (a, w_a), (b, w_b) in (((on_two, w_two), (on_one, w_one)), ((next_on_one, w_next_one), (next_on_two, w_next_two))):
+        assert [a[k] for k in keys] == pytest.approx([b[k] for k in keys], rel=1e-5, abs=1e-8)
+        for k in w_a:
+            assert torch.allclose(w_a[k], w_b[k], rtol=0, atol=1e-6), (k, (w_a[k] - w_b[k]).abs().max())
+    assert on_two["train/lr"] < next_on_two["train/lr"] and (not distill or next_on_two["distill/kl"] > 0)
+    message = str(exc.value.cause)
+    assert f"checkpoint {bad / tag} was saved by 2 trainer ranks" in message and "on 1" in message
+    assert "1 optimizer partition files" in message and "trainer.pool.size=2" in message
 
 
 @ray.remote(num_cpus=0)

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from .checkpoint import model_states
 from .config import DistillSparseConfig
 from .lora import adapter_state, attach_lora, clean_name
 
@@ -123,19 +124,18 @@ def read_checkpoint(checkpoint_dir: str | Path, tag: str) -> CheckpointPolicy:
     what the ranks hold after the optimizer step. The DistillSparse adapter is replicated (ZeRO ≤ 2)
     and trained outside DeepSpeed's optimizer, so it is read from the module state instead.
     """
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint, get_model_state_files
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    model_states = torch.load(get_model_state_files(str(Path(checkpoint_dir) / tag))[0], map_location="cpu",
-                              mmap=True, weights_only=False)
-    ds_config = model_states["ds_config"]
+    saved = model_states(Path(checkpoint_dir) / tag)
+    ds_config = saved["ds_config"]
     dtype = torch.bfloat16 if ds_config.get("bf16", {}).get("enabled") else torch.float32
     fp32 = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir), tag, exclude_frozen_parameters=True)
     return CheckpointPolicy(
         state={clean_name(k): v.to(dtype) for k, v in fp32.items()},
         dtype=dtype,
         zero_stage=int(ds_config["zero_optimization"]["stage"]),
-        ranks=int(model_states["dp_world_size"]),
-        adapter={k: v.clone() for k, v in adapter_state(model_states["module"].items()).items()},
+        ranks=int(saved["dp_world_size"]),
+        adapter={k: v.clone() for k, v in adapter_state(saved["module"].items()).items()},
     )
 
 

@@ -19,6 +19,7 @@ from sparrow.weight_sync import CollectiveGroup, CollectiveSender, Manifest, Obj
 from . import sparse_attention
 from .alpha import AlphaReport, add_trajectory_alpha
 from .batch import Trajectory, TrajectoryBatch
+from .checkpoint import convert_to_universal, load_universal, model_states
 from .collectives import all_gather_objects, all_reduce_dict, all_reduce_grads, all_reduce_scalar
 from .config import TrainerConfig
 from .engine import (
@@ -270,6 +271,7 @@ class TrainerRank:
         if self.config.distill_sparse.enabled:
             metrics.update(self.distill_step(batch, old))
         alpha = self._global_alpha(report) if cfg.on_policy else report
+        metrics["train/alpha_nonfinite_tokens"] = float(alpha.nonfinite)
         return StepResult(metrics=metrics, alpha=alpha, gradients=gradients)
 
     def _update(self, members: list[Trajectory], old: list, sums: dict, maxes: dict, report: AlphaReport | None) -> list:
@@ -530,21 +532,49 @@ class TrainerRank:
         return tag
 
     def load_checkpoint(self, directory: str, tag: str | None = None) -> dict:
-        """Resume from `save_checkpoint` (tag None = the latest one DeepSpeed recorded)."""
+        """Resume from `save_checkpoint` (tag None = the latest one DeepSpeed recorded), saved by this many
+        ranks or another (then through DeepSpeed's universal checkpoint, `checkpoint.py`); collective."""
         self._require_setup()
         latest = Path(directory) / "latest"
         if tag is None and not latest.is_file():
             raise FileNotFoundError(f"no DeepSpeed checkpoint under {directory!r} (no 'latest' file); give a tag")
         tag = tag or latest.read_text().strip()
-        path, client = self.engine.load_checkpoint(directory, tag=tag)
-        if path is None:
+        path = Path(directory) / tag
+        if not path.is_dir():
             raise FileNotFoundError(f"no DeepSpeed checkpoint {tag!r} under {directory!r}")
+        saved = model_states(path)
+        saved_ranks = int(saved["dp_world_size"])
+        resized = saved_ranks != self.world_size
+        if resized:
+            self._convert_once(path, saved_ranks)
+            _, client = load_universal(self.engine, path)
+        else:
+            _, client = self.engine.load_checkpoint(directory, tag=tag)
         self.step_count = int(client.get("step_count", 0))
         if self.config.distill_sparse.enabled:
-            state = torch.load(Path(directory) / tag / LORA_OPTIMIZER_FILE)
+            if resized:  # the universal load restores what DeepSpeed optimises; the adapter is outside it
+                params = dict(self.engine.module.named_parameters())
+                for name, t in saved["module"].items():
+                    if is_lora_param(name):
+                        params[name].data.copy_(t)
+            state = torch.load(path / LORA_OPTIMIZER_FILE)
             self.lora_optimizer.load_state_dict(state["optimizer"])
             self.lora_scheduler.load_state_dict(state["scheduler"])
         return {"tag": tag, "step_count": self.step_count}
+
+    def _convert_once(self, path: Path, saved_ranks: int) -> None:
+        """Rank 0 converts; every rank waits for it and raises its error (a collective, so none hangs)."""
+        error = None
+        if self.rank == 0:
+            try:
+                convert_to_universal(path, saved_ranks, self.world_size)
+            except Exception as e:  # noqa: BLE001 - re-raised below, after the other ranks heard of it
+                error = e
+        message = all_gather_objects(None if error is None else str(error))[0]
+        if error is not None:
+            raise error
+        if message is not None:
+            raise RuntimeError(message)
 
     def export_hf(self, directory: str, replace: bool = False, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> dict:
         """The dense policy as an HF directory (`hf_export.write_hf_dir`: sharded safetensors, config,

@@ -153,8 +153,9 @@ def validate_resize_pool(msg: pb.ResizePoolRequest) -> None:
     _check_text(msg.pool, "pool", MAX_ID_CHARS)
     if msg.pool == "trainer":
         raise InvalidMessage(
-            "pool", "'trainer' cannot be resized: the trainer pool is fixed for a run (its DeepSpeed ranks shard the "
-            "model and optimizer state; set trainer.pool.size when starting a job); resize 'rollout'",
+            "pool", "'trainer' cannot be resized while the job runs (its DeepSpeed ranks shard the model and optimizer "
+            "state): resume the run on another size with sparrow train --resume RUN_DIR --set trainer.pool.size=N; "
+            "resize 'rollout'",
         )
     _check(msg.pool in RESIZABLE_POOLS, "pool", f"={msg.pool!r} is not a resizable pool; give {' or '.join(map(repr, RESIZABLE_POOLS))}")
     _check(1 <= msg.size <= MAX_POOL_SIZE, "size", f"={msg.size} must be in [1, {MAX_POOL_SIZE}] (workers in the pool)")
