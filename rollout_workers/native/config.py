@@ -4,6 +4,9 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
+from sparrow.schedule import SparsitySchedule
+
+from ..api import SamplingParams
 from ..engine_settings import EngineSettings
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
@@ -28,7 +31,7 @@ class NativeEngineConfig(EngineSettings):
     cuda_graphs: bool | None = Field(
         None,
         description="replay the decode step from CUDA graphs (one per batch-size and block-table-width bucket); "
-        "None = on for CUDA with the triton backend, False = eager launches",
+        "None = on for CUDA with the triton backend (off under tensor parallelism: untested there), False = eager launches",
     )
     num_kv_blocks: int | None = Field(None, ge=1, description="KV pool size in blocks; None = from kv_memory_fraction")
     kv_memory_fraction: float = Field(0.3, gt=0, le=0.95, description="share of free memory for the KV pool")
@@ -36,6 +39,22 @@ class NativeEngineConfig(EngineSettings):
     prefill_chunk_size: int = Field(2048, ge=16, description="most prompt tokens computed in one prefill step")
     default_logprobs: int = Field(20, ge=0, description="top-k logprobs per token when a caller does not say")
     seed: int = Field(0, description="draws the seeds of requests that give none")
+    tensor_parallel_size: int = Field(
+        1, ge=1,
+        description="ranks the decoder is split over (attention heads and MLP, Megatron-style), each a process with "
+        "its own engine and device in a torch.distributed group of this size; must divide the model's attention "
+        "heads, KV heads and intermediate size; jobs (Ray rollout workers) take only 1 so far "
+        "(docs/native_engine.md, Tensor parallelism)",
+    )
+
+    def check_job(self, sampling: SamplingParams, schedule: SparsitySchedule, section: str, name: str) -> None:
+        """The shared rules, and: no tensor parallelism in a job, whose rollout workers run one engine process each."""
+        super().check_job(sampling, schedule, section, name)
+        if self.tensor_parallel_size > 1:
+            raise ValueError(
+                f"{section}.{name}.tensor_parallel_size={self.tensor_parallel_size}: the rollout workers do not run "
+                "tensor-parallel engines yet (one process a rank is not wired into them); use 1"
+            )
 
     @field_validator("device")
     @classmethod

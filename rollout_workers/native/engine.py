@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Sequence as Seq
 from pathlib import Path
 
 import torch
+from torch import distributed as dist
 from tqdm import tqdm
 
 from sparrow.rollout_workers.api import (
@@ -42,11 +43,16 @@ class NativeEngine(RolloutEngine):
     One `generate` or `stream` at a time; weights change between them. While one runs, other threads may
     put requests into its `RequestFeed`, `abort` requests, `set_schedule` (in force from the next step)
     and read `counters()`.
+
+    With `tensor_parallel_size` > 1, each rank's process builds its own engine over `process_group` (default:
+    the default group) and the ranks run in lockstep: each must get the same calls (requests, schedules,
+    weights) in the same order, and each returns the same samples (tensor_parallel.py says why).
     """
 
-    def __init__(self, config: NativeEngineConfig, model: DecoderModel | None = None):
+    def __init__(self, config: NativeEngineConfig, model: DecoderModel | None = None,
+                 process_group: dist.ProcessGroup | None = None):
         self.config = config
-        self.runner = ModelRunner(config, model)
+        self.runner = ModelRunner(config, model, process_group)
         super().__init__(self.runner.layout)
         spec = self.runner.spec
         self.scheduler = Scheduler(
@@ -73,8 +79,9 @@ class NativeEngine(RolloutEngine):
             self.set_schedule(load_schedule(config.schedule))
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path, **overrides) -> "NativeEngine":
-        return cls(NativeEngineConfig(model=str(model_dir), **overrides))
+    def from_pretrained(cls, model_dir: str | Path, process_group: dist.ProcessGroup | None = None,
+                        **overrides) -> "NativeEngine":
+        return cls(NativeEngineConfig(model=str(model_dir), **overrides), process_group=process_group)
 
     def capture_decode_graphs(self, batch_sizes, max_len: int | None = None) -> int:
         """Capture the decode graphs for these batch sizes at every block-table width up to `max_len` tokens

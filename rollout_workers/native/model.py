@@ -10,6 +10,9 @@ On CUDA the model is *fused* (`DecoderModel(fuse=...)`): q/k/v and gate/up each 
 and the SiLU gate are single Triton kernels, and each residual add runs inside the RMSNorm after it
 (`sparrow.kernels.triton.fused`). A decode layer then launches ~12 kernels instead of ~28, which is what
 a small-batch decode step costs.
+
+With a `TensorParallel` (tensor_parallel.py) the model is one rank's shard: `spec` counts this rank's heads,
+KV heads and MLP slice, and o_proj / down_proj outputs are summed over the ranks by an all-reduce.
 """
 
 from typing import Protocol
@@ -20,6 +23,7 @@ from torch.nn import functional as F
 
 from .model_spec import ModelSpec
 from .rope import RotaryEmbedding, apply_rotary
+from .tensor_parallel import TensorParallel
 
 
 class Attention(Protocol):
@@ -65,8 +69,9 @@ class RMSNorm(nn.Module):
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, tensor_parallel: TensorParallel | None = None):
         super().__init__()
+        self.tensor_parallel = tensor_parallel
         h, d = spec.hidden_size, spec.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, d
         self.q_proj = nn.Linear(h, spec.num_heads * d, bias=spec.qkv_bias)
@@ -97,13 +102,14 @@ class SelfAttention(nn.Module):
             v = qkv[:, k_end:].view(n, self.num_kv_heads, d)
             norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else (None, None, 0.0)
             q, k = fused_ops().qk_norm_rope(q, k, norms[0], norms[1], *rotary, norms[2])
-        out = attention(layer, q, k, v)
-        return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+        out = self.o_proj(attention(layer, q, k, v).reshape(n, self.num_heads * self.head_dim))
+        return out if self.tensor_parallel is None else self.tensor_parallel.all_reduce(out)
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, tensor_parallel: TensorParallel | None = None):
         super().__init__()
+        self.tensor_parallel = tensor_parallel
         h, i, b = spec.hidden_size, spec.intermediate_size, spec.mlp_bias
         self.gate_proj = nn.Linear(h, i, bias=b)
         self.up_proj = nn.Linear(h, i, bias=b)
@@ -113,17 +119,19 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is None:
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        return self.down_proj(fused_ops().silu_mul(F.linear(x, *self.gate_up)))
+            out = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        else:
+            out = self.down_proj(fused_ops().silu_mul(F.linear(x, *self.gate_up)))
+        return out if self.tensor_parallel is None else self.tensor_parallel.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, tensor_parallel: TensorParallel | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.self_attn = SelfAttention(spec)
+        self.self_attn = SelfAttention(spec, tensor_parallel)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.mlp = MLP(spec)
+        self.mlp = MLP(spec, tensor_parallel)
 
     def forward(self, x, rotary, attention, layer):
         x = x + self.self_attn(self.input_layernorm(x), rotary, attention, layer)
@@ -131,23 +139,25 @@ class DecoderLayer(nn.Module):
 
 
 class Body(nn.Module):
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, tensor_parallel: TensorParallel | None = None):
         super().__init__()
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(spec, tensor_parallel) for _ in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
 
 class DecoderModel(nn.Module):
     """`forward(input_ids [N], positions [N], attention)` → final hidden states `[N, hidden]`;
-    `logits(hidden)` → float32 logits. A tied model has no `lm_head` parameter of its own."""
+    `logits(hidden)` → float32 logits. A tied model has no `lm_head` parameter of its own.
+    With `tensor_parallel`, it is this rank's shard and `spec` is the shard's (`TensorParallel.shard_spec`)."""
 
     def __init__(self, spec: ModelSpec, max_positions: int, device: torch.device | str = "cpu", dtype=torch.float32,
-                 fuse: bool | None = None):
+                 fuse: bool | None = None, tensor_parallel: TensorParallel | None = None):
         super().__init__()
-        self.spec = spec
+        self.tensor_parallel = tensor_parallel
+        self.spec = spec if tensor_parallel is None else tensor_parallel.shard_spec(spec)
         with torch.device("meta"):
-            self.model = Body(spec)
+            self.model = Body(self.spec, tensor_parallel)
             self.lm_head = None if spec.tie_word_embeddings else nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self.to_empty(device=device)
         self.to(dtype)

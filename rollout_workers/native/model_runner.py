@@ -6,10 +6,11 @@ into the tensors of a prefill or decode forward, runs it and draws the next toke
 about which sequences run: that is the scheduler's job; the engine loop hands it their sequences.
 """
 
+import logging
 import os
-from pathlib import Path
 
 import torch
+from torch import distributed as dist
 
 from sparrow.kernels import make_backend
 from sparrow.schedule import DENSE_BUDGET, SparsitySchedule
@@ -23,7 +24,9 @@ from .model_loader import load_model, resolve_device, resolve_dtype
 from .sampler import SamplingBatch, sample
 from .scheduler import PrefillChunk
 from .sequence import Draws, Sequence
-from .weights import copy_weights, read_checkpoint, validated_weights
+from .weights import load_weights
+
+log = logging.getLogger(__name__)
 
 
 def free_memory_bytes(device: torch.device) -> int:
@@ -39,13 +42,20 @@ def free_memory_bytes(device: torch.device) -> int:
 
 
 class ModelRunner:
-    def __init__(self, config: NativeEngineConfig, model: DecoderModel | None = None):
+    def __init__(self, config: NativeEngineConfig, model: DecoderModel | None = None,
+                 process_group: dist.ProcessGroup | None = None):
         self.config = config
         self.device = resolve_device(config.device)
         if model is None:
             if config.model is None:
                 raise ValueError("NativeEngineConfig.model is not set: give an HF model directory (config.json + safetensors)")
-            model = load_model(config.model, self.device, resolve_dtype(config.dtype, self.device), config.max_model_len)
+            model = load_model(config.model, self.device, resolve_dtype(config.dtype, self.device), config.max_model_len,
+                               config.tensor_parallel_size, process_group)
+        self.tensor_parallel = model.tensor_parallel
+        tp_size = 1 if self.tensor_parallel is None else self.tensor_parallel.size
+        if tp_size != config.tensor_parallel_size:
+            raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size}, but the model given was built "
+                             f"for {tp_size} ranks; build it with a TensorParallel of the same size")
         self.model = model
         self.spec = model.spec
         self.max_model_len = min(config.max_model_len or self.spec.max_position_embeddings, model.rope.cos.shape[0])
@@ -71,6 +81,8 @@ class ModelRunner:
         per_block = bytes_per_block(self.spec, self.layout, self.model.dtype)
         ceiling = self.config.max_num_seqs * self.layout.blocks_for(self.max_model_len)
         budget = int(self.config.kv_memory_fraction * free_memory_bytes(self.device)) // per_block
+        if self.tensor_parallel is not None:  # every rank must run the same pool, or their schedulers diverge
+            budget = self.tensor_parallel.smallest(budget, self.device)
         if budget < 1:
             raise ValueError(
                 f"kv_memory_fraction={self.config.kv_memory_fraction} leaves no room for one KV block "
@@ -86,6 +98,10 @@ class ModelRunner:
                 f"cuda_graphs=True needs device='cuda' and the triton attention backend (here device="
                 f"{self.config.device!r}, backend {self.backend.name!r}); set cuda_graphs to None or False"
             )
+        if wanted and self.config.cuda_graphs is None and self.tensor_parallel is not None:
+            log.warning("cuda_graphs off: CUDA graphs with tensor parallelism (NCCL all-reduces inside the captured "
+                        "decode step) are untested; decoding eagerly. Set cuda_graphs=True to try them.")
+            return None
         if not wanted:
             return None
         return DecodeGraphs(self.model, self.cache, self.backend, self.layout, self.config.max_num_seqs,
@@ -127,11 +143,10 @@ class ModelRunner:
 
     def load_weights(self, weights) -> None:
         """Validate all tensors first, then copy in place (a state dict or an HF directory)."""
-        if isinstance(weights, (str, Path)):
-            weights = read_checkpoint(weights)
-        copy_weights(self.model, validated_weights(self.model, weights))
+        load_weights(self.model, weights)
 
     def parameters(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """Copies of the served parameters; under tensor parallelism, this rank's shards."""
         params = dict(self.model.named_parameters())
         missing = [n for n in names if n not in params]
         if missing:
@@ -145,6 +160,7 @@ class ModelRunner:
             "attention_backend": self.backend.name,
             "cuda_graphs": self.graphs is not None,
             "cuda_graphs_captured": 0 if self.graphs is None else self.graphs.num_captured,
+            "tensor_parallel_size": self.config.tensor_parallel_size,
         }
 
     def synchronize(self) -> None:

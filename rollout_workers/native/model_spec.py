@@ -23,6 +23,10 @@ class ModelLoadError(ValueError):
     """A model directory that cannot be served: the message names the file or field and the fix."""
 
 
+class WeightsError(ValueError):
+    """A state dict that does not fit the model; the message names the key."""
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     family: str

@@ -2,27 +2,24 @@
 
 `validated_weights` checks a whole state dict against the model before anything is copied, so a bad
 update (missing or unexpected key, wrong shape or dtype, NaN/inf) raises naming the key and the
-engine keeps serving the old weights.
+engine keeps serving the old weights. Under tensor parallelism a rank takes its shard of each tensor
+first (`tensor_parallel.py`) and validates that.
 """
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 from .model import DecoderModel
-from .model_spec import ModelLoadError
+from .model_spec import ModelLoadError, WeightsError
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 """Non-parameter buffers some older checkpoints carry; recomputed from the config instead."""
-
-
-class WeightsError(ValueError):
-    """A state dict that does not fit the model; the message names the key."""
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -43,13 +40,20 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def read_checkpoint(model_dir: str | Path) -> dict[str, torch.Tensor]:
-    """All tensors of an HF directory's safetensors files (on CPU)."""
+def read_checkpoint(model_dir: str | Path, shard: Callable | None = None) -> dict[str, torch.Tensor]:
+    """All tensors of an HF directory's safetensors files (on CPU); with `shard(name, safetensors_slice)`,
+    only the part of each tensor it takes is read (a tensor-parallel rank reads its shard, not the model)."""
     model_dir = Path(model_dir)
     tensors: dict[str, torch.Tensor] = {}
     for f in checkpoint_files(model_dir):
         try:
-            tensors.update(load_file(str(f)))
+            if shard is None:
+                tensors.update(load_file(str(f)))
+                continue
+            with safe_open(str(f), "pt") as handle:
+                tensors.update({name: shard(name, handle.get_slice(name)) for name in handle.keys()})
+        except WeightsError:
+            raise
         except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
             raise ModelLoadError(f"{f}: corrupt or unreadable safetensors file ({exc})") from None
     return tensors
@@ -79,7 +83,8 @@ def validated_weights(model: DecoderModel, weights: Mapping[str, torch.Tensor]) 
         if t.dtype not in FLOAT_DTYPES:
             raise WeightsError(f"{name}: dtype {t.dtype} is not a floating weight type (float32, bfloat16, float16)")
         if tuple(t.shape) != tuple(param.shape):
-            raise WeightsError(f"{name}: shape {tuple(t.shape)} does not match the model's {tuple(param.shape)}")
+            shard = "" if model.tensor_parallel is None else " (shapes of this tensor-parallel rank's shard)"
+            raise WeightsError(f"{name}: shape {tuple(t.shape)} does not match the model's {tuple(param.shape)}{shard}")
         if not bool(torch.isfinite(t).all()):
             raise WeightsError(f"{name}: contains NaN or inf values")
         out[name] = t
@@ -98,3 +103,29 @@ def copy_weights(model: DecoderModel, tensors: Mapping[str, torch.Tensor]) -> No
     params = dict(model.named_parameters())
     for name, t in tensors.items():
         params[name].copy_(t)
+
+
+def load_weights(model: DecoderModel, weights: Mapping[str, torch.Tensor] | str | Path) -> None:
+    """Validate all tensors (a state dict or an HF directory), then copy them in place.
+
+    Under tensor parallelism every rank must call this with the same full tensors or directory: it keeps
+    its shard of each (from a directory it reads only its shards), and the ranks agree before copying, so
+    an update is taken by all ranks or refused by all.
+    """
+    tp = model.tensor_parallel
+    if tp is None:
+        if isinstance(weights, (str, Path)):
+            weights = read_checkpoint(weights)
+        copy_weights(model, validated_weights(model, weights))
+        return
+    tensors, error = {}, None
+    try:
+        if isinstance(weights, (str, Path)):
+            shards = read_checkpoint(weights, tp.shard)
+        else:
+            shards = {k: tp.shard(k, v) if isinstance(v, torch.Tensor) else v for k, v in weights.items()}
+        tensors = validated_weights(model, shards)
+    except ValueError as exc:
+        error = exc
+    tp.agree(error, model.device)
+    copy_weights(model, tensors)
