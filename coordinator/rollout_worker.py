@@ -197,6 +197,7 @@ class RolloutWorker:
         heartbeat.start()
         sender = _Sender(self)
         stream: _EngineStream | None = None
+        waiting: list[Lease] = []  # probes / evaluations granted while groups still generate: they run after them
         capacity = max(1, self.engine.max_concurrent_samples // self.config.rollout.sampling.n)
         last, busy = time.perf_counter(), False
         try:
@@ -212,11 +213,11 @@ class RolloutWorker:
                 held = len(self._held)
                 if self._stop.is_set() and not held and sender.idle:
                     break
-                wants_sync = self._sync_wanted.is_set() or self._stop.is_set()
+                wants_sync = self._sync_wanted.is_set() or self._stop.is_set() or bool(waiting)
                 leases = []
                 if not wants_sync and held < capacity:
                     leases = self._lease(capacity - held)
-                alone = [lease for lease in leases if lease.exclusive]
+                alone = waiting + [lease for lease in leases if lease.exclusive]
                 groups = [lease for lease in leases if not lease.exclusive]
                 if groups:
                     stream = stream or _EngineStream(self)
@@ -225,6 +226,10 @@ class RolloutWorker:
                 if stream is not None and not self._held and (wants_sync or alone or not groups):
                     stream.close()
                     stream = None
+                # The queue grants exclusive work to a worker it sees idle, which can happen while this one
+                # still generates groups whose leases expired (a slow engine): the open stream holds the engine,
+                # so that work waits until the groups are done and the stream is closed.
+                waiting, alone = (alone, []) if stream is not None else ([], alone)
                 for lease in alone:
                     if isinstance(lease.task, ProbeTask):
                         self._probe(lease)
