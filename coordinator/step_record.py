@@ -91,8 +91,8 @@ def loose_tail_advice(statistic: str | None) -> str:
     """What to change when the tail is only bracketed, for the controller's `statistic` (None: not known).
 
     Measured on SmolLM2-135M (docs/stability.md, "Which α"): with top-20 lists the lower bound's p5 sits far
-    below exact α (0.29 under dense rollout at temperature 1.0, 0.76-0.87 at 0.7), the upper bound's 0.02-0.11
-    above it; wider lists are the fix that measures the tail itself."""
+    below exact α (0.29 under dense rollout at temperature 1.0, 0.89 at 0.7), the upper bound's up to 0.11 above
+    it; top-64 lists bring the lower bound to within 0.03-0.07 and the upper to within 0.005."""
     fix = "raise rollout.sampling.logprobs and trainer.recompute_topk together (up to 64)"
     if statistic == "upper":
         return fix + "; the upper bound is optimistic, so the tail may be below what the controller sees"
