@@ -1,0 +1,56 @@
+"""A real `RolloutWorker` (native engine, tiny model) against a real trajectory server and a plain `Dispatcher`,
+without Ray: exclusive work (the speedup probe) granted while the worker still generates groups waits for them.
+
+The queue grants a probe to a worker it sees idle, and it can see a busy worker idle: its leases expired on a slow
+engine, or the fleet released it. The worker's open engine stream holds the engine, so a probe run at once used to
+wait for the worker's own lock forever (found in a fresh-clone CI run, with vLLM on a busy CPU)."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from sparrow.coordinator.config import load_config
+from sparrow.coordinator.data import PromptSource
+
+
+def test_a_probe_granted_while_groups_generate_runs_after_them(tiny_qwen3):
+    from sparrow.coordinator.dispatcher import Dispatcher
+    from sparrow.coordinator.fleet import WorkerSetup
+    from sparrow.coordinator.rollout_worker import RolloutWorker
+    from sparrow.coordinator.transport import JobCredentials, TrajectoryServer
+
+    config = load_config(overrides=[
+        f"model={tiny_qwen3}", "metrics.enabled=false", "rollout.speedup_probe_every=0",
+        "rollout.native={max_num_seqs: 8, max_model_len: 512, num_kv_blocks: 128}",
+        "rollout.sampling={max_tokens: 200, n: 2, temperature: 1.0}",
+    ])
+    records = PromptSource(config.data, seed=0).batch(0, 2)
+    credentials = JobCredentials.create(config.transport)
+    worker = RolloutWorker(config.worker_payload(), str(tiny_qwen3), 0, torch.get_num_threads(), credentials)
+    dispatcher = Dispatcher(max_staleness=1, lease_timeout_s=60)
+    dispatcher.add_step(0, records, [])  # an idle worker's first lease would be a probe: step 0 has none
+    try:
+        with TrajectoryServer(config.transport, credentials) as server:
+            serving = threading.Thread(target=worker.serve, daemon=True,
+                                       args=(dispatcher, WorkerSetup(server.address, config.schedule_template(), None)))
+            serving.start()
+            deadline = time.monotonic() + 60
+            while not worker._held and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert worker._held, "the worker generates step 0's groups"
+            dispatcher.add_step(1, records, records[:1])
+            dispatcher.release(worker.worker_id)  # the queue now sees it idle: its next lease is step 1's probe
+            deadline = time.monotonic() + 120
+            while not (dispatcher.progress(0)[2] and dispatcher.progress(1)[2]) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            done = [dispatcher.progress(step) for step in (0, 1)]
+            worker.stop()
+            serving.join(timeout=60)
+    finally:
+        worker.shutdown()
+    assert all(d[2] for d in done) and not serving.is_alive(), f"(groups done, total, complete) per step: {done}"
+    first, second = dispatcher.take_step(0), dispatcher.take_step(1)
+    assert second.probe_result is not None and second.probe_result.speedup > 0
+    assert len(first.done) == len(second.done) == 2 and first.requeued >= 1, "released groups were generated again"
