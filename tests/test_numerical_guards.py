@@ -5,7 +5,6 @@ Non-finite samples never reach the trainer (the wire validation: tests/test_grpc
 
 import math
 import os
-import re
 import sys
 from collections import Counter
 
@@ -16,6 +15,7 @@ ray = pytest.importorskip("ray")
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+from test_reliability import _logical  # noqa: E402
 from test_trainer_distributed import _batch  # noqa: E402
 
 from sparrow.coordinator.config import load_config  # noqa: E402
@@ -109,7 +109,7 @@ def test_nan_weights_are_never_published_and_the_trainer_rolls_back(ray_cluster,
         job.run(steps=1)
         ray.get(job.trainers.actors[0].__ray_call__.remote(_poison))
         job.run(steps=2)
-        trained = Counter(re.sub(r"\.r\d+(?=#)", "", i) for rank in job.trained_ids() for i in rank)
+        trained = Counter(_logical(i) for rank in job.trained_ids() for i in rank)
         assert ray.get(job.trainers.actors[0].__ray_call__.remote(_weights_finite))
         served = ray.get([a.__ray_call__.remote(lambda w: w.engine.policy_version) for a in job.fleet.actors])
     expected = {f"s{k}-p{i}#{j}" for k in range(3) for i in range(3) for j in range(2)}
