@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 import ray
 import torch
 
-from sparrow.coordinator.metrics import SparrowMetrics, start_metrics_server
+from sparrow.coordinator.metrics import BusyRate, SparrowMetrics, start_metrics_server
 from sparrow.coordinator.transport import JobCredentials, Trajectory, TrajectoryClient, TransportError, advertised_host
 from sparrow.rollout_workers.api import RequestFeed, RolloutRequest, RolloutSample, SamplingParams
 from sparrow.rollout_workers.registry import create_engine
@@ -80,7 +80,7 @@ class RolloutWorker:
         self._lost: set[int] = set()
         self._held_lock = threading.Lock()
         self._busy_seconds = 0.0
-        self._rate_mark = (0, 0.0)
+        self._rate = BusyRate()
         self._tokens = self._samples = 0
         self._serving = False
 
@@ -239,7 +239,7 @@ class RolloutWorker:
                 if self._heartbeat_error is not None:
                     raise self._heartbeat_error
                 busy = bool(self._held or alone)
-                self._report_throughput()
+                self._report_throughput(idle=not busy)
                 if not groups and not alone:
                     time.sleep(POLL_S)
         finally:
@@ -251,14 +251,11 @@ class RolloutWorker:
             heartbeat.join(timeout=5)
         return {"worker": self.worker_id, "tokens": self._tokens, "samples": self._samples}
 
-    def _report_throughput(self) -> None:
-        """`sparrow_rollout_tokens_per_second`: tokens generated per engine-busy second, over the last second of work."""
-        tokens, busy = self.engine.counters().tokens_generated, self._busy_seconds
-        last_tokens, last_busy = self._rate_mark
-        if busy - last_busy >= 1.0:
-            self.metrics.tokens_per_second.labels(worker=self.worker_id, pool="rollout").set(
-                (tokens - last_tokens) / (busy - last_busy))
-            self._rate_mark = (tokens, busy)
+    def _report_throughput(self, idle: bool) -> None:
+        """`sparrow_rollout_tokens_per_second`: tokens per engine-busy second, each busy second or burst of work."""
+        rate = self._rate.update(self.engine.counters().tokens_generated, self._busy_seconds, idle)
+        if rate is not None:
+            self.metrics.tokens_per_second.labels(worker=self.worker_id, pool="rollout").set(rate)
 
     def _lease(self, groups: int) -> list[Lease]:
         return self._dispatcher.lease(self.worker_id, self.engine.policy_version, groups, self._busy_seconds)

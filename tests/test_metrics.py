@@ -298,3 +298,17 @@ def test_dashboard_plots_every_family_with_a_legend_per_query():
             assert 'run="$run"' in t["expr"] or panel["type"] == "row", (panel["title"], t["expr"])
     ids = [p["id"] for p in board["panels"]]
     assert len(ids) == len(set(ids))
+
+
+def test_busy_rate_reports_each_busy_second_and_each_shorter_burst_that_ends_idle():
+    from sparrow.coordinator.metrics import BusyRate
+
+    rate = BusyRate(window_s=1.0)
+    assert rate.update(tokens=300, busy_seconds=0.4, idle=False) is None, "a window stays open under 1 busy second"
+    assert rate.update(tokens=900, busy_seconds=1.2, idle=False) == pytest.approx(750.0)
+    assert rate.update(tokens=1000, busy_seconds=1.45, idle=True) == pytest.approx(400.0), "going idle closes it"
+    assert rate.update(tokens=1000, busy_seconds=1.45, idle=True) is None, "no busy time since: nothing to report"
+    # A whole job shorter than one busy second (3 steps of a tiny model) still reports a rate.
+    short = BusyRate()
+    rates = [short.update(tokens=240 * step, busy_seconds=0.3 * step, idle=True) for step in (1, 2, 3)]
+    assert rates == pytest.approx([800.0] * 3)

@@ -407,8 +407,8 @@ _FAMILIES: dict[str, tuple[str, Callable[[], object]]] = {
         "sparrow_eval_policy_version", "Policy version of the latest held-out evaluation")),
     "sparrow_rollout_tokens": ("tokens", _counter("sparrow_rollout_tokens", "Tokens generated", _PROCESS)),
     "sparrow_rollout_tokens_per_second": ("tokens_per_second", _gauge(
-        "sparrow_rollout_tokens_per_second", "Tokens the worker's engine generated per busy second, last second of work",
-        _PROCESS)),
+        "sparrow_rollout_tokens_per_second",
+        "Tokens the worker's engine generated per busy second, last second of work or burst before going idle", _PROCESS)),
     "sparrow_rollout_samples": ("samples", _counter(
         "sparrow_rollout_samples", "Finished samples by finish reason", (*_PROCESS, "finish_reason"))),
     "sparrow_reward": ("reward", _histogram("sparrow_reward", "Reward per sample", ("pool",), REWARD_BUCKETS)),
