@@ -5,6 +5,7 @@ tensor_parallel_size that does not divide the model is refused naming the sizes 
 rollout workers) with tensor_parallel_size > 1 is refused: not wired there yet. The GPU variant (NCCL,
 one GPU a rank, eager and with CUDA graphs) runs the same scenario where two CUDA devices exist."""
 
+import json
 import os
 from pathlib import Path
 
@@ -142,3 +143,32 @@ def test_a_size_that_does_not_divide_the_model_is_refused(tiny_qwen3):
         NativeEngine.from_pretrained(tiny_qwen3, tensor_parallel_size=2)
     with pytest.raises(ValueError, match=r"rollout.native.tensor_parallel_size=2: the rollout workers do not run"):
         NativeEngineConfig(tensor_parallel_size=2).check_job(SamplingParams(), None, "rollout", "native")
+
+
+def test_bench_rollout_over_two_ranks_measures_what_one_process_does(capsys):
+    """`sparrow bench rollout --tensor-parallel 2` (gloo ranks): the same decode steps, tokens and blocks attended
+    as one process; under a time cap both ranks stop at the same step (one stopping alone would leave the other
+    waiting in an all-reduce); a size that does not divide the model is refused before any rank starts."""
+    from sparrow.cli.main import main
+
+    common = ["bench", "rollout", "--model", "tiny", "--prompt-len", "64", "--gen-len", "40", "--batch", "4",
+              "--samples", "2", "--budget", "3", "--threads", "1", "--json"]
+    reports = []
+    for ranks in ("1", "2"):
+        assert main([*common, "--tensor-parallel", ranks]) == 0
+        reports.append(json.loads(capsys.readouterr().out))
+    one, two = reports
+    assert (one["tensor_parallel"], two["tensor_parallel"]) == (1, 2)
+    for mode in ("dense", "sparse"):
+        a, b = one["modes"][mode], two["modes"][mode]
+        assert a["decode_steps"] == b["decode_steps"] == 39 and a["decode_tokens"] == b["decode_tokens"] == 4 * 39
+        assert a["mean_blocks"] == b["mean_blocks"] and a["errors"] == b["errors"] == 0
+    assert two["modes"]["sparse"]["mean_blocks"] < two["modes"]["dense"]["mean_blocks"]
+
+    capped = [*common, "--gen-len", "400", "--tensor-parallel", "2", "--mode", "dense", "--time-cap", "0.01"]
+    assert main(capped) == 0
+    dense = json.loads(capsys.readouterr().out)["modes"]["dense"]
+    assert dense["truncated"] and dense["decode_steps"] < 399
+
+    assert main([*common, "--model", "smollm2-135m", "--tensor-parallel", "2"]) == 2
+    assert "sizes that do: 1, 3" in capsys.readouterr().err

@@ -15,11 +15,14 @@ With a `TensorParallel` (tensor_parallel.py) the model is one rank's shard: `spe
 KV heads and MLP slice, and o_proj / down_proj outputs are summed over the ranks by an all-reduce.
 """
 
+import zlib
 from typing import Protocol
 
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+from sparrow.seeds import stable_seed
 
 from .model_spec import ModelSpec
 from .rope import RotaryEmbedding, apply_rotary
@@ -212,11 +215,12 @@ class DecoderModel(nn.Module):
         return F.linear(hidden, weight).float()
 
     def init_random(self, seed: int = 0, std: float = 0.02) -> "DecoderModel":
-        """Random weights (norms at 1) for shape-only benchmarks."""
-        gen = torch.Generator(device=self.device).manual_seed(seed)
+        """Random weights (norms at 1) for shape-only benchmarks. Each parameter draws from its own generator,
+        seeded by `seed` and its name, so the replicated parameters of tensor-parallel shards are equal."""
         for name, p in self.named_parameters():
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
             else:
+                gen = torch.Generator(device=self.device).manual_seed(stable_seed(seed, zlib.crc32(name.encode())))
                 p.normal_(0.0, std, generator=gen)
         return self

@@ -41,14 +41,25 @@ def spec_for_shape(name: str) -> ModelSpec:
     )
 
 
-def build_model(name: str, device, dtype, max_len: int, seed: int = 0):
-    """An HF directory's model, or a shape with random weights (positions up to the shape's maximum)."""
-    from .model_loader import load_model
+def model_spec(name: str) -> ModelSpec:
+    """The spec of `--model`: an HF directory's config.json, or a shape name."""
+    from .model_spec import load_spec
+
+    return load_spec(name) if Path(name).is_dir() else spec_for_shape(name)
+
+
+def build_model(name: str, device, dtype, max_len: int, seed: int = 0, tensor_parallel_size: int = 1):
+    """An HF directory's model, or a shape with random weights (positions up to the shape's maximum); with
+    `tensor_parallel_size` > 1, this rank's shard (torch.distributed's default group)."""
     from .model import DecoderModel
+    from .model_loader import load_model
+    from .tensor_parallel import TensorParallel
 
     if Path(name).is_dir():
-        return load_model(name, device, dtype)
+        return load_model(name, device, dtype, tensor_parallel_size=tensor_parallel_size)
     spec = spec_for_shape(name)
     if max_len > spec.max_position_embeddings:
         raise ValueError(f"{max_len} tokens exceed {name}'s {spec.max_position_embeddings} positions")
-    return DecoderModel(spec, spec.max_position_embeddings, device=device, dtype=dtype).init_random(seed)
+    tensor_parallel = TensorParallel.join(spec, tensor_parallel_size)
+    return DecoderModel(spec, spec.max_position_embeddings, device=device, dtype=dtype,
+                        tensor_parallel=tensor_parallel).init_random(seed)

@@ -1,6 +1,7 @@
 """`sparrow bench ...`: the benchmarks (each prints a table; the GPU ones write JSON to benchmarks/results/).
 Each bench registers its own options where it lives; this command only gathers them."""
 
+from sparrow.coordinator.publish_bench import register as register_publish
 from sparrow.kernels.bench_cli import register as register_kernels
 from sparrow.rollout_workers.native.bench.cli import (register_decode_step, register_rollout, register_rollout_merge,
                                                       register_rollout_paper)
@@ -15,3 +16,4 @@ def configure(p) -> None:
     register_decode_step(actions)
     register_rollout_paper(actions)
     register_trainer(actions)
+    register_publish(actions)

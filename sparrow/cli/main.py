@@ -17,7 +17,7 @@ SUBCOMMANDS = {
              "predicted decode cost and speedup of a sparsity schedule (paper forms + per-step sum)"),
     "generate": ("sparrow.cli.generate_cmd", "generate with the native engine (dense or block-sparse decode)"),
     "bench": ("sparrow.cli.bench_cmd",
-              "benchmarks: rollout throughput, decode step, decode kernel bandwidth, trainer step"),
+              "benchmarks: rollout throughput, decode step, decode kernel bandwidth, trainer step, weight publication"),
     "train": ("sparrow.cli.train_cmd",
               "run a GRPO job: rollout pool, trainer pool, controller (embedded default without --config)"),
     "calibrate": ("sparrow.cli.calibrate_cmd",

@@ -24,6 +24,8 @@ def register_rollout(actions) -> None:
     r.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "reference", "triton"])
     r.add_argument("--no-cuda-graphs", action="store_true", help="decode with eager launches on CUDA (default: graphs)")
     r.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
+    r.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                   help="split the engine over N ranks, one process (and GPU) each, in lockstep (default 1)")
     r.add_argument("--repeats", type=int, default=1, help="run the modes alternately this many times; keep each one's fastest")
     r.add_argument("--time-cap", type=float, default=None, help="seconds after which a run stops (marked truncated)")
     r.add_argument("--memory-fraction", type=float, default=0.9, help="share of free GPU memory --batch auto fills")
@@ -78,7 +80,7 @@ def register_rollout_paper(actions) -> None:
 def run_rollout(args) -> int:
     from . import rollout
 
-    for flag in ("prompt_len", "gen_len", "samples", "repeats"):
+    for flag in ("prompt_len", "gen_len", "samples", "repeats", "tensor_parallel"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')}={getattr(args, flag)}: must be >= 1")
     if args.batch != "auto" and not (args.batch.isdigit() and int(args.batch) >= 1):

@@ -7,6 +7,8 @@ from sparrow.rollout_workers.api import RolloutRequest, SamplingParams
 
 STEP_WINDOW = 512
 """Decode steps per window of the recorded step-time profile (a 32K run keeps 64 windows, not 32K floats)."""
+AGREE_EVERY = 64
+"""Engine steps between the tensor-parallel ranks' checks of the time cap (all stop at the same step)."""
 
 
 def protocol_requests(prompts, samples: int, gen_len: int, seed: int = 0) -> list[RolloutRequest]:
@@ -28,8 +30,11 @@ def step_profile(contexts: list[int], step_s: list[float], window: int = STEP_WI
     return out
 
 
-def real_rollout(engine, requests: list[RolloutRequest], time_cap_s: float | None = None, progress=None) -> dict:
+def real_rollout(engine, requests: list[RolloutRequest], time_cap_s: float | None = None, progress=None,
+                 agree=None) -> dict:
     """Generate `requests` step by step; stopped (and marked truncated) once `time_cap_s` has passed.
+    Tensor-parallel ranks must stop at the same step: with `agree(passed) -> any rank's passed`, the cap is
+    checked every AGREE_EVERY engine steps, by all ranks together.
     A decode step is one whose engine counter `decode_steps` moved; its context is the longest sequence's
     length when it ran (all equal under the protocol). `progress(done_steps)` is called every window.
     Samples that finish are counted (errors) and their blocks attended per token averaged."""
@@ -43,7 +48,9 @@ def real_rollout(engine, requests: list[RolloutRequest], time_cap_s: float | Non
     errors, blocks, tokens = 0, 0.0, 0
     decode_steps = before["decode_steps"]
     context = max(len(r.prompt_token_ids) for r in requests)
+    engine_steps = 0
     while engine.has_unfinished():
+        engine_steps += 1
         t0 = time.perf_counter()
         finished = engine.step()
         elapsed = time.perf_counter() - t0
@@ -59,7 +66,10 @@ def real_rollout(engine, requests: list[RolloutRequest], time_cap_s: float | Non
             contexts.append(context)
             if progress is not None and len(step_s) % STEP_WINDOW == 0:
                 progress(len(step_s))
-        if time_cap_s is not None and time.perf_counter() - start > time_cap_s:
+        if time_cap_s is not None and (agree is None or engine_steps % AGREE_EVERY == 0):
+            passed = time.perf_counter() - start > time_cap_s
+            if not (passed if agree is None else agree(passed)):
+                continue
             engine.drop_unfinished()
             truncated = True
             break

@@ -6,6 +6,10 @@ joins, so that a 32K-token run of each mode fits one 10-minute GPU job. `--repla
 the engine's graph-replayed decode step (model + sampler, a filled cache, the same batch) at N contexts of
 the run: the real step's host overhead over the replayed one, per context.
 
+`--tensor-parallel N` runs the engine split over N ranks, one process each (one GPU each on CUDA, NCCL; gloo on
+the CPU), in lockstep; rank 0 reports. On CUDA its decode steps run from CUDA graphs with the all-reduces
+captured (`--no-cuda-graphs` decodes eagerly).
+
 `--model` is an HF directory (real weights) or a shape name (`sparrow cost` shapes such as qwen3-1.7b, plus
 smollm2-135m and tiny) with random weights. Prompts are random token ids and samples ignore EOS, so every
 sample decodes exactly `--gen-len` tokens.
@@ -13,7 +17,9 @@ sample decodes exactly `--gen-len` tokens.
 
 import datetime
 import json
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -25,8 +31,8 @@ from sparrow.tables import format_table
 from .real_run import protocol_requests, real_rollout
 
 MODES = ("dense", "sparse")
-RUN_KEYS = ("model", "device", "device_name", "dtype", "backend", "cuda_graphs", "prompt_len", "gen_len", "batch",
-            "samples", "seed", "schedule")
+RUN_KEYS = ("model", "device", "device_name", "dtype", "backend", "cuda_graphs", "tensor_parallel", "prompt_len",
+            "gen_len", "batch", "samples", "seed", "schedule")
 """What two single-mode results must share to be merged into one comparison."""
 SPARE_BLOCKS = 16
 
@@ -54,9 +60,10 @@ def build_engine(args, model, batch: int):
     from ..engine import NativeEngine
 
     total = args.prompt_len + args.gen_len
+    graphs = None if model.tensor_parallel is None or model.device.type != "cuda" else True
     config = NativeEngineConfig(
         device=str(model.device), dtype=args.dtype, attention_backend=args.attention_backend, max_num_seqs=batch,
-        cuda_graphs=False if args.no_cuda_graphs else None,
+        cuda_graphs=False if args.no_cuda_graphs else graphs, tensor_parallel_size=args.tensor_parallel,
         num_kv_blocks=batch * DEFAULT_LAYOUT.blocks_for(total + 1) + SPARE_BLOCKS,
         max_model_len=min(total + DEFAULT_LAYOUT.block_size, model.rope.cos.shape[0]),
         prefill_chunk_size=max(2048, args.prompt_len),
@@ -86,19 +93,66 @@ def replayed_steps(model, batch: int, total: int, schedule: SparsitySchedule | N
 
 def run(args) -> dict:
     """Measure the modes `args.mode` names; returns the report (`--out` writes it as JSON)."""
-    from ..model_loader import resolve_device, resolve_dtype
-    from ..shapes import build_model
+    from ..model_loader import resolve_device
 
     device = resolve_device(args.device)
-    if args.replayed and (device.type != "cuda" or args.no_cuda_graphs):
-        raise ValueError("--replayed compares against the engine's CUDA graphs: run on --device cuda with graphs on")
+    if args.replayed and (device.type != "cuda" or args.no_cuda_graphs or args.tensor_parallel > 1):
+        raise ValueError("--replayed compares against the engine's single-GPU CUDA graphs: run on --device cuda with "
+                         "graphs on and --tensor-parallel 1")
+    if args.tensor_parallel == 1:
+        return measure(args, device)
+    from ..shapes import model_spec
+    from ..tensor_parallel import check_size
+
+    try:
+        check_size(model_spec(args.model), args.tensor_parallel)
+    except ValueError as exc:
+        raise ValueError(f"--tensor-parallel: {exc}") from None
+    if device.type == "cuda" and torch.cuda.device_count() < args.tensor_parallel:
+        raise ValueError(f"--tensor-parallel={args.tensor_parallel} needs one GPU a rank; this machine has "
+                         f"{torch.cuda.device_count()}")
+    import torch.multiprocessing as mp
+
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    with tempfile.TemporaryDirectory(prefix="sparrow-tp-") as workdir:
+        mp.spawn(_rank_main, args=(args, device.type, workdir), nprocs=args.tensor_parallel, join=True)
+        return json.loads((Path(workdir) / "report.json").read_text())
+
+
+def _rank_main(rank: int, args, device_type: str, workdir: str) -> None:
+    """One tensor-parallel rank: its own process, device and engine; rank 0 writes the report."""
+    from torch import distributed as dist
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"file://{workdir}/rendezvous",
+                            rank=rank, world_size=args.tensor_parallel)
+    try:
+        report = measure(args, device)
+        if rank == 0:
+            (Path(workdir) / "report.json").write_text(json.dumps(report))
+    finally:
+        dist.destroy_process_group()
+
+
+def measure(args, device: torch.device) -> dict:
+    """The measurement in this process: the whole engine, or one tensor-parallel rank's (rank 0 prints)."""
+    from ..model_loader import resolve_dtype
+    from ..shapes import build_model
+
     dtype = resolve_dtype(args.dtype, device)
     total = args.prompt_len + args.gen_len
     try:
-        model = build_model(args.model, device, dtype, total, args.seed)
+        model = build_model(args.model, device, dtype, total, args.seed, args.tensor_parallel)
     except ValueError as exc:
-        raise ValueError(f"{exc} (--prompt-len + --gen-len = {total})") from None
+        raise ValueError(f"{exc} (--prompt-len + --gen-len = {total}, --tensor-parallel {args.tensor_parallel})") from None
+    tp = model.tensor_parallel
     batch = largest_batch(model, total, args.samples, args.memory_fraction) if args.batch == "auto" else int(args.batch)
+    if tp is not None:  # every rank must run the same batch: the smallest any rank's memory holds
+        batch = tp.smallest(batch, device)
     if batch % args.samples:
         raise ValueError(f"--batch={batch} is not a multiple of --samples={args.samples}")
     schedule = bench_schedule(args.schedule, args.budget)
@@ -106,6 +160,8 @@ def run(args) -> dict:
     gen = torch.Generator().manual_seed(args.seed)
     prompts = [tuple(torch.randint(0, model.spec.vocab_size, (args.prompt_len,), generator=gen).tolist())
                for _ in range(batch // args.samples)]
+    agree = None if tp is None else (lambda passed: tp.smallest(int(not passed), device) == 0)
+    reports = tp is None or tp.rank == 0
     modes = [(m, None if m == "dense" else schedule) for m in (MODES if args.mode == "both" else (args.mode,))]
     for _, sched in modes:  # warm-up of each mode's kernels (Triton compiles on first use)
         engine.set_schedule(sched)
@@ -114,9 +170,10 @@ def run(args) -> dict:
     for _ in range(args.repeats):
         for mode, sched in modes:
             engine.set_schedule(sched)
+            progress = (lambda n, m=mode: print(f"  {m}: {n}/{args.gen_len - 1} decode steps", file=sys.stderr,
+                                                flush=True)) if reports else None
             res = real_rollout(engine, protocol_requests(prompts, args.samples, args.gen_len, args.seed), args.time_cap,
-                               progress=lambda n, m=mode: print(f"  {m}: {n}/{args.gen_len - 1} decode steps", file=sys.stderr,
-                                                                flush=True))
+                               progress, agree)
             if mode not in results or res["decode_tok_s"] > results[mode]["decode_tok_s"]:
                 results[mode] = res
     stats = engine.stats()
@@ -127,12 +184,12 @@ def run(args) -> dict:
                                                        args.replayed)
     report = {
         "command": "sparrow bench " + " ".join(sys.argv[sys.argv.index("rollout"):] if "rollout" in sys.argv else sys.argv[1:]), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "model": args.model, "device": str(device),
+        "model": args.model, "device": device.type,
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads() if device.type == "cpu" else None,
-        "backend": stats["attention_backend"], "cuda_graphs": stats["cuda_graphs"], "prompt_len": args.prompt_len,
-        "gen_len": args.gen_len, "batch": batch, "samples": args.samples, "seed": args.seed, "schedule": schedule.name,
-        "modes": results,
+        "backend": stats["attention_backend"], "cuda_graphs": stats["cuda_graphs"], "tensor_parallel": args.tensor_parallel,
+        "prompt_len": args.prompt_len, "gen_len": args.gen_len, "batch": batch, "samples": args.samples, "seed": args.seed,
+        "schedule": schedule.name, "modes": results,
     }
     return with_speedup(report)
 
@@ -170,7 +227,9 @@ def render(report: dict) -> str:
              f"{r['median_step_ms']:.2f}", f"{r['mean_blocks']:.1f}", "yes" if r["truncated"] else "no"]
             for mode, r in modes.items()]
     threads = f", {report['threads']} threads" if report.get("threads") else ""
-    lines = [f"{report['model']} on {report['device_name']}{threads} ({report['dtype']}, {report['backend']} attention"
+    tp = report.get("tensor_parallel", 1)
+    ranks = f" x{tp} (tensor parallel)" if tp > 1 else ""
+    lines = [f"{report['model']} on {report['device_name']}{ranks}{threads} ({report['dtype']}, {report['backend']} attention"
              f"{', CUDA graphs' if report['cuda_graphs'] else ''}), batch {report['batch']} "
              f"({report['batch'] // report['samples']} prompts x {report['samples']}), prompt {report['prompt_len']} "
              f"+ gen {report['gen_len']} tokens",

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The two-GPU runs of issue 16, one stage per call (each fits a 10-minute GPU job); logs and JSON go to $OUT.
+#   benchmarks/two_gpu.sh tp-test                   the tensor-parallel parity tests on two GPUs (NCCL; eager and CUDA graphs)
+#   benchmarks/two_gpu.sh tp-rollout MODEL MODE B   the paper's 32K protocol, the engine split over both GPUs
+#                                                   (MODE dense|sparse; merge the two with `bench rollout-merge`)
+#   benchmarks/two_gpu.sh publish MODEL [N]         weight publication, GPU 0 -> N engines on GPUs 1..N (default 1)
+# MODEL is a shape (qwen3-1.7b, qwen3-4b, qwen3-8b; random bf16 weights). Extra options go to the bench.
+set -uo pipefail
+source "$(dirname "$0")/gpu_env.sh"
+OUT=${OUT:-/tmp/sparrow-two-gpu}; mkdir -p "$OUT"
+stage=$1; shift
+nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+nvidia-smi topo -m >> "$OUT/gpu.txt" 2>&1
+case $stage in
+  tp-test)
+    python3 -m pytest tests/test_engine_tensor_parallel.py -m gpu -q -p no:cacheprovider -rfE 2>&1 | tee "$OUT/tp-test.log" ;;
+  tp-rollout)
+    model=$1 mode=$2 batch=$3; shift 3
+    python3 -m sparrow.rollout_workers.native.bench rollout --model "$model" --device cuda --tensor-parallel 2 \
+      --prompt-len 256 --gen-len 32768 --samples 8 --batch "$batch" --schedule "$model-0.86" --mode "$mode" \
+      --out "$OUT/rollout-tp2-$model-b$batch-$mode.json" "$@" 2>&1 | tee "$OUT/rollout-tp2-$model-b$batch-$mode.log" ;;
+  publish)
+    model=$1 receivers=${2:-1}; shift $(( $# < 2 ? $# : 2 ))
+    python3 -m sparrow.cli.main bench publish --model "$model" --device cuda --receivers "$receivers" \
+      --out "$OUT/publish-$model-r$receivers.json" "$@" 2>&1 | tee "$OUT/publish-$model-r$receivers.log" ;;
+  *) echo "stage $stage: use tp-test, tp-rollout or publish" >&2; exit 2 ;;
+esac
