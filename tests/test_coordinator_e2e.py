@@ -16,6 +16,7 @@ import urllib.request
 
 import pytest
 import torch
+from jobs import tiny_job
 
 ray = pytest.importorskip("ray")
 
@@ -29,33 +30,6 @@ from sparrow.weight_sync import HandleSource, receive_state_dict  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-TINY_JOB = """
-model: {model}
-data:
-  arithmetic: {{min_value: 0, max_value: 1, operations: ["+"]}}
-rollout:
-  pool: {{size: 1, cpus: 0.5}}
-  native: {{max_num_seqs: 16, max_model_len: 256, num_kv_blocks: 512}}
-  sampling: {{max_tokens: 20, n: 4, temperature: 1.0}}
-  speedup_probe_every: 2
-  schedule: {{name: tiny, edges: [80, 96], topk_blocks: [2, 2, 3]}}
-trainer:
-  pool: {{size: {ranks}, cpus: 0.5}}
-  optimizer: {{lr: 1.0e-3}}
-  micro_batch_tokens: 512
-  recompute_topk: 8
-controller:
-  ladder: [1, 2, 3, 4, 6, 8]
-  min_samples: 20
-  window_steps: 1
-metrics: {{port: 0}}
-run:
-  steps: {steps}
-  prompts_per_step: 3
-  mode: {mode}
-  out_dir: {out}
-"""
-
 
 @pytest.fixture(scope="module")
 def ray_cluster():
@@ -65,10 +39,11 @@ def ray_cluster():
     ray.shutdown()
 
 
-def _config_file(tmp_path, model, **kw):
-    path = tmp_path / "job.yaml"
-    path.write_text(TINY_JOB.format(model=model, out=tmp_path / "runs", **kw))
-    return path
+def _config_file(tmp_path, model, ranks: int, steps: int, mode: str):
+    return tiny_job(tmp_path / "job.yaml", model, tmp_path / "runs", {
+        "rollout.sampling": {"max_tokens": 20, "n": 4, "temperature": 1.0}, "rollout.speedup_probe_every": 2,
+        "trainer.pool.size": ranks, "metrics": {"port": 0}, "run.steps": steps, "run.mode": mode,
+    })
 
 
 def _expected_ids(job: TrainingJob, steps: range) -> list[str]:

@@ -15,6 +15,7 @@ ray = pytest.importorskip("ray")
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+from jobs import tiny_job  # noqa: E402
 from test_reliability import _logical  # noqa: E402
 from test_trainer_distributed import _batch  # noqa: E402
 
@@ -24,30 +25,6 @@ from sparrow.coordinator.run_dir import RunDir  # noqa: E402
 from sparrow.coordinator.step_record import StepRecord  # noqa: E402
 
 pytestmark = pytest.mark.slow
-
-JOB = """
-model: {model}
-data:
-  arithmetic: {{min_value: 0, max_value: 1, operations: ["+"]}}
-rollout:
-  pool: {{size: 1, cpus: 0.5}}
-  native: {{max_num_seqs: 8, max_model_len: 256, num_kv_blocks: 256}}
-  sampling: {{max_tokens: 12, n: 2, temperature: 1.0}}
-  schedule: {{name: tiny, edges: [80, 96], topk_blocks: [2, 2, 3]}}
-trainer:
-  pool: {{size: 1, cpus: 0.5}}
-  optimizer: {{lr: 1.0e-3}}
-  micro_batch_tokens: 512
-  recompute_topk: 8
-controller: {{ladder: [1, 2, 3, 4, 6, 8], min_samples: 20, window_steps: 1}}
-metrics: {{enabled: false}}
-run:
-  steps: 3
-  prompts_per_step: 3
-  mode: sync
-  checkpoint_every: 1
-  out_dir: {out}
-"""
 
 
 @pytest.fixture(scope="module")
@@ -100,8 +77,9 @@ def test_a_non_finite_gradient_skips_the_update_and_counts_it(ray_cluster, tiny_
 
 
 def test_nan_weights_are_never_published_and_the_trainer_rolls_back(ray_cluster, tiny_qwen3, tmp_path):
-    path = tmp_path / "job.yaml"
-    path.write_text(JOB.format(model=tiny_qwen3, out=tmp_path / "runs"))
+    path = tiny_job(tmp_path / "job.yaml", tiny_qwen3, tmp_path / "runs", {
+        "rollout.native": {"max_num_seqs": 8, "max_model_len": 256, "num_kv_blocks": 256}, "run.checkpoint_every": 1,
+    })
     config = load_config(path, ["run.name=nan"])
     run_dir = RunDir.create(config.run.out_dir, "nan")
     logged = []

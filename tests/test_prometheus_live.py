@@ -33,6 +33,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from jobs import tiny_job
 
 ray = pytest.importorskip("ray")
 
@@ -51,33 +52,11 @@ pytestmark = [
 TAU = 0.98
 STEPS = 3
 RUN = "live"
-JOB = f"""
-model: {{model}}
-data:
-  arithmetic: {{{{min_value: 0, max_value: 1, operations: ["+"]}}}}
-rollout:
-  pool: {{{{size: 1, cpus: 0.5}}}}
-  native: {{{{max_num_seqs: 16, max_model_len: 256, num_kv_blocks: 512}}}}
-  sampling: {{{{max_tokens: 20, n: 4, temperature: 1.0}}}}
-  speedup_probe_every: 1
-  schedule: {{{{name: tiny, edges: [80, 96], topk_blocks: [1, 1, 1]}}}}
-trainer:
-  pool: {{{{size: 2, cpus: 0.5}}}}
-  optimizer: {{{{lr: 1.0e-3}}}}
-  micro_batch_tokens: 512
-  recompute_topk: 8
-controller:
-  target: {TAU}
-  ladder: [1, 2, 3, 4, 6, 8]
-  min_samples: 20
-  window_steps: 1
-metrics: {{{{port: 0}}}}
-run:
-  steps: {STEPS}
-  prompts_per_step: 3
-  mode: sync
-  out_dir: {{out}}
-"""
+SETTINGS = {
+    "rollout.sampling": {"max_tokens": 20, "n": 4, "temperature": 1.0}, "rollout.speedup_probe_every": 1,
+    "rollout.schedule.topk_blocks": [1, 1, 1], "trainer.pool.size": 2, "controller.target": TAU,
+    "metrics": {"port": 0}, "run.steps": STEPS,
+}
 
 # Panels (title, refId) that must return data from a live CPU run. The rest must evaluate; they may be
 # empty here (GPU memory on CPU ranks, recoveries, reward errors, skipped updates' series exist but
@@ -202,8 +181,7 @@ def wait_for(prom: Prometheus, expr: str, check, timeout: float = 90.0) -> list[
 
 def test_live_prometheus_scrapes_a_run_and_evaluates_every_dashboard_query_and_rule(ray_cluster, tiny_qwen3, tmp_path):
     started = time.monotonic()
-    job_file = tmp_path / "job.yaml"
-    job_file.write_text(JOB.format(model=tiny_qwen3, out=tmp_path / "runs"))
+    job_file = tiny_job(tmp_path / "job.yaml", tiny_qwen3, tmp_path / "runs", SETTINGS)
     config = load_config(job_file)
     run_dir = RunDir.create(config.run.out_dir, RUN)
     prom = Prometheus(tmp_path, run_dir.prometheus_targets_file)

@@ -13,6 +13,7 @@ import time
 from collections import Counter
 
 import pytest
+from jobs import tiny_job
 
 ray = pytest.importorskip("ray")
 
@@ -25,31 +26,6 @@ from sparrow.coordinator.step_record import StepRecord  # noqa: E402
 from sparrow.tables import format_table  # noqa: E402
 
 pytestmark = pytest.mark.slow
-
-JOB = """
-model: {model}
-data:
-  arithmetic: {{min_value: 0, max_value: 1, operations: ["+"]}}
-rollout:
-  pool: {{size: {workers}, cpus: 0.5, node_label: rollout_node}}
-  native: {{max_num_seqs: 8, max_model_len: 256, num_kv_blocks: 256}}
-  sampling: {{max_tokens: {max_tokens}, n: 2, temperature: 1.0}}
-  schedule: {{name: tiny, edges: [80, 96], topk_blocks: [2, 2, 3]}}
-trainer:
-  pool: {{size: {ranks}, cpus: 0.5, node_label: trainer_node}}
-  optimizer: {{lr: 1.0e-3}}
-  micro_batch_tokens: 512
-  recompute_topk: 8
-controller: {{ladder: [1, 2, 3, 4, 6, 8], min_samples: 20, window_steps: 1}}
-metrics: {{enabled: false}}
-run:
-  steps: {steps}
-  prompts_per_step: {prompts}
-  mode: {mode}
-  checkpoint_every: 1
-  out_dir: {out}
-  recovery: {{lease_timeout_s: 8, hung_worker_timeout_s: 5}}
-"""
 
 
 @pytest.fixture(scope="module")
@@ -65,11 +41,16 @@ def cluster():
     c.shutdown()
 
 
-def _job(tmp_path, model, name, **kw):
-    values = dict(workers=2, ranks=1, steps=3, prompts=4, mode="sync", max_tokens=16)
-    values.update(kw)
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(JOB.format(model=model, out=tmp_path / "runs", **values))
+def _job(tmp_path, model, name, workers=2, ranks=1, steps=3, prompts=4, mode="sync", max_tokens=16):
+    """Pools on the cluster fixture's labelled nodes, a checkpoint every step, leases that expire fast."""
+    path = tiny_job(tmp_path / f"{name}.yaml", model, tmp_path / "runs", {
+        "rollout.pool": {"size": workers, "cpus": 0.5, "node_label": "rollout_node"},
+        "rollout.native": {"max_num_seqs": 8, "max_model_len": 256, "num_kv_blocks": 256},
+        "rollout.sampling.max_tokens": max_tokens,
+        "trainer.pool": {"size": ranks, "cpus": 0.5, "node_label": "trainer_node"},
+        "run.steps": steps, "run.prompts_per_step": prompts, "run.mode": mode, "run.checkpoint_every": 1,
+        "run.recovery": {"lease_timeout_s": 8, "hung_worker_timeout_s": 5},
+    })
     config = load_config(path, [f"run.name={name}"])
     return config, RunDir.create(config.run.out_dir, name)
 

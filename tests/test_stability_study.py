@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from jobs import tiny_job
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
@@ -18,29 +19,10 @@ from sparrow.coordinator.config import load_config  # noqa: E402
 
 GPU_CONFIG = Path(__file__).resolve().parents[1] / "deploy/configs/smollm2-longctx-h200.yaml"
 
-TINY_JOB = """
-model: {model}
-data:
-  arithmetic: {{min_value: 0, max_value: 1, operations: ["+"]}}
-  eval: {{prompts: 2}}
-rollout:
-  pool: {{size: 1, cpus: 0.5}}
-  native: {{max_num_seqs: 16, max_model_len: 256, num_kv_blocks: 512}}
-  sampling: {{max_tokens: 12, n: 4, temperature: 1.0}}
-  speedup_probe_every: 2
-  schedule: {{name: tiny, edges: [80, 96], topk_blocks: [2, 2, 3]}}
-trainer:
-  pool: {{size: 1, cpus: 0.5}}
-  optimizer: {{lr: 1.0e-3}}
-  micro_batch_tokens: 512
-controller:
-  ladder: [1, 2, 3, 4, 6, 8]
-  min_samples: 20
-  window_steps: 1
-run:
-  prompts_per_step: 2
-  mode: async
-"""
+SETTINGS = {
+    "data.eval": {"prompts": 2}, "rollout.sampling": {"max_tokens": 12, "n": 4, "temperature": 1.0},
+    "rollout.speedup_probe_every": 2, "run.prompts_per_step": 2, "run.mode": "async",
+}
 
 
 def _arm(arm: str) -> tuple:
@@ -83,8 +65,7 @@ def test_convergence_is_the_first_step_with_every_measured_bin_in_band():
 
 @pytest.mark.slow
 def test_one_arm_runs_two_steps_and_merges(tiny_qwen3, tmp_path):
-    config = tmp_path / "job.yaml"
-    config.write_text(TINY_JOB.format(model=tiny_qwen3))
+    config = tiny_job(tmp_path / "job.yaml", tiny_qwen3, None, SETTINGS)
     out = tmp_path / "study"
     main(["--arm", "b", "--config", str(config), "--steps", "2", "--out-dir", str(out), "--max-wall-s", "240"])
     arm = json.loads((out / "arm-b.json").read_text())
@@ -105,8 +86,7 @@ def test_one_arm_runs_two_steps_and_merges(tiny_qwen3, tmp_path):
 def test_an_arm_at_its_wall_cap_keeps_the_steps_it_finished(tiny_qwen3, tmp_path):
     """The arm JSON is written before the job is interrupted (a GPU call's own time limit can end the study while
     the job shuts down) and again after; both say the arm was capped."""
-    config = tmp_path / "job.yaml"
-    config.write_text(TINY_JOB.format(model=tiny_qwen3))
+    config = tiny_job(tmp_path / "job.yaml", tiny_qwen3, None, SETTINGS)
     out = tmp_path / "study"
     main(["--arm", "c", "--config", str(config), "--steps", "500", "--out-dir", str(out), "--max-wall-s", "30",
           "--grace-s", "30"])
