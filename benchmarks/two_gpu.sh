@@ -4,7 +4,13 @@
 #   benchmarks/two_gpu.sh tp-rollout MODEL MODE B   the paper's 32K protocol, the engine split over both GPUs
 #                                                   (MODE dense|sparse; merge the two with `bench rollout-merge`)
 #   benchmarks/two_gpu.sh publish MODEL [N]         weight publication, GPU 0 -> N engines on GPUs 1..N (default 1)
-# MODEL is a shape (qwen3-1.7b, qwen3-4b, qwen3-8b; random bf16 weights). Extra options go to the bench.
+#   benchmarks/two_gpu.sh train [STEPS]             sparrow train, deploy/configs/smollm2-longctx-2gpu.yaml (rollout
+#                                                   worker on one GPU, trainer on the other, NCCL publication), SmolLM2
+#                                                   staged at /tmp/smollm2 (../shared/tools/stage-smollm2.sh); with
+#                                                   KILL_AFTER_S=S the rollout worker's process is killed once, S s into
+#                                                   the run (the job replaces it and goes on; the report counts it)
+# MODEL is a shape (qwen3-1.7b, qwen3-4b, qwen3-8b; random bf16 weights). Extra options go to the bench (to
+# sparrow train for `train`).
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 OUT=${OUT:-/tmp/sparrow-two-gpu}; mkdir -p "$OUT"
@@ -23,5 +29,12 @@ case $stage in
     model=$1 receivers=${2:-1}; shift $(( $# < 2 ? $# : 2 ))
     python3 -m sparrow.cli.main bench publish --model "$model" --device cuda --receivers "$receivers" \
       --out "$OUT/publish-$model-r$receivers.json" "$@" 2>&1 | tee "$OUT/publish-$model-r$receivers.log" ;;
-  *) echo "stage $stage: use tp-test, tp-rollout or publish" >&2; exit 2 ;;
+  train)
+    steps=${1:-6}; shift $(( $# < 1 ? $# : 1 ))
+    if [ "${KILL_AFTER_S:-0}" -gt 0 ]; then
+      ( sleep "$KILL_AFTER_S"; pkill -9 -f 'ray::RolloutWorker' && echo "fault: killed the rollout worker at $KILL_AFTER_S s" ) &
+    fi
+    python3 -m sparrow.cli.main train --config deploy/configs/smollm2-longctx-2gpu.yaml --set model=/tmp/smollm2 \
+      --set run.steps="$steps" --set run.out_dir="$OUT/runs" "$@" 2>&1 | tee "$OUT/train.log" ;;
+  *) echo "stage $stage: use tp-test, tp-rollout, publish or train" >&2; exit 2 ;;
 esac
