@@ -39,6 +39,12 @@ class NativeEngineConfig(EngineSettings):
     prefill_chunk_size: int = Field(2048, ge=16, description="most prompt tokens computed in one prefill step")
     default_logprobs: int = Field(20, ge=0, description="top-k logprobs per token when a caller does not say")
     seed: int = Field(0, description="draws the seeds of requests that give none")
+    overlap_decode: bool = Field(
+        False,
+        description="launch each decode step before reading the previous step's tokens (fed to it on the device), "
+        "so the host's bookkeeping runs while the GPU computes; a sample that stops at a stop token costs one "
+        "discarded row. Same samples as without; not yet measured on a GPU, hence off by default",
+    )
     tensor_parallel_size: int = Field(
         1, ge=1,
         description="ranks the decoder is split over (attention heads and MLP, Megatron-style), each a process with "

@@ -137,9 +137,10 @@ class DecodeGraphs:
             raise ValueError(f"{len(blocks)} blocks exceed the {self.max_blocks} blocks per sequence the graphs hold")
         self.tables[row, : len(blocks)].copy_(torch.tensor(blocks, dtype=torch.int32))
 
-    def stage(self, rows: list[int], token_ids: list[int], seq_lens: list[int], current_blocks: list[int],
-              sparse: bool) -> DecodeStep:
-        """Write one step's inputs (capturing its graph first if new); `replay()` then runs it."""
+    def stage(self, rows: list[int], token_ids: list[int] | None, seq_lens: list[int], current_blocks: list[int],
+              sparse: bool, fed: torch.Tensor | None = None) -> DecodeStep:
+        """Write one step's inputs (capturing its graph first if new); `replay()` then runs it. The token ids
+        come from the host (`token_ids`) or, already on the device, from `fed` (a previous step's draws)."""
         n = len(rows)
         if not 0 < n <= self.max_rows:
             raise ValueError(f"{n} rows: a decode step takes 1..{self.max_rows}")
@@ -152,17 +153,21 @@ class DecodeGraphs:
         pad = batch - n
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's copy has left the pinned buffer
+        ids = [0] * n if token_ids is None else token_ids
         self._host[:, :batch] = torch.tensor(
-            [token_ids + [0] * pad, rows + [self.pad_row] * pad, seq_lens + [0] * pad, current_blocks + [0] * pad]
+            [ids + [0] * pad, rows + [self.pad_row] * pad, seq_lens + [0] * pad, current_blocks + [0] * pad]
         )
         self.inputs[:, :batch].copy_(self._host[:, :batch], non_blocking=True)
         if self._copied is not None:
             self._copied.record()
+        if fed is not None:  # after the host copy on the same stream, so it lands last
+            self.inputs[0, :n].copy_(fed)
         return step
 
-    def run(self, rows, token_ids, seq_lens, current_blocks, sparse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(self, rows, token_ids, seq_lens, current_blocks, sparse: bool,
+            fed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits `[n, V]` (valid until the next step) and blocks attended `[n]` (a copy) of one decode step."""
-        step = self.stage(rows, token_ids, seq_lens, current_blocks, sparse)
+        step = self.stage(rows, token_ids, seq_lens, current_blocks, sparse, fed)
         step.replay()
         n = len(rows)
         return step.logits[:n], step.blocks[:n].clone()

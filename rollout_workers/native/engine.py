@@ -12,6 +12,7 @@ import contextlib
 import random
 import threading
 import time
+from dataclasses import dataclass
 from collections.abc import AsyncIterator, Sequence as Seq
 from pathlib import Path
 
@@ -31,10 +32,19 @@ from .model import DecoderModel
 from .model_runner import ModelRunner
 from .prompt_recompute import PromptRecompute
 from .scheduler import PrefillChunk, Scheduler
-from .sequence import Draws, Sequence
+from .sequence import Draws, PendingDraws, Sequence
 from .teacher_forced import teacher_forced_logprobs
 
 Finished = list[tuple[RolloutRequest, RolloutSample]]
+
+
+@dataclass
+class _InFlight:
+    """A decode step launched whose tokens have not been read yet (`overlap_decode`)."""
+
+    seqs: list[Sequence]
+    draws: PendingDraws
+    schedule_version: int
 
 
 class NativeEngine(RolloutEngine):
@@ -73,8 +83,9 @@ class NativeEngine(RolloutEngine):
         self._aborts_lock = threading.Lock()
         self._counters = dict.fromkeys(
             ("tokens_generated", "prefill_tokens", "decode_tokens", "prefill_steps", "decode_steps",
-             "samples_finished", "samples_failed"), 0)
+             "decode_steps_overlapped", "decode_rows_discarded", "samples_finished", "samples_failed"), 0)
         self._seconds = {"prefill": 0.0, "decode": 0.0}
+        self._inflight: _InFlight | None = None
         if config.schedule:
             self.set_schedule(load_schedule(config.schedule))
 
@@ -123,7 +134,7 @@ class NativeEngine(RolloutEngine):
         with self._session(), tqdm(total=budget, disable=not progress, desc="generate", unit="tok") as bar:
             for request in requests:
                 results += [(request, s) for s in self.add_request(request)]
-            while self.scheduler.has_work():
+            while self.has_unfinished():
                 before = self._counters["tokens_generated"]
                 finished = self._abort_then_step()
                 unused = sum(r.sampling.max_tokens - len(s.token_ids) for r, s in finished)
@@ -147,7 +158,7 @@ class NativeEngine(RolloutEngine):
                         yield failed
                 for _, sample in self._abort(aborts):
                     yield sample
-                if self.scheduler.has_work():
+                if self.has_unfinished():
                     for _, done in await asyncio.to_thread(self._step):
                         yield done
                 elif self._drained(feed):
@@ -207,6 +218,7 @@ class NativeEngine(RolloutEngine):
 
     def _drop_unfinished(self) -> None:
         with self._stepping:  # a cancelled stream's step may still run in its thread
+            self._inflight = None
             for seq in self.scheduler.unfinished():
                 self._finish(seq)
 
@@ -247,7 +259,7 @@ class NativeEngine(RolloutEngine):
         return []
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._inflight is not None
 
     def step(self) -> list[RolloutSample]:
         """Apply the aborts asked for since the last step, run one prefill or decode step; returns the
@@ -256,7 +268,7 @@ class NativeEngine(RolloutEngine):
 
     def _abort_then_step(self) -> Finished:
         finished = self._abort(self._take_aborts()[0])
-        if self.scheduler.has_work():
+        if self.has_unfinished():
             finished += self._step()
         return finished
 
@@ -267,26 +279,32 @@ class NativeEngine(RolloutEngine):
     @torch.inference_mode()
     def _run_step(self) -> Finished:
         start = time.perf_counter()
+        if self._inflight is not None:
+            finished, phase = self._continue_decode(), "decode"
+        else:
+            finished, phase = self._new_step()
+        if self._inflight is None:  # with a step in flight the host goes on: that is the overlap
+            self.runner.synchronize()
+        self._seconds[phase] += time.perf_counter() - start
+        return finished
+
+    def _new_step(self) -> tuple[Finished, str]:
+        """A prefill step if any sequence needs one, else a decode step over the running sequences."""
         finished: Finished = []
         chunks, impossible = self.scheduler.schedule_prefill()
         for seq in impossible:
             finished += self._fail(seq, "the KV cache cannot hold this sequence even alone; raise num_kv_blocks")
         if chunks:
-            finished += self._prefill(chunks)
-            phase = "prefill"
-        else:
-            batch = self.scheduler.schedule_decode()
-            for seq in batch.preempted:
-                self.runner.release_row(seq)
-            for seq in batch.stuck:
-                finished += self._fail(seq, f"KV cache exhausted at {seq.num_tokens} tokens with no sequence left to "
-                                            f"preempt (pool of {self.runner.num_kv_blocks} blocks); raise num_kv_blocks")
-            if batch.seqs:
-                finished += self._decode(batch.seqs)
-            phase = "decode"
-        self.runner.synchronize()
-        self._seconds[phase] += time.perf_counter() - start
-        return finished
+            return finished + self._prefill(chunks), "prefill"
+        batch = self.scheduler.schedule_decode()
+        for seq in batch.preempted:
+            self.runner.release_row(seq)
+        for seq in batch.stuck:
+            finished += self._fail(seq, f"KV cache exhausted at {seq.num_tokens} tokens with no sequence left to "
+                                        f"preempt (pool of {self.runner.num_kv_blocks} blocks); raise num_kv_blocks")
+        if batch.seqs:
+            finished += self._decode(batch.seqs)
+        return finished, "decode"
 
     def _prefill(self, chunks: list[PrefillChunk]) -> Finished:
         completed, logits = self.runner.prefill(chunks)
@@ -299,7 +317,7 @@ class NativeEngine(RolloutEngine):
             group = self._fork(leader) if leader.fork_into > 1 else [leader]
             seqs += group
             rows += [i] * len(group)
-        return self._record(seqs, self.runner.first_tokens(seqs, logits[rows]))
+        return self._record(seqs, self.runner.first_tokens(seqs, logits[rows]), self.schedule_version)
 
     def _fork(self, leader: Sequence) -> list[Sequence]:
         """A group leader whose prompt is cached becomes its n samples (scheduler), and its partial last
@@ -310,22 +328,59 @@ class NativeEngine(RolloutEngine):
         return group
 
     def _decode(self, seqs: list[Sequence]) -> Finished:
+        self._counters["decode_steps"] += 1
+        if self.config.overlap_decode:
+            self._inflight = _InFlight(seqs, self.runner.launch_decode(seqs), self.schedule_version)
+            return []
         draws = self.runner.decode(seqs)
         self._counters["decode_tokens"] += len(seqs)
-        self._counters["decode_steps"] += 1
-        return self._record(seqs, draws)
+        return self._record(seqs, draws, self.schedule_version)
 
-    def _record(self, seqs: list[Sequence], draws: Draws) -> Finished:
-        """Hand the drawn tokens to the scheduler; the samples that ended come back finished."""
+    def _continue_decode(self) -> Finished:
+        """Launch the next decode step, fed with the tokens of the one in flight, then read those tokens and
+        apply the stop rules: the host's work overlaps the GPU's next step. A sequence that stops at a stop
+        token has a row in the next step too; that row is discarded."""
+        prev, self._inflight = self._inflight, None
+        chained = self._chain(prev)
+        if chained:
+            row = {seq: i for i, seq in enumerate(prev.seqs)}
+            fed = prev.draws.output.tokens[torch.tensor([row[s] for s in chained], device=self.runner.device)]
+            self._inflight = _InFlight(chained, self.runner.launch_decode(chained, fed), self.schedule_version)
+            self._counters["decode_steps"] += 1
+            self._counters["decode_steps_overlapped"] += 1
+        draws = prev.draws.resolve()
+        running = set(self.scheduler.running)
+        live = [(i, seq) for i, seq in enumerate(prev.seqs) if seq in running]  # not aborted or stopped since
+        self._counters["decode_tokens"] += len(live)
+        self._counters["decode_rows_discarded"] += len(prev.seqs) - len(live)
+        return self._record([seq for _, seq in live], draws, prev.schedule_version, [i for i, _ in live])
+
+    def _chain(self, prev: _InFlight) -> list[Sequence]:
+        """The sequences of the step after `prev` when it is a plain continuation: no prompt waits for a
+        prefill, and blocks are free for every sequence that goes on; otherwise none (the step in flight is
+        read first, and the next one is scheduled as usual, with preemptions if needed)."""
+        scheduler = self.scheduler
+        if scheduler.waiting or any(not seq.prefilled for seq in scheduler.running):
+            return []
+        running = set(scheduler.running)
+        chained = [seq for seq in prev.seqs if seq in running and scheduler.runs_past_next(seq)]
+        if not chained or not scheduler.reserve_next(chained):
+            return []
+        return chained
+
+    def _record(self, seqs: list[Sequence], draws: Draws, schedule_version: int,
+                rows: list[int] | None = None) -> Finished:
+        """Hand the drawn tokens (of `rows` of the step's batch; default all, in order) to the scheduler; the
+        samples that ended come back finished."""
         finished: Finished = []
-        for seq, error in self.scheduler.postprocess(seqs, draws, self.schedule_version):
+        for seq, error in self.scheduler.postprocess(seqs, draws, schedule_version, rows):
             if error is not None:
                 finished += self._fail(seq, error)
                 continue
             self._finish(seq)
             self._counters["samples_finished"] += 1
             finished.append((seq.request, seq.to_sample(self._policy_version)))
-        self._counters["tokens_generated"] += sum(draws.finite)
+        self._counters["tokens_generated"] += sum(draws.finite[r] for r in (range(len(seqs)) if rows is None else rows))
         return finished
 
     def _finish(self, seq: Sequence) -> None:

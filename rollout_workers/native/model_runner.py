@@ -23,7 +23,7 @@ from .model import DecoderModel
 from .model_loader import load_model, resolve_device, resolve_dtype
 from .sampler import SamplingBatch, sample
 from .scheduler import PrefillChunk
-from .sequence import Draws, Sequence
+from .sequence import Draws, PendingDraws, Sequence
 from .weights import load_weights
 
 log = logging.getLogger(__name__)
@@ -242,32 +242,42 @@ class ModelRunner:
                 budgets.append(DENSE_BUDGET)
         lengths = torch.tensor([seq.num_tokens for seq in seqs])
         blocks = blocks_attended(lengths, torch.tensor(budgets) if self.has_sparse_layers else None, self.layout)
-        return self._draw(logits, blocks.to(self.device), self._sampling_batch(seqs))
+        return PendingDraws.launch(sample(logits, self._sampling_batch(seqs)), blocks.to(self.device)).resolve()
 
     def decode(self, seqs: list[Sequence]) -> Draws:
         """One token for every sequence (each has a block for it), then the next token drawn."""
+        return self.launch_decode(seqs).resolve()
+
+    def launch_decode(self, seqs: list[Sequence], fed: torch.Tensor | None = None) -> "PendingDraws":
+        """Launch one decode step and its sampling; the drawn tokens reach the host asynchronously.
+
+        `fed`: the tokens to feed, on the device (the previous step's draws, not yet on the host: each
+        sequence is then one token longer than its host-side `token_ids`); None = each one's last token.
+        """
         self._zero_new_blocks()
+        ahead = 0 if fed is None else 1
+        bs = self.layout.block_size
+        lengths = [s.num_tokens + ahead for s in seqs]
         # Built before the forward: its host-to-device copies synchronize, which after the forward would
         # stall the host until the GPU is done and expose the sampler's launches.
-        sampling = self._sampling_batch(seqs)
-        bs = self.layout.block_size
-        lengths = [s.num_tokens for s in seqs]
+        sampling = self._sampling_batch(seqs, lengths)
         budgets = self.budgets(lengths)
         for seq, b in zip(seqs, budgets):
             seq.budgets.append(b)
         sparse = self.has_sparse_layers and any(b < self.layout.blocks_for(n) for b, n in zip(budgets, lengths))
         if self.graphs is not None:
             logits, blocks = self.graphs.run(
-                [self._rows[s] for s in seqs], [s.token_ids[-1] for s in seqs], lengths,
-                [s.block_table[(n - 1) // bs] for s, n in zip(seqs, lengths)], sparse,
+                [self._rows[s] for s in seqs], None if fed is not None else [s.token_ids[-1] for s in seqs], lengths,
+                [s.block_table[(n - 1) // bs] for s, n in zip(seqs, lengths)], sparse, fed,
             )
         else:
-            logits, blocks = self._decode_eager(seqs, lengths, budgets, sparse)
-        for seq in seqs:
-            seq.num_cached = seq.num_tokens
-        return self._draw(logits, blocks, sampling)
+            logits, blocks = self._decode_eager(seqs, lengths, budgets, sparse, fed)
+        for seq, n in zip(seqs, lengths):
+            seq.num_cached = n
+        return PendingDraws.launch(sample(logits, sampling), blocks)
 
-    def _decode_eager(self, seqs: list[Sequence], lengths: list[int], budgets: list[int], sparse: bool):
+    def _decode_eager(self, seqs: list[Sequence], lengths: list[int], budgets: list[int], sparse: bool,
+                      fed: torch.Tensor | None):
         dev, bs = self.device, self.layout.block_size
         width = max(self.layout.blocks_for(n) for n in lengths)
         tables = [s.block_table[:width] + [0] * (width - len(s.block_table[:width])) for s in seqs]
@@ -278,7 +288,7 @@ class ModelRunner:
             block_tables=torch.tensor(tables, dtype=torch.int32, device=dev), seq_lens=seq_lens,
             budgets=torch.tensor(budgets, device=dev) if sparse else None, scale=self.spec.head_dim**-0.5,
         )
-        ids = torch.tensor([s.token_ids[-1] for s in seqs], device=dev)
+        ids = fed if fed is not None else torch.tensor([s.token_ids[-1] for s in seqs], device=dev)
         logits = self.model.logits(self.model(ids, seq_lens - 1, attention))
         blocks = attention.blocks_attended
         if blocks is None:
@@ -287,14 +297,8 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ sampling
 
-    def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
-        return SamplingBatch.build([s.sampling for s in seqs], [s.seed for s in seqs], [s.num_tokens for s in seqs],
-                                   self.device)
+    def _sampling_batch(self, seqs: list[Sequence], positions: list[int] | None = None) -> SamplingBatch:
+        """`positions`: the index each row's next token takes (default: each sequence's length)."""
+        positions = [s.num_tokens for s in seqs] if positions is None else positions
+        return SamplingBatch.build([s.sampling for s in seqs], [s.seed for s in seqs], positions, self.device)
 
-    @staticmethod
-    def _draw(logits: torch.Tensor, blocks: torch.Tensor, sampling: SamplingBatch) -> Draws:
-        """The step's only device-to-host copy is the tokens with their finiteness flags (logprobs and
-        top-k lists stay on the device until a sample ends)."""
-        output = sample(logits, sampling)
-        tokens, finite = torch.stack([output.tokens, output.finite.long()]).tolist()
-        return Draws(output, blocks, tokens, finite)

@@ -151,6 +151,16 @@ class Scheduler:
             batch.seqs.append(seq)
         return batch
 
+    def reserve_next(self, seqs: list[Sequence]) -> bool:
+        """Blocks for one token more than each sequence holds on the host (its next token, drawn but not yet
+        read), for every sequence or for none; False when the pool lacks them (no one is preempted)."""
+        short = [s for s in seqs if len(s.block_table) < self.layout.blocks_for(s.num_tokens + 1)]
+        if len(short) > self.blocks.num_free:
+            return False
+        for seq in short:
+            seq.block_table += self.blocks.allocate(1)
+        return True
+
     def preempt(self, seq: Sequence) -> Sequence:
         self.blocks.release(seq.block_table + seq.reserved_blocks)
         seq.block_table, seq.reserved_blocks = [], []
@@ -183,13 +193,14 @@ class Scheduler:
 
     # ------------------------------------------------------------------ stop and finish
 
-    def postprocess(self, seqs: list[Sequence], draws: Draws, schedule_version: int) -> list[tuple[Sequence, str | None]]:
-        """Record each sequence's drawn token. Returns, in row order, the sequences that ended this step:
-        (sequence, None) when it stopped (its `finish_reason` is set), (sequence, error) when its logits
-        were not finite. The caller finishes them."""
+    def postprocess(self, seqs: list[Sequence], draws: Draws, schedule_version: int,
+                    rows: list[int] | None = None) -> list[tuple[Sequence, str | None]]:
+        """Record each sequence's drawn token (from its row of the step's batch; default: rows in order).
+        Returns, in row order, the sequences that ended this step: (sequence, None) when it stopped (its
+        `finish_reason` is set), (sequence, error) when its logits were not finite. The caller finishes them."""
         ended: list[tuple[Sequence, str | None]] = []
-        for row, (seq, ok) in enumerate(zip(seqs, draws.finite)):
-            if not ok:
+        for row, seq in zip(range(len(seqs)) if rows is None else rows, seqs):
+            if not draws.finite[row]:
                 ended.append((seq, f"non-finite logits at position {seq.num_tokens - 1}"))
                 continue
             seq.record(draws, row, schedule_version)
@@ -198,6 +209,11 @@ class Scheduler:
                 seq.finish_reason = reason
                 ended.append((seq, None))
         return ended
+
+    def runs_past_next(self, seq: Sequence) -> bool:
+        """The sequence goes on after its next token whatever that token is: the token is not its last by
+        `max_tokens` or `max_model_len` (a stop token shows only once the token is read)."""
+        return seq.num_generated + 1 < seq.sampling.max_tokens and seq.num_tokens + 1 < self.max_model_len
 
     def stop_reason(self, seq: Sequence) -> str | None:
         """Why the sequence stops after its newest token, or None."""

@@ -21,6 +21,33 @@ class Draws:
     finite: list[int]
 
 
+class PendingDraws:
+    """A step's draws on their way to the host: the tokens and finiteness flags (the step's only
+    device-to-host copy; logprobs and top-k lists stay on the device until a sample ends) are copied into
+    pinned memory without waiting, so the host can launch the next step before reading them (`resolve`)."""
+
+    def __init__(self, output: SampleOutput, blocks: torch.Tensor, host: torch.Tensor, ready):
+        self.output, self.blocks, self._host, self._ready = output, blocks, host, ready
+
+    @classmethod
+    def launch(cls, output: SampleOutput, blocks: torch.Tensor) -> "PendingDraws":
+        flags = torch.stack([output.tokens, output.finite.long()])
+        if flags.device.type != "cuda":
+            return cls(output, blocks, flags, None)
+        host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+        host.copy_(flags, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return cls(output, blocks, host, ready)
+
+    def resolve(self) -> Draws:
+        """Wait for the copy; the draws with their tokens on the host."""
+        if self._ready is not None:
+            self._ready.synchronize()
+        tokens, finite = self._host.tolist()
+        return Draws(self.output, self.blocks, tokens, finite)
+
+
 @dataclass(eq=False)
 class Sequence:
     """Positions `< prompt_len` are the prompt. Every forward pass whose query sits at a position

@@ -23,6 +23,8 @@ def register_rollout(actions) -> None:
     r.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     r.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "reference", "triton"])
     r.add_argument("--no-cuda-graphs", action="store_true", help="decode with eager launches on CUDA (default: graphs)")
+    r.add_argument("--overlap-decode", action="store_true",
+                   help="launch each decode step before reading the previous one's tokens (NativeEngineConfig.overlap_decode)")
     r.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
     r.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                    help="split the engine over N ranks, one process (and GPU) each, in lockstep (default 1)")

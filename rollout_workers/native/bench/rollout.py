@@ -31,8 +31,8 @@ from sparrow.tables import format_table
 from .real_run import protocol_requests, real_rollout
 
 MODES = ("dense", "sparse")
-RUN_KEYS = ("model", "device", "device_name", "dtype", "backend", "cuda_graphs", "tensor_parallel", "prompt_len",
-            "gen_len", "batch", "samples", "seed", "schedule")
+RUN_KEYS = ("model", "device", "device_name", "dtype", "backend", "cuda_graphs", "overlap_decode", "tensor_parallel",
+            "prompt_len", "gen_len", "batch", "samples", "seed", "schedule")
 """What two single-mode results must share to be merged into one comparison."""
 SPARE_BLOCKS = 16
 
@@ -64,6 +64,7 @@ def build_engine(args, model, batch: int):
     config = NativeEngineConfig(
         device=str(model.device), dtype=args.dtype, attention_backend=args.attention_backend, max_num_seqs=batch,
         cuda_graphs=False if args.no_cuda_graphs else graphs, tensor_parallel_size=args.tensor_parallel,
+        overlap_decode=args.overlap_decode,
         num_kv_blocks=batch * DEFAULT_LAYOUT.blocks_for(total + 1) + SPARE_BLOCKS,
         max_model_len=min(total + DEFAULT_LAYOUT.block_size, model.rope.cos.shape[0]),
         prefill_chunk_size=max(2048, args.prompt_len),
@@ -187,7 +188,8 @@ def measure(args, device: torch.device) -> dict:
         "model": args.model, "device": device.type,
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads() if device.type == "cpu" else None,
-        "backend": stats["attention_backend"], "cuda_graphs": stats["cuda_graphs"], "tensor_parallel": args.tensor_parallel,
+        "backend": stats["attention_backend"], "cuda_graphs": stats["cuda_graphs"],
+        "overlap_decode": args.overlap_decode, "tensor_parallel": args.tensor_parallel,
         "prompt_len": args.prompt_len, "gen_len": args.gen_len, "batch": batch, "samples": args.samples, "seed": args.seed,
         "schedule": schedule.name, "modes": results,
     }
@@ -230,7 +232,8 @@ def render(report: dict) -> str:
     tp = report.get("tensor_parallel", 1)
     ranks = f" x{tp} (tensor parallel)" if tp > 1 else ""
     lines = [f"{report['model']} on {report['device_name']}{ranks}{threads} ({report['dtype']}, {report['backend']} attention"
-             f"{', CUDA graphs' if report['cuda_graphs'] else ''}), batch {report['batch']} "
+             f"{', CUDA graphs' if report['cuda_graphs'] else ''}"
+             f"{', overlapped decode' if report.get('overlap_decode') else ''}), batch {report['batch']} "
              f"({report['batch'] // report['samples']} prompts x {report['samples']}), prompt {report['prompt_len']} "
              f"+ gen {report['gen_len']} tokens",
              format_table(["mode", "prefill s", "decode s", "decode tok/s", "total tok/s", "median step ms",
