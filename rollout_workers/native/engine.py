@@ -34,6 +34,7 @@ from .prompt_recompute import PromptRecompute
 from .scheduler import PrefillChunk, Scheduler
 from .sequence import Draws, PendingDraws, Sequence
 from .teacher_forced import teacher_forced_logprobs
+from .transfer import to_device
 
 Finished = list[tuple[RolloutRequest, RolloutSample]]
 
@@ -344,7 +345,7 @@ class NativeEngine(RolloutEngine):
         chained = self._chain(prev)
         if chained:
             row = {seq: i for i, seq in enumerate(prev.seqs)}
-            fed = prev.draws.output.tokens[torch.tensor([row[s] for s in chained], device=self.runner.device)]
+            fed = prev.draws.output.tokens[to_device([row[s] for s in chained], self.runner.device)]
             self._inflight = _InFlight(chained, self.runner.launch_decode(chained, fed), self.schedule_version)
             self._counters["decode_steps"] += 1
             self._counters["decode_steps_overlapped"] += 1

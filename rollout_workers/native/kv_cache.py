@@ -6,6 +6,7 @@ import torch
 from sparrow.kernels import SparseAttentionConfig
 
 from .model_spec import ModelSpec
+from .transfer import to_device
 
 
 def bytes_per_block(spec: ModelSpec, attention: SparseAttentionConfig, dtype: torch.dtype) -> int:
@@ -37,7 +38,7 @@ class KVCache:
         return self.k[i], self.v[i], None if j is None else self.landmarks[j]
 
     def zero_blocks(self, blocks: list[int]) -> None:
-        index = torch.tensor(blocks, device=self.k.device)
+        index = to_device(blocks, self.k.device)
         for t in (self.k, self.v, self.landmarks):
             t.index_fill_(1, index, 0)
 

@@ -13,6 +13,8 @@ import torch
 
 from sparrow.seeds import mix_seed
 
+from .transfer import to_device
+
 @dataclass
 class SamplingBatch:
     """One row per sequence to sample, all tensors `[R]` on the logits' device."""
@@ -29,10 +31,11 @@ class SamplingBatch:
     @classmethod
     def build(cls, params, seeds, positions, device) -> "SamplingBatch":
         """`params`: a SamplingParams per row; `seeds` 64-bit ints; `positions`: index of the token to draw."""
+        device = torch.device(device)
         return cls(
-            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
-            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
-            top_k=torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
+            temperature=to_device([p.temperature for p in params], device, torch.float32),
+            top_p=to_device([p.top_p for p in params], device, torch.float32),
+            top_k=to_device([p.top_k for p in params], device, torch.long),
             noise_seeds=[mix_seed(s, p) for s, p in zip(seeds, positions)],
             num_logprobs=max((p.logprobs for p in params), default=0),
             any_random=any(p.temperature > 0 for p in params),
