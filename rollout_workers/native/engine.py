@@ -4,6 +4,7 @@ Requests come in (`add_request`), steps run (`step`), finished samples go out. E
 `Scheduler` which sequences run (a prefill step: new prompts, chunks of long prompts, recomputation
 of preempted sequences; or a decode step over every running sequence), has the `ModelRunner` run
 them as one forward pass and draw their next tokens, and lets the scheduler apply the stop rules.
+With `overlap_decode`, a decode step is launched before the previous one's tokens are read (`_InFlight`).
 See docs/native_engine.md for the cache layout, the allocator and how blocks attended are counted.
 """
 
@@ -12,8 +13,8 @@ import contextlib
 import random
 import threading
 import time
-from dataclasses import dataclass
 from collections.abc import AsyncIterator, Sequence as Seq
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
