@@ -196,12 +196,17 @@ def test_live_prometheus_scrapes_a_run_and_evaluates_every_dashboard_query_and_r
             up = wait_for(prom, f'up{{run="{RUN}"}}', lambda r: len(r) == 4 and all(value(s) == 1 for s in r))
             assert by("worker", up) == dict.fromkeys(PROCESSES, 1.0), prom.api("targets")
             records = job.run()
+            ended = time.time()
             last = records[-1]
 
-            # Prometheus has scraped the end state at least twice (rate() needs two samples).
+            # Prometheus has scraped the end state at least twice (rate() needs two samples), and every process
+            # after the job ended, so each gauge holds its last value (a trainer rank's loss of the last step).
             for series in ("sparrow_train_step", "sparrow_rollout_tokens_total", "sparrow_train_step_seconds"):
                 wait_for(prom, f'min(count_over_time({series}{{run="{RUN}"}}[1m])) >= 2 and on() '
                          f'(sparrow_train_step{{run="{RUN}"}} == {STEPS})', bool)
+            scraped = wait_for(prom, f'timestamp(up{{run="{RUN}"}})',
+                               lambda r: len(r) == 4 and all(value(s) > ended for s in r))
+            assert all(value(s) > ended for s in scraped), f"not every process was scraped after the job ended: {scraped}"
 
             targets = prom.api("targets")["data"]["activeTargets"]
             assert {t["labels"]["worker"]: t["labels"]["role"] for t in targets} == PROCESSES
