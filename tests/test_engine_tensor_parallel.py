@@ -146,23 +146,24 @@ def test_a_size_that_does_not_divide_the_model_is_refused(tiny_qwen3):
 
 
 def test_bench_rollout_over_two_ranks_measures_what_one_process_does(capsys):
-    """`sparrow bench rollout --tensor-parallel 2` (gloo ranks): the same decode steps, tokens and blocks attended
-    as one process; under a time cap both ranks stop at the same step (one stopping alone would leave the other
+    """`sparrow bench rollout --tensor-parallel 2` (gloo ranks), plain and with the overlapped decode: the same
+    decode steps, tokens and blocks attended as one process; under a time cap both ranks stop at the same step (one stopping alone would leave the other
     waiting in an all-reduce); a size that does not divide the model is refused before any rank starts."""
     from sparrow.cli.main import main
 
     common = ["bench", "rollout", "--model", "tiny", "--prompt-len", "64", "--gen-len", "40", "--batch", "4",
               "--samples", "2", "--budget", "3", "--threads", "1", "--json"]
     reports = []
-    for ranks in ("1", "2"):
-        assert main([*common, "--tensor-parallel", ranks]) == 0
+    for extra in (["--tensor-parallel", "1"], ["--tensor-parallel", "2"], ["--tensor-parallel", "2", "--overlap-decode"]):
+        assert main([*common, *extra]) == 0
         reports.append(json.loads(capsys.readouterr().out))
-    one, two = reports
-    assert (one["tensor_parallel"], two["tensor_parallel"]) == (1, 2)
+    one, two, overlapped = reports
+    assert (one["tensor_parallel"], two["tensor_parallel"], overlapped["overlap_decode"]) == (1, 2, True)
     for mode in ("dense", "sparse"):
-        a, b = one["modes"][mode], two["modes"][mode]
-        assert a["decode_steps"] == b["decode_steps"] == 39 and a["decode_tokens"] == b["decode_tokens"] == 4 * 39
-        assert a["mean_blocks"] == b["mean_blocks"] and a["errors"] == b["errors"] == 0
+        a, b, c = one["modes"][mode], two["modes"][mode], overlapped["modes"][mode]
+        assert a["decode_steps"] == b["decode_steps"] == c["decode_steps"] == 39
+        assert a["decode_tokens"] == b["decode_tokens"] == c["decode_tokens"] == 4 * 39
+        assert a["mean_blocks"] == b["mean_blocks"] == c["mean_blocks"] and a["errors"] == b["errors"] == c["errors"] == 0
     assert two["modes"]["sparse"]["mean_blocks"] < two["modes"]["dense"]["mean_blocks"]
 
     capped = [*common, "--gen-len", "400", "--tensor-parallel", "2", "--mode", "dense", "--time-cap", "0.01"]
