@@ -13,7 +13,6 @@ import json
 import math
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from stability.arms import ARMS, arm_overrides  # noqa: E402
 from stability.plots import plot_all  # noqa: E402
 from stability.summary import TABLE_HEADERS, arm_summary, table_row  # noqa: E402
+from train_runs import interrupt, step_records, train_command  # noqa: E402
 
 
 def _fail(message: str) -> None:
@@ -55,16 +55,6 @@ def _study_overrides(args) -> tuple[list[str], dict]:
                   "dense_blocks": [math.ceil(end / bins.block_size) for end in ends]}
 
 
-def _interrupt(proc: subprocess.Popen, grace_s: float) -> None:
-    """SIGINT (the job shuts its pools down and writes its report), then SIGKILL if it does not end in grace_s."""
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(grace_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
 SMALL_RUN_FILES = ("config.yaml", "metrics.jsonl", "controller_decisions.jsonl", "events.jsonl", "report")
 """What of a run directory is kept next to the arm JSON when --runs-dir puts the run (and its checkpoint) elsewhere."""
 
@@ -89,16 +79,14 @@ def run_arm(args) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     args.out_dir = out_dir
     sets, facts = _study_overrides(args)
-    command = [sys.executable, "-m", "sparrow.cli.main", "train", "--no-progress"]
-    command += ["--config", str(args.config)] if args.config else []
-    command += [a for s in sets for a in ("--set", s)]
+    command = train_command(args.config, sets)
     print(f"arm {args.arm}: {ARMS[args.arm]}; {args.steps} steps, cap {args.max_wall_s:.0f} s", flush=True)
     print("command: " + shlex.join(command), flush=True)
     start = time.monotonic()
     proc = subprocess.Popen(command)  # its one line per step is the progress
 
     def write(capped: bool) -> Path:
-        records = _records(run_dir / "metrics.jsonl")
+        records = step_records(run_dir)
         if args.runs_dir != out_dir and run_dir.is_dir():
             _keep_small_files(run_dir, out_dir / f"arm-{args.arm}")
         summary = arm_summary(args.arm, ARMS[args.arm], command, records, capped, proc.returncode, **facts)
@@ -115,14 +103,8 @@ def run_arm(args) -> Path:
     except subprocess.TimeoutExpired:
         print(f"arm {args.arm}: wall cap {args.max_wall_s:.0f} s reached; interrupting the job", flush=True)
         write(capped=True)  # the steps done so far are kept even if the machine's own limit ends us while it shuts down
-        _interrupt(proc, args.grace_s)
+        interrupt(proc, args.grace_s)
         return write(capped=True)
-
-
-def _records(path: Path) -> list[dict]:
-    from sparrow.jsonl import read_jsonl
-
-    return read_jsonl(path) if path.is_file() else []
 
 
 def merge(paths: list[Path], out_dir: Path) -> Path:
