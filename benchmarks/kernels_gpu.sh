@@ -14,4 +14,4 @@ fi
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
 python3 -m pytest tests/test_triton_kernels.py -m gpu -q -p no:cacheprovider -rfE 2>&1 | tee "$OUT/tests.log"
-python3 -m sparrow.kernels.triton.bench --out "$OUT/kernels.json" "$@" 2>&1 | tee "$OUT/bench.log"
+python3 -m sparrow.kernels.bench_cli --out "$OUT/kernels.json" "$@" 2>&1 | tee "$OUT/bench.log"

@@ -1,6 +1,9 @@
 """The options of `sparrow bench kernels` (the CLI registers them). Triton-free, so the CLI builds its
-parser anywhere; the benchmark itself (`sparrow.kernels.triton.bench`) is imported only when chosen."""
+parser anywhere; the benchmark itself (`sparrow.kernels.triton.bench`) is imported only when chosen.
+`python -m sparrow.kernels.bench_cli [options]` runs it without the rest of the CLI."""
 
+import argparse
+import sys
 from pathlib import Path
 
 from sparrow.layout import BLOCK_SIZE
@@ -21,10 +24,19 @@ def register(actions) -> None:
     k.set_defaults(handler=run_kernels)
 
 
-def run_kernels(args) -> int:
-    import sys
-
+def run_kernels(args, command: str | None = None) -> int:
     from .triton.bench import run_from_args
 
-    run_from_args(args, "sparrow " + " ".join(sys.argv[1:]))
+    run_from_args(args, command or "sparrow " + " ".join(sys.argv[1:]))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m sparrow.kernels.bench_cli")
+    register(parser.add_subparsers(dest="action", required=True))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    return run_kernels(parser.parse_args(["kernels", *argv]), "python -m sparrow.kernels.bench_cli " + " ".join(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -9,14 +9,12 @@ same run (bytes read + written):
     dense   = Σ_b L_b · H_kv · D · 2 (K and V) · 2 B
     sparse  = selected K/V tokens · H_kv · D · 4 B + candidate landmarks · H_kv · W · 2 B + scores (fp32, written + read)
 
-Run: `sparrow bench kernels` or `python -m sparrow.kernels.triton.bench` (CUDA only).
+Run: `sparrow bench kernels` or `python -m sparrow.kernels.bench_cli` (CUDA only).
 """
 
-import argparse
 import datetime
 import json
 import math
-import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -394,18 +392,3 @@ def run_from_args(args, command: str) -> dict:
     if out is None and torch.cuda.is_available():
         out = default_out_path(torch.cuda.get_device_properties(0).name)
     return run(spec, out, command)
-
-
-def main(argv: list[str] | None = None) -> int:
-    from ..bench_cli import register
-
-    parser = argparse.ArgumentParser(prog="python -m sparrow.kernels.triton.bench")
-    register(parser.add_subparsers(dest="action", required=True))
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = parser.parse_args(["kernels", *argv])
-    run_from_args(args, "python -m sparrow.kernels.triton.bench " + " ".join(argv))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
