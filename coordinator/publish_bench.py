@@ -10,8 +10,6 @@ publication each receiver's parameters are checked against the sender's (a float
 
 import datetime
 import json
-import queue as queues
-import socket
 import sys
 import time
 from pathlib import Path
@@ -19,6 +17,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
+from sparrow.processes import free_port, gather
 from sparrow.tables import format_table
 
 PUBLISHED_FIGURES = [
@@ -27,12 +26,6 @@ PUBLISHED_FIGURES = [
     ("slime, NCCL from_distributed", "GLM-4.5 355B-A32B bf16", "-", "48 s"),
 ]
 """What peers publish (reference/anchors.md section 8.1), printed beside our table; not measured here."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _device(args, rank: int) -> torch.device:
@@ -100,29 +93,10 @@ def run(args) -> dict:
         raise ValueError(f"--receivers={args.receivers} on CUDA needs {args.receivers + 1} GPUs (the sender's and one a "
                          f"receiver: NCCL joins no two ranks on one GPU); this machine has {torch.cuda.device_count()}")
     ctx = mp.get_context("spawn")
-    queue, port = ctx.Queue(), _free_port()
+    queue, port = ctx.Queue(), free_port()
     procs = [ctx.Process(target=_sender, args=(args, port, queue))]
     procs += [ctx.Process(target=_receiver, args=(r, args, port, queue)) for r in range(1, args.receivers + 1)]
-    for p in procs:
-        p.start()
-    results: dict[str, list[dict]] = {}
-    try:
-        while len(results) < len(procs):
-            if any(p.exitcode not in (None, 0) for p in procs):
-                break
-            try:
-                kind, value = queue.get(timeout=1.0)
-            except queues.Empty:  # keep watching the processes
-                continue
-            results[kind] = value
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
-    failed = {i: p.exitcode for i, p in enumerate(procs) if p.exitcode}
-    if failed or len(results) < len(procs):
-        raise RuntimeError(f"publish benchmark process(es) failed (process: exit code) {failed}; their errors are above")
+    results = gather(procs, queue, len(procs), "sparrow bench publish")
     return summarise(args, results)
 
 

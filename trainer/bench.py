@@ -5,19 +5,14 @@ timed `train_step` and `recompute` calls, and broadcasts the weights over a coll
 group to the receiver. CPU: gloo, float32. CUDA: NCCL, bfloat16; the receiver uses the last GPU.
 """
 
-import socket
 import time
 
 import torch
 import torch.multiprocessing as mp
 
+from sparrow.processes import free_port, gather
+
 from .batch import Trajectory, TrajectoryBatch
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def synthetic_batch(num: int, prompt_len: int, response_len: int, vocab: int, seed: int = 0) -> TrajectoryBatch:
@@ -84,24 +79,9 @@ def run(config: dict, ranks: int, batch: int, prompt_len: int, response_len: int
             "publish": publish, "publishes": publishes}
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    master, weights = _free_port(), _free_port()
+    master, weights = free_port(), free_port()
     procs = [ctx.Process(target=_trainer, args=(r, ranks, config, master, weights, args, queue)) for r in range(ranks)]
     if publish:
         device = f"cuda:{torch.cuda.device_count() - 1}" if config.get("device") == "cuda" else "cpu"
         procs.append(ctx.Process(target=_receiver, args=(weights, args, device, queue)))
-    for p in procs:
-        p.start()
-    out = {}
-    try:
-        for _ in range(2 if publish else 1):
-            kind, value = queue.get(timeout=3600)
-            out[kind] = value
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
-    failed = [p.exitcode for p in procs if p.exitcode]
-    if failed:
-        raise RuntimeError(f"benchmark process(es) failed with exit codes {failed}")
-    return out
+    return gather(procs, queue, 2 if publish else 1, "sparrow bench trainer")

@@ -374,6 +374,7 @@ class NativeEngine(RolloutEngine):
                 rows: list[int] | None = None) -> Finished:
         """Hand the drawn tokens (of `rows` of the step's batch; default all, in order) to the scheduler; the
         samples that ended come back finished."""
+        rows = list(range(len(seqs))) if rows is None else rows
         finished: Finished = []
         for seq, error in self.scheduler.postprocess(seqs, draws, schedule_version, rows):
             if error is not None:
@@ -382,7 +383,7 @@ class NativeEngine(RolloutEngine):
             self._finish(seq)
             self._counters["samples_finished"] += 1
             finished.append((seq.request, seq.to_sample(self._policy_version)))
-        self._counters["tokens_generated"] += sum(draws.finite[r] for r in (range(len(seqs)) if rows is None else rows))
+        self._counters["tokens_generated"] += sum(draws.finite[r] for r in rows)
         return finished
 
     def _finish(self, seq: Sequence) -> None:

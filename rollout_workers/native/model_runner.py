@@ -258,8 +258,6 @@ class ModelRunner:
         ahead = 0 if fed is None else 1
         bs = self.layout.block_size
         lengths = [s.num_tokens + ahead for s in seqs]
-        # Built before the forward: its host-to-device copies synchronize, which after the forward would
-        # stall the host until the GPU is done and expose the sampler's launches.
         sampling = self._sampling_batch(seqs, lengths)
         budgets = self.budgets(lengths)
         for seq, b in zip(seqs, budgets):

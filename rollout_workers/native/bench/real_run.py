@@ -68,11 +68,10 @@ def real_rollout(engine, requests: list[RolloutRequest], time_cap_s: float | Non
                 progress(len(step_s))
         if time_cap_s is not None and (agree is None or engine_steps % AGREE_EVERY == 0):
             passed = time.perf_counter() - start > time_cap_s
-            if not (passed if agree is None else agree(passed)):
-                continue
-            engine.drop_unfinished()
-            truncated = True
-            break
+            if passed if agree is None else agree(passed):
+                engine.drop_unfinished()
+                truncated = True
+                break
     wall = time.perf_counter() - start
     after = engine.stats()
     d = {k: after[k] - before[k] for k in ("prefill_seconds", "decode_seconds", "decode_tokens", "decode_steps",

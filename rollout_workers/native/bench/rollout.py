@@ -162,7 +162,7 @@ def measure(args, device: torch.device) -> dict:
     prompts = [tuple(torch.randint(0, model.spec.vocab_size, (args.prompt_len,), generator=gen).tolist())
                for _ in range(batch // args.samples)]
     agree = None if tp is None else (lambda passed: tp.smallest(int(not passed), device) == 0)
-    reports = tp is None or tp.rank == 0
+    prints = tp is None or tp.rank == 0
     modes = [(m, None if m == "dense" else schedule) for m in (MODES if args.mode == "both" else (args.mode,))]
     for _, sched in modes:  # warm-up of each mode's kernels (Triton compiles on first use)
         engine.set_schedule(sched)
@@ -172,7 +172,7 @@ def measure(args, device: torch.device) -> dict:
         for mode, sched in modes:
             engine.set_schedule(sched)
             progress = (lambda n, m=mode: print(f"  {m}: {n}/{args.gen_len - 1} decode steps", file=sys.stderr,
-                                                flush=True)) if reports else None
+                                                flush=True)) if prints else None
             res = real_rollout(engine, protocol_requests(prompts, args.samples, args.gen_len, args.seed), args.time_cap,
                                progress, agree)
             if mode not in results or res["decode_tok_s"] > results[mode]["decode_tok_s"]:
