@@ -35,7 +35,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from sparrow.acceptance import AlphaHistogram
 from sparrow.coordinator.controller import ControllerConfig, SparsityController, initial_schedule
 from sparrow.coordinator.loggers import open_loggers
-from sparrow.coordinator.metrics import ScrapeTargets, SparrowMetrics, start_metrics_server
+from sparrow.coordinator.metrics import ScrapeTargets, SparrowMetrics, busy_fractions, start_metrics_server
 from sparrow.coordinator.transport import Health, JobControlServer, JobCredentials, PoolStatus, ResizeRequests, advertised_host
 from sparrow.cost import CostModel, ModelShape, RolloutSpec, resolve_hardware
 from sparrow.schedule import SparsitySchedule
@@ -282,8 +282,7 @@ class TrainingJob:
         busy = ray.get(self.dispatcher.busy_seconds.remote())
         since, before = self._busy_mark
         self._busy_mark = (now, busy)
-        window = max(now - since, 1e-9)
-        return {w: min(1.0, (busy[w] - before.get(w, 0.0)) / window) for w in sorted(busy)}
+        return busy_fractions(before, busy, now - since)
 
     def _await_rollouts(self, step: int):
         """Wait for step `step`'s groups, supervising the fleet and moving the token bar meanwhile."""

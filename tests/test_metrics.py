@@ -312,3 +312,13 @@ def test_busy_rate_reports_each_busy_second_and_each_shorter_burst_that_ends_idl
     short = BusyRate()
     rates = [short.update(tokens=240 * step, busy_seconds=0.3 * step, idle=True) for step in (1, 2, 3)]
     assert rates == pytest.approx([800.0] * 3)
+
+
+def test_utilisation_of_a_replaced_worker_counts_its_restarted_busy_counter():
+    from sparrow.coordinator.metrics import busy_fractions
+
+    before = {"rollout-0": 30.0, "rollout-1": 12.0}
+    # rollout-0 was replaced during the 40 s window: its new actor has been busy 6 s (its count restarted at 0)
+    now = {"rollout-0": 6.0, "rollout-1": 32.0, "rollout-2": 50.0}
+    assert busy_fractions(before, now, 40.0) == pytest.approx({"rollout-0": 0.15, "rollout-1": 0.5, "rollout-2": 1.0})
+    assert busy_fractions(now, now, 0.0) == {"rollout-0": 0.0, "rollout-1": 0.0, "rollout-2": 0.0}

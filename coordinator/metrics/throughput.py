@@ -23,3 +23,17 @@ class BusyRate:
         rate = (tokens - self.tokens) / busy
         self.tokens, self.busy_seconds = tokens, busy_seconds
         return rate
+
+
+def busy_fractions(before: dict[str, float], now: dict[str, float], window_s: float) -> dict[str, float]:
+    """Per worker: the fraction of `window_s` its engine was busy, from cumulative busy seconds then and now.
+
+    A counter lower than before belongs to a replacement started under the same name (its count restarted
+    from 0), so all of it fell in the window, as Prometheus reads a counter reset.
+    """
+    window = max(window_s, 1e-9)
+    fractions = {}
+    for worker in sorted(now):
+        busy = now[worker] - before.get(worker, 0.0)
+        fractions[worker] = min(1.0, (now[worker] if busy < 0 else busy) / window)
+    return fractions
