@@ -1,6 +1,7 @@
 """`sparrow bench publish`: weight publication as a job does it, timed: trainer rank 0's state dict, bucketed,
 broadcast over a collective weight group (`run.weights_channel: collective`; NCCL on GPUs, gloo on the CPU)
-to N native engines, each taking it through `WeightReceiver` (received, validated, copied in place).
+to N native engines, each taking it through `WeightReceiver` as a rollout worker does (received, staged in
+host memory, validated, copied in place).
 
 One sender process and N receiver processes (on CUDA one GPU each: NCCL joins no two ranks on one GPU). The
 model is an HF directory or a shape name with random weights (the bytes moved depend on the shape only), on
@@ -78,7 +79,7 @@ def _receiver(rank: int, args, port: int, queue) -> None:
                                              cuda_graphs=False), model=model)
     group = CollectiveGroup("127.0.0.1", port, rank, args.receivers + 1, "nccl" if device.type == "cuda" else "gloo",
                             device)
-    receiver, rows = WeightReceiver(engine, device), []
+    receiver, rows = WeightReceiver(engine), []
     for _ in range(args.publishes):
         report = receiver.receive(CollectiveSource(group))
         rows.append({"version": report.version, "receive_s": report.seconds,

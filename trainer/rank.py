@@ -511,10 +511,7 @@ class TrainerRank:
         bucket_bytes = int(self.config.publish.bucket_mb * 2**20)
         manifest = Manifest(version, plan_buckets(self.exporter.specs(), bucket_bytes))
         merge = self.config.distill_sparse.enabled
-        report = send_buckets(
-            manifest, lambda b: self.exporter.tensors([e.name for e in b.entries], merge), sender,
-            self.device if channel == "collective" else "cpu",
-        )
+        report = send_buckets(manifest, lambda b: self.exporter.tensors([e.name for e in b.entries], merge), sender)
         return report if self.rank == 0 else None
 
     # ------------------------------------------------------------------ checkpoints and export

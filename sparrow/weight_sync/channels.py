@@ -6,9 +6,9 @@
 - `ObjectStoreSender` / `HandleSource`: buckets go into Ray's object store and a `WeightHandle`
   (manifest + object refs) is passed to the workers, which fetch them.
 
-Senders implement begin(manifest) / send(bucket index, flat tensor) / finish(); sources (the receiving
-side) implement manifest() / bucket(index, bucket) / finish(). finish() returns once the data has
-landed, so the publication time covers the whole transfer.
+Senders have a `device` (where buckets are packed) and implement begin(manifest) / send(bucket index,
+flat tensor) / finish(); sources (the receiving side) implement manifest() / bucket(index, bucket) /
+finish(). finish() returns once the data has landed, so the publication time covers the whole transfer.
 """
 
 from dataclasses import dataclass
@@ -72,12 +72,14 @@ class CollectiveSender:
         if group.rank != 0:
             raise ValueError(f"only rank 0 of a weight group sends; this member is rank {group.rank}")
         self.group = group
+        self.device = group.device
+        """Where buckets are packed: the group's device, so NCCL sends them straight from GPU memory."""
 
     def begin(self, manifest: Manifest) -> None:
         self.group.broadcast_bytes(manifest.to_json().encode())
 
     def send(self, index: int, flat: torch.Tensor) -> None:
-        self.group.broadcast(flat.to(self.group.device))
+        self.group.broadcast(flat.to(self.device))
 
     def finish(self) -> None:
         self.group.synchronize()
@@ -108,6 +110,9 @@ class WeightHandle:
 
 
 class ObjectStoreSender:
+    device = torch.device("cpu")
+    """Buckets are packed in host memory, where Ray's object store keeps them."""
+
     def begin(self, manifest: Manifest) -> None:
         self.manifest, self.refs = manifest, []
 

@@ -38,12 +38,14 @@ class WeightReceiver:
     checkpoint the rollout side goes back to that checkpoint's version).
     """
 
-    def __init__(self, engine, device: torch.device | str = "cpu"):
-        self.engine, self.device = engine, device
+    def __init__(self, engine):
+        self.engine = engine
 
     def receive(self, source, allow_older: bool = False) -> ReceiveReport:
+        """Buckets are staged in host memory, so a rollout GPU holds one bucket at a time beside its model and
+        KV cache (the whole new state dict on the GPU would need the model's size again in free memory)."""
         start = time.perf_counter()
-        state, version = receive_state_dict(source, self.device)
+        state, version = receive_state_dict(source, "cpu")
         current = self.engine.policy_version
         if version <= current and not allow_older:
             raise WeightsRefused(f"weights version {version} is not newer than the version being served ({current}); refused")

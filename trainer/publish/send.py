@@ -36,9 +36,9 @@ def send_buckets(
     manifest: Manifest,
     bucket_tensors: Callable[[Bucket], AbstractContextManager[Mapping[str, torch.Tensor]]],
     sender,
-    device: torch.device | str = "cpu",
 ) -> PublishReport:
-    """Send every bucket of `manifest`; `bucket_tensors(bucket)` yields that bucket's tensors.
+    """Send every bucket of `manifest`; `bucket_tensors(bucket)` yields that bucket's tensors, packed on the
+    sender's device (a collective group's GPU: no round trip through host memory).
 
     `sender=None` still walks the buckets (other trainer ranks must join each ZeRO-3 gather).
     """
@@ -48,7 +48,7 @@ def send_buckets(
     for index, bucket in enumerate(manifest.buckets):
         with bucket_tensors(bucket) as tensors:
             if sender is not None:
-                sender.send(index, pack(bucket, tensors, device))
+                sender.send(index, pack(bucket, tensors, sender.device))
     handle = sender.finish() if sender is not None else None
     return PublishReport(
         version=manifest.version,
