@@ -36,7 +36,8 @@ def real_rollout(engine, requests: list[RolloutRequest], time_cap_s: float | Non
     Tensor-parallel ranks must stop at the same step: with `agree(passed) -> any rank's passed`, the cap is
     checked every AGREE_EVERY engine steps, by all ranks together.
     A decode step is one whose engine counter `decode_steps` moved; its context is the longest sequence's
-    length when it ran (all equal under the protocol). `progress(done_steps)` is called every window.
+    length when it ran (all equal under the protocol). `progress(done_steps, seconds)` is called every window, with
+the seconds since the requests were added (so a run cut short from outside still shows its pace).
     Samples that finish are counted (errors) and their blocks attended per token averaged."""
     before = engine.stats()
     start = time.perf_counter()
@@ -65,7 +66,7 @@ def real_rollout(engine, requests: list[RolloutRequest], time_cap_s: float | Non
             step_s.append(elapsed)
             contexts.append(context)
             if progress is not None and len(step_s) % STEP_WINDOW == 0:
-                progress(len(step_s))
+                progress(len(step_s), time.perf_counter() - start)
         if time_cap_s is not None and (agree is None or engine_steps % AGREE_EVERY == 0):
             passed = time.perf_counter() - start > time_cap_s
             if passed if agree is None else agree(passed):

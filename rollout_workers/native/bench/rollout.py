@@ -171,8 +171,8 @@ def measure(args, device: torch.device) -> dict:
     for _ in range(args.repeats):
         for mode, sched in modes:
             engine.set_schedule(sched)
-            progress = (lambda n, m=mode: print(f"  {m}: {n}/{args.gen_len - 1} decode steps", file=sys.stderr,
-                                                flush=True)) if prints else None
+            progress = (lambda n, s, m=mode: print(f"  {m}: {n}/{args.gen_len - 1} decode steps, {s:.1f} s",
+                                                   file=sys.stderr, flush=True)) if prints else None
             res = real_rollout(engine, protocol_requests(prompts, args.samples, args.gen_len, args.seed), args.time_cap,
                                progress, agree)
             if mode not in results or res["decode_tok_s"] > results[mode]["decode_tok_s"]:
