@@ -8,6 +8,7 @@ completes its steps and the trainer ledger holds every (step, prompt, sample) ex
 import os
 import re
 import signal
+import sys
 import threading
 import time
 from collections import Counter
@@ -83,11 +84,16 @@ def _print_figures(run_dir: RunDir) -> None:
     print(format_table(["step", "event", "who", "recovery s", "detail"], events) if events else "no faults")
 
 
-def _when(predicate, timeout_s: float = 120.0) -> None:
+def _log(message: str) -> None:
+    """The job's own log lines (losses, replacements, placement waits): shown with a failing test's output."""
+    print(f"{time.strftime('%H:%M:%S')} {message}", file=sys.stderr)
+
+
+def _when(predicate, timeout_s: float = 120.0, state=lambda: "") -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
         if time.monotonic() > deadline:
-            raise TimeoutError("condition not reached")
+            raise TimeoutError(f"condition not reached in {timeout_s:g} s. {state()}")
         time.sleep(0.05)
 
 
@@ -105,7 +111,12 @@ def _recovered(job: TrainingJob, kinds: set[str]) -> None:
     def check():
         job.fleet.check()
         return any(e.kind in kinds for e in job.fleet.resolved)
-    _when(check, timeout_s=300)
+
+    def state() -> str:
+        slots = [f"{s.worker_id}: actor {'none' if s.actor is None else 'up'}, serving call "
+                 f"{'none' if s.serving is None else 'open'}, restarts {s.restarts}" for s in job.fleet.pool.slots.values()]
+        return f"Fleet {job.fleet.status()}; slots: {'; '.join(slots)}; resolved: {[e.kind for e in job.fleet.resolved]}"
+    _when(check, timeout_s=420, state=state)
 
 
 def _records(run_dir: RunDir) -> list[StepRecord]:
@@ -122,7 +133,7 @@ def _settle(job: TrainingJob, serving: int) -> None:
 
 def test_killed_rollout_workers_are_replaced_and_the_pool_resizes_under_load(cluster, tiny_qwen3, tmp_path):
     config, run_dir = _job(tmp_path, tiny_qwen3, "worker-kill", steps=5, prompts=6, max_tokens=24)
-    with TrainingJob(config, run_dir, progress=False, log=lambda *_: None) as job:
+    with TrainingJob(config, run_dir, progress=False, log=_log) as job:
         def fault():
             _when(_holding(job, 0))
             ray.kill(job.fleet.pool.slots[0].actor, no_restart=True)  # an actor crash mid-generation
@@ -155,7 +166,7 @@ def test_killed_rollout_workers_are_replaced_and_the_pool_resizes_under_load(clu
 def test_a_job_survives_a_rollout_node_removal_and_a_trainer_rank_kill(cluster, tiny_qwen3, tmp_path):
     c, nodes = cluster
     config, run_dir = _job(tmp_path, tiny_qwen3, "node-and-trainer", ranks=2, steps=4, mode="async")
-    with TrainingJob(config, run_dir, progress=False, log=lambda *_: None) as job:
+    with TrainingJob(config, run_dir, progress=False, log=_log) as job:
         job.run(steps=1)
         worker_node = ray.get(job.fleet.pool.slots[1].actor.info.remote())["node_id"]
         node = next(n for n in nodes if n.node_id == worker_node)
@@ -184,7 +195,7 @@ def test_a_job_survives_a_rollout_node_removal_and_a_trainer_rank_kill(cluster, 
 
 def test_a_slow_worker_gives_its_share_to_the_others(cluster, tiny_qwen3, tmp_path):
     config, run_dir = _job(tmp_path, tiny_qwen3, "slow", steps=2, prompts=8, max_tokens=32)
-    with TrainingJob(config, run_dir, progress=False, log=lambda *_: None) as job:
+    with TrainingJob(config, run_dir, progress=False, log=_log) as job:
         pid = ray.get(job.fleet.pool.slots[0].actor.info.remote())["pid"]
         stop = threading.Event()
 
@@ -225,7 +236,7 @@ def test_a_killed_vllm_worker_is_replaced(cluster, tiny_qwen3, tmp_path, monkeyp
         "metrics.enabled=false", "run.steps=2", "run.prompts_per_step=4", "run.mode=sync",
         "run.recovery={lease_timeout_s: 8, hung_worker_timeout_s: 5}", f"run.out_dir={run_dir.path.parent}",
     ])
-    with TrainingJob(config, run_dir, progress=False, log=lambda *_: None) as job:
+    with TrainingJob(config, run_dir, progress=False, log=_log) as job:
         def fault():
             _when(_holding(job, 1))
             ray.kill(job.fleet.pool.slots[1].actor, no_restart=True)
