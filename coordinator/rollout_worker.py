@@ -38,7 +38,8 @@ from .data import render_prompt
 from .rewards import RewardFunction, reward_metadata
 from .step_record import GroupReport
 from .step_record import EvalRecord, EvalResult
-from .work_queue import EvalTask, GroupTask, Lease, LeaseError, ProbeResult, ProbeTask
+from .speedup_probe import measure_speedup
+from .work_queue import EvalTask, GroupTask, Lease, LeaseError, ProbeTask
 
 POLL_S = 0.05
 _DONE = object()
@@ -83,6 +84,8 @@ class RolloutWorker:
         self._rate = BusyRate()
         self._tokens = self._samples = 0
         self._serving = False
+        self._probed_modes: set[str] = set()
+        """Modes a speedup probe has run (untimed) once on this engine: its later passes are timed warm."""
 
     # ------------------------------------------------------------------ set-up and control
 
@@ -302,15 +305,8 @@ class RolloutWorker:
         task: ProbeTask = lease.task
         requests = [self._requests(GroupTask(task.step, r)) for r in task.records]
         with self._engine_lock:
-            schedule = self.engine.schedule
-            rates = []
-            for s in (schedule, None):
-                self.engine.set_schedule(s)
-                start = time.perf_counter()
-                tokens = sum(int(x.token_ids.numel()) for x in self.engine.generate(requests))
-                rates.append(tokens / (time.perf_counter() - start))
-            self.engine.set_schedule(schedule)
-        self._complete(lease, ProbeResult(*rates))
+            result = measure_speedup(self.engine, requests, self._probed_modes)
+        self._complete(lease, result)
 
     def _evaluate(self, lease: Lease) -> None:
         """The held-out prompts in each mode (dense, and sparse under the schedule in force); scored, not sent."""
