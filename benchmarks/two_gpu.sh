@@ -10,7 +10,9 @@
 #                                                   KILL_AFTER_S=S the rollout worker's process is killed once, S s into
 #                                                   the run (the job replaces it and goes on; the report counts it)
 # MODEL is a shape (qwen3-1.7b, qwen3-4b, qwen3-8b; random bf16 weights). Extra options go to the bench (to
-# sparrow train for `train`).
+# sparrow train for `train`). Seen on 2 x H200 (2026-11-27): publish ~55 s per shape; train ~40 s per step after a
+# ~70 s first step; tp-rollout qwen3-8b spent over 45 s before decoding (its 170 s cap unreached 215 s in), so give
+# it `--time-cap S` and the call a timeout of at least S + 120 s; tp-test needs more than 90 s.
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 OUT=${OUT:-/tmp/sparrow-two-gpu}; mkdir -p "$OUT"
@@ -34,7 +36,11 @@ case $stage in
     if [ "${KILL_AFTER_S:-0}" -gt 0 ]; then
       ( sleep "$KILL_AFTER_S"; pkill -9 -f 'ray::RolloutWorker' && echo "fault: killed the rollout worker at $KILL_AFTER_S s" ) &
     fi
+    runs=/tmp/sparrow-two-gpu-runs; rm -rf "$runs"
     python3 -m sparrow.cli.main train --config deploy/configs/smollm2-longctx-2gpu.yaml --set model=/tmp/smollm2 \
-      --set run.steps="$steps" --set run.out_dir="$OUT/runs" "$@" 2>&1 | tee "$OUT/train.log" ;;
+      --set run.steps="$steps" --set run.out_dir="$runs" "$@" 2>&1 | tee "$OUT/train.log"
+    run_dir=$(ls -d "$runs"/*/ | head -1)  # the small files only: checkpoints (GBs) stay behind
+    cp "$run_dir"/{config.yaml,metrics.jsonl,events.jsonl,controller_decisions.jsonl} "$OUT"/ 2>/dev/null
+    tar czf "$OUT/report.tgz" -C "$run_dir" report ;;
   *) echo "stage $stage: use tp-test, tp-rollout, publish or train" >&2; exit 2 ;;
 esac
