@@ -71,6 +71,21 @@ def test_pools_land_on_their_labelled_nodes_and_resize_independently(two_nodes, 
         trainers.shutdown()
 
 
+def test_a_placed_slot_reads_ready_every_time_and_an_unplaceable_one_never(two_nodes, tiny_qwen3):
+    """What the fleet asks before spawning a replacement (PlacementGroup.wait(0) gave False for placed groups)."""
+    config = _config(tiny_qwen3, 1)
+    rollouts = RolloutPool(config, str(tiny_qwen3), JobCredentials.create(config.transport))
+    try:
+        placed = rollouts.add_slot(wait_s=30)
+        assert all(rollouts.ready(placed) for _ in range(200))
+        too_big = load_config(None, [f"model={tiny_qwen3}", "rollout.pool.cpus=2", "rollout.pool.node_label=rollout_node"])
+        rollouts.config = too_big  # the node's 2 CPUs hold 0.5 already: a 2-CPU bundle waits
+        waiting = rollouts.add_slot()
+        assert not any(rollouts.ready(waiting) for _ in range(20))
+    finally:
+        rollouts.shutdown()
+
+
 def test_pools_that_cannot_fit_fail_at_once_naming_the_resource(two_nodes, tiny_qwen3):
     unlabelled = load_config(None, [f"model={tiny_qwen3}", "rollout.pool.node_label=gpu_node"])
     credentials = JobCredentials.create(unlabelled.transport)
