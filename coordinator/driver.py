@@ -185,9 +185,13 @@ class TrainingJob:
         return "collective" if on_gpu and cfg.mode == "sync" else "object_store"
 
     def _join_weight_group(self) -> None:
-        """(Re)form the broadcast group: trainer rank 0 and the serving workers."""
-        host, port = ray.get(self.trainers.rank0.address.remote())
+        """(Re)form the broadcast group: trainer rank 0 and the serving workers. With none serving (every worker
+        lost and being replaced) there is no group: publications go through the object store until one serves."""
         workers = self.fleet.live
+        if not workers:
+            self.group_members = []
+            return  # membership_changed stays set: the group forms at the next publication with a worker in it
+        host, port = ray.get(self.trainers.rank0.address.remote())
         world = 1 + len(workers)
         backend = "nccl" if self.trainers.setup_info[0]["device"].startswith("cuda") else "gloo"
         timeout = self.trainers.trainer_config.publish.timeout_s
@@ -435,9 +439,10 @@ class TrainingJob:
 
     def _publish(self, wait: bool, rollback: bool = False) -> PublishStats:
         """Send policy version `self.version` to every serving worker (`rollback`: it may be older than theirs)."""
-        if self.channel == "collective":
-            if self.fleet.membership_changed:
-                self._join_weight_group()
+        if self.channel == "collective" and self.fleet.membership_changed:
+            self._join_weight_group()
+        channel = "collective" if self.channel == "collective" and self.group_members else "object_store"
+        if channel == "collective":
             trainer = [a.publish_weights.remote(self.version, "collective") for a in self.trainers.actors]
             workers = self.fleet.submit("receive_weights", rollback, slots=self.group_members)
             report = self._trainer_call(trainer)[0]
@@ -455,7 +460,7 @@ class TrainingJob:
             report.handle = None
         seconds = report.seconds + max((x["seconds"] for x in loads), default=0.0)
         return PublishStats(version=self.version, seconds=seconds, send_seconds=report.seconds, bytes=report.nbytes,
-                            channel=self.channel, waited=wait)
+                            channel=channel, waited=wait)
 
     def _weights_for_joiners(self) -> None:
         """Collective channel: a worker that joins mid-run is not in the broadcast group yet, so it gets the

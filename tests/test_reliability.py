@@ -42,7 +42,7 @@ def cluster():
     c.shutdown()
 
 
-def _job(tmp_path, model, name, workers=2, ranks=1, steps=3, prompts=4, mode="sync", max_tokens=16):
+def _job(tmp_path, model, name, workers=2, ranks=1, steps=3, prompts=4, mode="sync", max_tokens=16, settings=None):
     """Pools on the cluster fixture's labelled nodes, a checkpoint every step, leases that expire fast."""
     path = tiny_job(tmp_path / f"{name}.yaml", model, tmp_path / "runs", {
         "rollout.pool": {"size": workers, "cpus": 0.5, "node_label": "rollout_node"},
@@ -51,7 +51,7 @@ def _job(tmp_path, model, name, workers=2, ranks=1, steps=3, prompts=4, mode="sy
         "trainer.pool": {"size": ranks, "cpus": 0.5, "node_label": "trainer_node"},
         "run.steps": steps, "run.prompts_per_step": prompts, "run.mode": mode, "run.checkpoint_every": 1,
         "run.recovery": {"lease_timeout_s": 8, "hung_worker_timeout_s": 5},
-    })
+    } | (settings or {}))
     config = load_config(path, [f"run.name={name}"])
     return config, RunDir.create(config.run.out_dir, name)
 
@@ -161,6 +161,31 @@ def test_killed_rollout_workers_are_replaced_and_the_pool_resizes_under_load(clu
     assert all(0 < u <= 1 for u in records[2].rollout.utilisation.values()), records[2].rollout.utilisation
     resized = [e for r in records for e in r.faults if e.kind == "pool_resized"]
     assert len(resized) == 3, "one worker added, two retired"
+
+
+def test_losing_the_only_rollout_worker_keeps_a_collective_weight_channel_job_going(cluster, tiny_qwen3, tmp_path):
+    """One worker, weights broadcast over a collective group (gloo here, NCCL on GPUs). When it is lost after a
+    step's rollouts and before that step's publication (a replacement is starting, none serves), the publication
+    goes through Ray's object store to the joining replacement; it used to form a group of the trainer alone
+    and stop the job (`world_size=1`). The group forms again at the next publication."""
+    config, run_dir = _job(tmp_path, tiny_qwen3, "only-worker", workers=1, steps=3, prompts=6, max_tokens=24,
+                           settings={"run.weights_channel": "collective"})
+    with TrainingJob(config, run_dir, progress=False, log=_log) as job:
+        job.run(steps=1)
+        ray.kill(job.fleet.pool.slots[0].actor, no_restart=True)
+
+        def lost_and_joining():
+            job.fleet.check()
+            return job.fleet.status().serving == 0 and len(job.fleet.joining) == 1
+        _when(lost_and_joining)
+        stats = job._publish(wait=True)  # the publication the step in flight makes at this point
+        assert stats.channel == "object_store" and stats.version == job.version
+        _recovered(job, {"rollout_worker_lost"})
+        job.run(steps=2)
+        _assert_exactly_once(job, 3)
+    _print_figures(run_dir)
+    records = _records(run_dir)
+    assert [r.publish.channel for r in records] == ["collective"] * 3, "the group formed again with the replacement"
 
 
 def test_a_job_survives_a_rollout_node_removal_and_a_trainer_rank_kill(cluster, tiny_qwen3, tmp_path):
