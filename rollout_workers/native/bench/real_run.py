@@ -36,8 +36,8 @@ def real_rollout(engine, requests: list[RolloutRequest], time_cap_s: float | Non
     Tensor-parallel ranks must stop at the same step: with `agree(passed) -> any rank's passed`, the cap is
     checked every AGREE_EVERY engine steps, by all ranks together.
     A decode step is one whose engine counter `decode_steps` moved; its context is the longest sequence's
-    length when it ran (all equal under the protocol). `progress(done_steps, seconds)` is called every window, with
-the seconds since the requests were added (so a run cut short from outside still shows its pace).
+    length when it ran (all equal under the protocol). `progress(done_steps, seconds)` is called every window,
+    with the seconds since the requests were added (so a run cut short from outside still shows its pace).
     Samples that finish are counted (errors) and their blocks attended per token averaged."""
     before = engine.stats()
     start = time.perf_counter()
