@@ -265,7 +265,7 @@ class RewardConfig(_Section):
 
 class RayConfig(_Section):
     address: str | None = Field(None, description="None = start a local Ray; 'auto' or host:port = join a cluster")
-    num_cpus: int | None = Field(None, ge=1, description="local Ray only: logical CPUs (None = what the pools need)")
+    num_cpus: int | None = Field(None, ge=1, description="local Ray only: logical CPUs (None = the machine's cores, or what the pools reserve if more)")
     num_gpus: int | None = Field(None, ge=0, description="local Ray only: GPUs to declare")
     resources: dict[str, float] = Field(default_factory=dict, description="local Ray only: custom resources (node labels)")
     namespace: str = Field("sparrow", description="Ray namespace of the job's actors")

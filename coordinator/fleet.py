@@ -188,7 +188,8 @@ class RolloutFleet:
             self._serve(slot)
         else:
             if slot.index not in self._waiting_placement:
-                self.log(f"{slot.worker_id}: no capacity for its bundle {self.pool.pool.bundle()}; "
+                free = {k: round(v, 2) for k, v in ray.available_resources().items() if k in ("CPU", "GPU")}
+                self.log(f"{slot.worker_id}: no capacity for its bundle {self.pool.pool.bundle()} (free now: {free}); "
                          "the pool runs without it until a node can take it")
             self._waiting_placement.add(slot.index)
 

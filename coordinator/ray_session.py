@@ -2,8 +2,9 @@
 
 Local mode uses `address="local"`: a fresh cluster every time, so neither `RAY_ADDRESS` nor a stale
 `ray_current_cluster` file left by a killed CLI cluster is picked up by accident. Without a CPU
-count, the local cluster declares what the two pools reserve (at least 1). A Ray already
-initialised by the caller (tests, notebooks) is used as is and left running.
+count, the local cluster declares the machine's cores, or what the two pools reserve where that is
+more (logical CPUs), and Ray detects the GPUs. A Ray already initialised by the caller (tests,
+notebooks) is used as is and left running.
 """
 
 import math
@@ -14,9 +15,14 @@ import ray
 from .config import SparrowConfig
 
 
-def local_cpus(config: SparrowConfig) -> int:
+def local_cpus(config: SparrowConfig, cores: int | None = None) -> int:
+    """Declaring only what the pools reserve at start left no room to grow: on 4 GPUs a rollout pool resized
+    from 1 to 3 workers waited for CPUs the machine had (seen on 4 x H200)."""
     pools = (config.rollout.pool, config.trainer.pool)
-    return max(1, math.ceil(sum(p.cpus * p.size for p in pools)))
+    reserved = math.ceil(sum(p.cpus * p.size for p in pools))
+    if cores is None:
+        cores = os.cpu_count() or 1
+    return max(1, reserved, cores)
 
 
 class RaySession:

@@ -94,3 +94,14 @@ def test_pools_that_cannot_fit_fail_at_once_naming_the_resource(two_nodes, tiny_
     too_big = load_config(None, [f"model={tiny_qwen3}", "rollout.pool.size=3", "rollout.pool.cpus=2"])
     with pytest.raises(PlacementError, match="CPU: needs 6, cluster has 4"):
         RolloutPool(too_big, str(tiny_qwen3), credentials)
+
+
+def test_a_local_cluster_declares_the_machines_cores_so_a_resized_pool_has_room():
+    """On 4 x H200 a local job with 6-CPU workers declared 12 CPUs (what its pools reserved at start), so a
+    rollout pool resized from 1 to 3 workers found no room on a 64-core machine."""
+    from sparrow.coordinator.config import load_config
+    from sparrow.coordinator.ray_session import local_cpus
+
+    config = load_config(None, ["rollout.pool={size: 1, cpus: 6}", "trainer.pool={size: 1, cpus: 6}"])
+    assert local_cpus(config, cores=64) == 64
+    assert local_cpus(config, cores=2) == 12  # pools reserving more than the cores still fit
