@@ -477,6 +477,9 @@ class TrainerRank:
         if self.rank != 0:
             return
         backend = backend or ("nccl" if self.device.type == "cuda" else "gloo")
+        if self.weight_group is not None:  # re-formed (a worker joined, left or was replaced): leave the old one
+            self.weight_group.close()
+            self.weight_group = None
         self.weight_group = CollectiveGroup(
             host, port, 0, world_size, backend=backend, device=self.device, timeout_s=self.config.publish.timeout_s
         )

@@ -19,6 +19,9 @@ import torch.distributed as dist
 
 from .buckets import DTYPES, Bucket, Manifest
 
+_NCCL = getattr(dist, "ProcessGroupNCCL", ())
+"""The NCCL group class (absent from CPU builds of torch)."""
+
 
 class CollectiveGroup:
     """One member of a standalone broadcast group; rank 0 is the sender and hosts the store."""
@@ -50,11 +53,14 @@ class CollectiveGroup:
             torch.cuda.synchronize(self.device)
 
     def close(self) -> None:
-        """Leave the group; both sides call it when done, so neither sees the other vanish mid-flight."""
+        """Leave the group once its broadcasts have landed, without waiting for the other members: they may be
+        gone (a lost worker) or leaving at the same moment (the group re-formed after a resize). NCCL's
+        graceful shutdown finalises the communicator with its peers, so a member leaving while the others
+        wait in the next group's rendezvous can block both; `abort` releases this member's side alone."""
         self.synchronize()
-        shutdown = getattr(self.group, "shutdown", None)
-        if shutdown is not None:
-            shutdown()
+        leave = getattr(self.group, "abort", None) if isinstance(self.group, _NCCL) else getattr(self.group, "shutdown", None)
+        if leave is not None:
+            leave()
 
     def broadcast_bytes(self, payload: bytes | None) -> bytes:
         size = torch.tensor([len(payload) if self.rank == 0 else 0], dtype=torch.long, device=self.device)
