@@ -10,9 +10,11 @@
 #                                                   KILL_AFTER_S=S the rollout worker's process is killed once, S s into
 #                                                   the run (the job replaces it and goes on; the report counts it)
 # MODEL is a shape (qwen3-1.7b, qwen3-4b, qwen3-8b; random bf16 weights). Extra options go to the bench (to
-# sparrow train for `train`). Seen on 2 x H200 (2026-11-27): publish ~55 s per shape; train ~40 s per step after a
-# ~70 s first step; tp-rollout qwen3-8b spent over 45 s before decoding (its 170 s cap unreached 215 s in), so give
-# it `--time-cap S` and the call a timeout of at least S + 120 s; tp-test needs more than 90 s.
+# sparrow train for `train`). Seen on H200s (2026-11-27): publish ~55 s per shape to one engine (over 95 s to
+# three); train ~40 s per step after a ~70 s first step; tp-rollout qwen3-8b 8 decodes 32K tokens in 233 s dense,
+# 194 s sparse, after ~50 s of start-up, and its ranks then hang in their exit until the bench kills them 60 s
+# after the report: give the call at least 360 s (dense); tp-test needs more than 90 s. With 4 GPUs, run two
+# stages at once on disjoint pairs (CUDA_VISIBLE_DEVICES=0,1 and 2,3, separate OUT).
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 OUT=${OUT:-/tmp/sparrow-two-gpu}; mkdir -p "$OUT"

@@ -7,11 +7,11 @@ one GPU a rank, eager and with CUDA graphs) runs the same scenario where two CUD
 
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from safetensors.torch import load_file
 from torch import distributed as dist
 
@@ -96,8 +96,10 @@ def biased_llama(out: Path) -> Path:
 
 
 def check_parity(models: dict[str, Path], workdir: Path, backend: str, tolerance: float, **options) -> None:
+    from sparrow.rollout_workers.native.bench.rollout import run_ranks
+
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    mp.spawn(rank_main, args=(workdir, models, backend, options), nprocs=2, join=True)
+    run_ranks(rank_main, (workdir, models, backend, options), 2, [workdir / f"rank{r}.pt" for r in range(2)])
     ranks = [torch.load(workdir / f"rank{r}.pt") for r in range(2)]
     device = "cpu" if backend == "gloo" else "cuda:0"
     for name, path in models.items():
@@ -173,3 +175,21 @@ def test_bench_rollout_over_two_ranks_measures_what_one_process_does(capsys):
 
     assert main([*common, "--model", "smollm2-135m", "--tensor-parallel", "2"]) == 2
     assert "sizes that do: 1, 3" in capsys.readouterr().err
+
+
+def _report_then_hang(rank: int, report: str) -> None:
+    if rank == 0:
+        Path(report).write_text(json.dumps({"decode_tok_s": 1.0}))
+    time.sleep(600)
+
+
+def test_ranks_hung_after_the_report_are_stopped_and_the_report_kept(tmp_path, capfd):
+    """On 2 x H200 both 8B tensor-parallel runs decoded to the end but their ranks never returned, and the
+    results were lost with them: once rank 0 has written the report, ranks get a grace period, then are killed."""
+    from sparrow.rollout_workers.native.bench.rollout import run_ranks
+
+    start = time.monotonic()
+    run_ranks(_report_then_hang, (str(tmp_path / "report.json"),), 2, [tmp_path / "report.json"], grace_s=1.0)
+    assert json.loads((tmp_path / "report.json").read_text()) == {"decode_tok_s": 1.0}
+    assert time.monotonic() - start < 60
+    assert "still running 1 s after writing their results" in capfd.readouterr().err

@@ -16,10 +16,14 @@ sample decodes exactly `--gen-len` tokens.
 """
 
 import datetime
+import faulthandler
 import json
 import os
+import signal
 import sys
 import tempfile
+import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -35,6 +39,11 @@ RUN_KEYS = ("model", "device", "device_name", "dtype", "backend", "cuda_graphs",
             "prompt_len", "gen_len", "batch", "samples", "seed", "schedule")
 """What two single-mode results must share to be merged into one comparison."""
 SPARE_BLOCKS = 16
+TEARDOWN_GRACE_S = 60.0
+"""Seconds tensor-parallel ranks get to exit once their results are written (seen on 2 and 4 x H200: NCCL ranks
+that decoded from CUDA graphs never exited, and the 8B results were lost with them)."""
+STALL_DUMP_S = 120.0
+"""Seconds without progress after which a tensor-parallel rank prints its stacks."""
 
 
 def bench_schedule(schedule_name: str, budget: int | None) -> SparsitySchedule:
@@ -112,18 +121,52 @@ def run(args) -> dict:
     if device.type == "cuda" and torch.cuda.device_count() < args.tensor_parallel:
         raise ValueError(f"--tensor-parallel={args.tensor_parallel} needs one GPU a rank; this machine has "
                          f"{torch.cuda.device_count()}")
-    import torch.multiprocessing as mp
-
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     with tempfile.TemporaryDirectory(prefix="sparrow-tp-") as workdir:
-        mp.spawn(_rank_main, args=(args, device.type, workdir), nprocs=args.tensor_parallel, join=True)
-        return json.loads((Path(workdir) / "report.json").read_text())
+        report = Path(workdir) / "report.json"
+        run_ranks(_rank_main, (args, device.type, workdir), args.tensor_parallel, [report])
+        return json.loads(report.read_text())
+
+
+def run_ranks(target, target_args: tuple, nprocs: int, done: list[Path], grace_s: float = TEARDOWN_GRACE_S) -> None:
+    """Run `target(rank, *target_args)` in `nprocs` spawned processes until they exit, or until `grace_s` after
+    every file in `done` exists (the ranks' results are written and they hang in their teardown): then their
+    stacks go to stderr and they are killed, and the results are kept. A rank's exception is raised here."""
+    import torch.multiprocessing as mp
+
+    ranks = mp.start_processes(target, args=target_args, nprocs=nprocs, join=False, start_method="spawn")
+    finished_at = None
+    while not ranks.join(timeout=1.0):
+        if finished_at is None and all(path.exists() for path in done):
+            finished_at = time.monotonic()
+        if finished_at is not None and time.monotonic() - finished_at > grace_s:
+            _stop_ranks(ranks.processes, grace_s)
+            return
+
+
+def _stop_ranks(processes, grace_s: float) -> None:
+    print(f"tensor-parallel ranks still running {grace_s:.0f} s after writing their results (process-group or "
+          "CUDA teardown); their Python stacks follow (none: stuck past Python, in the process exit), then they "
+          "are killed", file=sys.stderr, flush=True)
+    for proc in processes:
+        if proc.is_alive():
+            os.kill(proc.pid, signal.SIGUSR1)
+    time.sleep(2.0)
+    for proc in processes:
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5.0)
 
 
 def _rank_main(rank: int, args, device_type: str, workdir: str) -> None:
-    """One tensor-parallel rank: its own process, device and engine; rank 0 writes the report."""
+    """One tensor-parallel rank: its own process, device and engine; rank 0 writes the report.
+
+    A rank that makes no progress for STALL_DUMP_S seconds (no decode window, no phase done) prints every
+    thread's stack to stderr, again every STALL_DUMP_S, so a rank stuck in a collective shows where."""
     from torch import distributed as dist
 
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    faulthandler.dump_traceback_later(STALL_DUMP_S, repeat=True)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
@@ -133,10 +176,14 @@ def _rank_main(rank: int, args, device_type: str, workdir: str) -> None:
                             rank=rank, world_size=args.tensor_parallel)
     try:
         report = measure(args, device)
+        faulthandler.dump_traceback_later(STALL_DUMP_S, repeat=True)
         if rank == 0:
-            (Path(workdir) / "report.json").write_text(json.dumps(report))
+            staged = Path(workdir) / "report.json.part"
+            staged.write_text(json.dumps(report))
+            staged.rename(Path(workdir) / "report.json")
     finally:
         dist.destroy_process_group()
+        faulthandler.cancel_dump_traceback_later()
 
 
 def measure(args, device: torch.device) -> dict:
@@ -171,8 +218,7 @@ def measure(args, device: torch.device) -> dict:
     for _ in range(args.repeats):
         for mode, sched in modes:
             engine.set_schedule(sched)
-            progress = (lambda n, s, m=mode: print(f"  {m}: {n}/{args.gen_len - 1} decode steps, {s:.1f} s",
-                                                   file=sys.stderr, flush=True)) if prints else None
+            progress = partial(_progress, mode, args.gen_len - 1, prints, tp is not None)
             res = real_rollout(engine, protocol_requests(prompts, args.samples, args.gen_len, args.seed), args.time_cap,
                                progress, agree)
             if mode not in results or res["decode_tok_s"] > results[mode]["decode_tok_s"]:
@@ -194,6 +240,13 @@ def measure(args, device: torch.device) -> dict:
         "schedule": schedule.name, "modes": results,
     }
     return with_speedup(report)
+
+
+def _progress(mode: str, steps: int, prints: bool, watched: bool, done: int, seconds: float) -> None:
+    if prints:
+        print(f"  {mode}: {done}/{steps} decode steps, {seconds:.1f} s", file=sys.stderr, flush=True)
+    if watched:
+        faulthandler.dump_traceback_later(STALL_DUMP_S, repeat=True)
 
 
 def with_speedup(report: dict) -> dict:
