@@ -44,6 +44,11 @@ def _checksums(params: dict[str, torch.Tensor]) -> dict[str, float]:
     return {name: float(p.double().sum()) for name, p in params.items()}
 
 
+def _progress(line: str) -> None:
+    """Long runs show where they are (building an 8B-shaped model in each process takes a while)."""
+    print(f"bench publish: {line}", file=sys.stderr, flush=True)
+
+
 def _sender(args, port: int, queue) -> None:
     from sparrow.trainer.publish import publish_state_dict
     from sparrow.weight_sync import CollectiveGroup, CollectiveSender
@@ -51,8 +56,11 @@ def _sender(args, port: int, queue) -> None:
     device = _device(args, 0)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    start = time.perf_counter()
     model = _model(args, device, seed=1)
+    _progress(f"sender: {args.model} built in {time.perf_counter() - start:.1f} s; waiting for {args.receivers} engine(s)")
     group = CollectiveGroup("127.0.0.1", port, 0, args.receivers + 1, "nccl" if device.type == "cuda" else "gloo", device)
+    _progress(f"sender: group formed {time.perf_counter() - start:.1f} s in")
     sender = CollectiveSender(group)
     rows = []
     for version in range(1, args.publishes + 1):
@@ -63,6 +71,7 @@ def _sender(args, port: int, queue) -> None:
         report = publish_state_dict(state, version, sender, int(args.bucket_mb * 2**20))
         rows.append({"version": version, "bytes": report.nbytes, "buckets": report.num_buckets,
                      "tensors": report.num_tensors, "sender_s": report.seconds, "checksums": _checksums(state)})
+        _progress(f"sender: version {version}/{args.publishes}, {report.nbytes / 2**20:.0f} MiB in {report.seconds:.2f} s")
     group.close()
     queue.put(("sender", rows))
 
