@@ -12,8 +12,9 @@
 # MODEL is a shape (qwen3-1.7b, qwen3-4b, qwen3-8b; random bf16 weights). Extra options go to the bench (to
 # sparrow train for `train`). Seen on H200s (2026-11-27): publish ~55 s per shape to one engine (over 95 s to
 # three); train ~40 s per step after a ~70 s first step; tp-rollout qwen3-8b 8 decodes 32K tokens in 233 s dense,
-# 194 s sparse, after ~50 s of start-up, and its ranks then hang in their exit until the bench kills them 60 s
-# after the report: give the call at least 360 s (dense); tp-test needs more than 90 s. With 4 GPUs, run two
+# 194 s sparse, after ~50 s of start-up (its ranks then hung in their exit; they now skip that teardown, and
+# the bench kills any still running 60 s after the report): give the call at least 360 s (dense); tp-test needs
+# more than 90 s. With 4 GPUs, run two
 # stages at once on disjoint pairs (CUDA_VISIBLE_DEVICES=0,1 and 2,3, separate OUT).
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
