@@ -8,9 +8,10 @@ rollout pool resized under load, each a real `sparrow train` job.
 (median over the steps after the first), its scaling efficiency against the smallest size, the step time, the
 workers' mean utilisation, and the samples trained, lost and duplicated. `resize` runs one job that starts with
 `--sizes[0]` workers and, every `--every` completed steps, asks for the next size (`sparrow pool resize`), then
-prints each step: workers serving, rollout tokens/s, samples trained, requeued and duplicated. Exactly once:
-a step trains prompts_per_step x n samples; `lost` counts the ones it did not, `duplicated` the resends the
-trainer acked as duplicates (never trained twice). Results go to OUT/pool-scaling-<mode>.json.
+prints each step: workers serving, rollout tokens/s, samples trained, requeued and duplicated (and, if the job
+reaches its wall cap, `sparrow pool status` at that moment). Exactly once: a step trains prompts_per_step x n
+samples; `lost` counts the ones it did not, `duplicated` the resends the trainer acked as duplicates (never
+trained twice). Results go to OUT/pool-scaling-<mode>.json.
 """
 
 import argparse
@@ -109,13 +110,23 @@ def _job_sets(args, name: str, size: int) -> list[str]:
             f"run.out_dir={args.out_dir / 'runs'}", f"run.name={name}", "run.checkpoint_every=0", *args.set]
 
 
-def _run(command: list[str], wall_s: float, grace_s: float, during=None) -> int:
-    """Run a job to its end (or its wall cap, then interrupt it); `during(proc)` is polled 4 times a second."""
+def _pool_status(run_dir: Path) -> str:
+    """`sparrow pool status` of a running job (what a stalled resize looks like: target, serving, joining)."""
+    reply = subprocess.run([sys.executable, "-m", "sparrow.cli.main", "pool", "status", str(run_dir)],
+                           capture_output=True, text=True)
+    return (reply.stdout + reply.stderr).strip()
+
+
+def _run(command: list[str], wall_s: float, grace_s: float, during=None, at_cap=None) -> int:
+    """Run a job to its end (or its wall cap: `at_cap()` is called, then the job interrupted); `during(proc)` is
+    polled 4 times a second."""
     proc = subprocess.Popen(command)
     deadline = time.monotonic() + wall_s
     while proc.poll() is None:
         if time.monotonic() > deadline:
             print(f"pool_scaling: wall cap {wall_s:.0f} s reached; interrupting the job", flush=True)
+            if at_cap is not None:
+                at_cap()
             interrupt(proc, grace_s)
             break
         if during is not None:
@@ -159,11 +170,17 @@ def resize(args) -> dict:
                           "reply": (reply.stdout + reply.stderr).strip()})
             print(f"pool_scaling: after step {done - 1}: resize to {size} -> {asked[-1]['reply']}", flush=True)
 
+    at_cap: dict = {}
+
+    def status_at_cap() -> None:
+        at_cap["pool_status"] = _pool_status(run_dir)
+        print(f"pool_scaling: pool status at the wall cap:\n{at_cap['pool_status']}", flush=True)
+
     print(f"pool_scaling: resize {' -> '.join(map(str, args.sizes))} every {args.every} steps, {args.steps} steps",
           flush=True)
-    code = _run(command, args.max_wall_s, args.grace_s, resize_when_due)
+    code = _run(command, args.max_wall_s, args.grace_s, resize_when_due, status_at_cap)
     steps = per_step(step_records(run_dir), expected)
-    return {"mode": "resize", "command": command, "returncode": code, "resizes": asked, "steps": steps,
+    return {"mode": "resize", "command": command, "returncode": code, "resizes": asked, **at_cap, "steps": steps,
             "totals": {k: sum(s[k] for s in steps) for k in ("trained", "lost", "requeued", "duplicated")},
             "table": resize_table(steps)}
 

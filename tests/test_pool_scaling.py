@@ -3,13 +3,14 @@ tokens/s, samples trained, lost and duplicated — the sweep's medians and scali
 its refusals. The jobs it runs are `sparrow train` itself (the resize under load: tests/test_reliability.py)."""
 
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from pool_scaling import main, per_step, resize_table, sweep_summary, sweep_table, with_efficiency  # noqa: E402
+from pool_scaling import _run, main, per_step, resize_table, sweep_summary, sweep_table, with_efficiency  # noqa: E402
 
 
 def record(step: int, workers: int, tokens_per_s: float, accepted: int, duplicates: int = 0) -> dict:
@@ -40,3 +41,11 @@ def test_refusals(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["sweep", "--rollout", "0", "2", "--out-dir", str(tmp_path)])
     assert "must all be >= 1" in capsys.readouterr().err
+
+
+def test_a_job_at_its_wall_cap_is_described_then_interrupted():
+    """The resize on 4 x H200 stalled until the wall cap; what the pool looked like then is now recorded."""
+    described = []
+    start = time.monotonic()
+    code = _run([sys.executable, "-c", "import time; time.sleep(60)"], 0.5, 10.0, at_cap=lambda: described.append(1))
+    assert described == [1] and code != 0 and time.monotonic() - start < 20

@@ -186,7 +186,7 @@ def _rank_main(rank: int, args, device_type: str, workdir: str) -> None:
         faulthandler.cancel_dump_traceback_later()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)  # skip the interpreter's teardown, where NCCL ranks that ran CUDA graphs hung (run_ranks is the backstop)
+    os._exit(0)  # skips the interpreter's teardown, where NCCL ranks that ran CUDA graphs hung (run_ranks: backstop)
 
 
 def measure(args, device: torch.device) -> dict:
