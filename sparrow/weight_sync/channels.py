@@ -58,9 +58,10 @@ class CollectiveGroup:
         graceful shutdown finalises the communicator with its peers, so a member leaving while the others
         wait in the next group's rendezvous can block both; `abort` releases this member's side alone."""
         self.synchronize()
-        leave = getattr(self.group, "abort", None) if isinstance(self.group, _NCCL) else getattr(self.group, "shutdown", None)
-        if leave is not None:
-            leave()
+        if isinstance(self.group, _NCCL):
+            self.group.abort()
+        elif hasattr(self.group, "shutdown"):
+            self.group.shutdown()
 
     def broadcast_bytes(self, payload: bytes | None) -> bytes:
         size = torch.tensor([len(payload) if self.rank == 0 else 0], dtype=torch.long, device=self.device)
