@@ -11,6 +11,7 @@ a wall-time cap: at the cap the job is interrupted (it shuts down cleanly) and t
 import argparse
 import json
 import math
+import re
 import shlex
 import shutil
 import subprocess
@@ -42,7 +43,7 @@ def _study_overrides(args) -> tuple[list[str], dict]:
                                  else args.tau, config.controller.ladder, native.max_model_len, args.fixed_topk)
     except (ConfigError, ValueError) as exc:
         _fail(str(exc))
-    study = [f"run.steps={args.steps}", f"run.seed={args.seed}", f"run.out_dir={args.runs_dir}", f"run.name=arm-{args.arm}",
+    study = [f"run.steps={args.steps}", f"run.seed={args.seed}", f"run.out_dir={args.runs_dir}", f"run.name=arm-{args.label}",
              f"data.eval.every={args.steps}", "data.eval.modes=[dense]", "run.checkpoint_every=0"]
     sets = arm_sets + study + args.set
     try:
@@ -72,7 +73,7 @@ def _keep_small_files(run_dir: Path, dest: Path) -> None:
 def run_arm(args) -> Path:
     out_dir = args.out_dir.resolve()
     args.runs_dir = (args.runs_dir or out_dir).resolve()
-    run_dir = args.runs_dir / f"arm-{args.arm}"
+    run_dir = args.runs_dir / f"arm-{args.label}"
     if run_dir.exists():
         _fail(f"{run_dir} exists; pick another --out-dir/--runs-dir or remove it (each arm starts from a fresh run "
               "directory)")
@@ -80,7 +81,7 @@ def run_arm(args) -> Path:
     args.out_dir = out_dir
     sets, facts = _study_overrides(args)
     command = train_command(args.config, sets)
-    print(f"arm {args.arm}: {ARMS[args.arm]}; {args.steps} steps, cap {args.max_wall_s:.0f} s", flush=True)
+    print(f"arm {args.label}: {ARMS[args.arm]}; {args.steps} steps, cap {args.max_wall_s:.0f} s", flush=True)
     print("command: " + shlex.join(command), flush=True)
     start = time.monotonic()
     proc = subprocess.Popen(command)  # its one line per step is the progress
@@ -88,12 +89,12 @@ def run_arm(args) -> Path:
     def write(capped: bool) -> Path:
         records = step_records(run_dir)
         if args.runs_dir != out_dir and run_dir.is_dir():
-            _keep_small_files(run_dir, out_dir / f"arm-{args.arm}")
-        summary = arm_summary(args.arm, ARMS[args.arm], command, records, capped, proc.returncode, **facts)
+            _keep_small_files(run_dir, out_dir / f"arm-{args.label}")
+        summary = arm_summary(args.arm, args.label, ARMS[args.arm], command, records, capped, proc.returncode, **facts)
         summary["wall_s"] = round(time.monotonic() - start, 1)
-        path = out_dir / f"arm-{args.arm}.json"
+        path = out_dir / f"arm-{args.label}.json"
         path.write_text(json.dumps(summary, indent=1))
-        print(f"arm {args.arm}: {len(records)} steps in {summary['wall_s']:.0f} s (exit {proc.returncode}); {path}",
+        print(f"arm {args.label}: {len(records)} steps in {summary['wall_s']:.0f} s (exit {proc.returncode}); {path}",
               flush=True)
         return path
 
@@ -101,7 +102,7 @@ def run_arm(args) -> Path:
         proc.wait(args.max_wall_s)
         return write(capped=False)
     except subprocess.TimeoutExpired:
-        print(f"arm {args.arm}: wall cap {args.max_wall_s:.0f} s reached; interrupting the job", flush=True)
+        print(f"arm {args.label}: wall cap {args.max_wall_s:.0f} s reached; interrupting the job", flush=True)
         write(capped=True)  # the steps done so far are kept even if the machine's own limit ends us while it shuts down
         interrupt(proc, args.grace_s)
         return write(capped=True)
@@ -116,7 +117,7 @@ def merge(paths: list[Path], out_dir: Path) -> Path:
             arms.append(json.loads(path.read_text()))
         except (OSError, json.JSONDecodeError) as exc:
             _fail(f"--merge {path}: not an arm JSON ({exc})")
-    arms.sort(key=lambda a: list(ARMS).index(a["arm"]))
+    arms.sort(key=lambda a: (list(ARMS).index(a["arm"]), a["label"]))
     out_dir.mkdir(parents=True, exist_ok=True)
     table = markdown_table(TABLE_HEADERS, [table_row(a) for a in arms])
     plots = plot_all(arms, out_dir)
@@ -134,6 +135,8 @@ def main(argv=None) -> int:
     mode.add_argument("--arm", choices=list(ARMS), help="; ".join(f"{k}: {v}" for k, v in ARMS.items()))
     mode.add_argument("--merge", nargs="+", type=Path, metavar="ARM_JSON", help="merge arm JSONs into a table and plots")
     p.add_argument("--config", type=Path, help="job config (default: the embedded default job)")
+    p.add_argument("--label", help="name of this run of the arm (default the arm): its run, JSON, table row and plot "
+                   "line, so a variant of an arm (e.g. b with wider top-k lists) sits beside the arm itself")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra override for train (repeatable)")
     p.add_argument("--steps", type=int, default=20, help="GRPO steps of the arm (the same for every arm)")
     p.add_argument("--seed", type=int, default=0, help="run.seed (the same for every arm)")
@@ -145,6 +148,9 @@ def main(argv=None) -> int:
     p.add_argument("--runs-dir", type=Path, help="run directories here instead (their checkpoint is large); "
                    "config, metrics, decisions, events and report are copied to OUT_DIR/arm-<arm>/")
     args = p.parse_args(argv)
+    args.label = args.label or args.arm
+    if args.arm and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", args.label):
+        _fail(f"--label {args.label!r}: use letters, digits, '.', '_' or '-' (it names files)")
     if args.steps < 1:
         _fail(f"--steps {args.steps}: must be >= 1")
     if args.merge:

@@ -61,6 +61,20 @@ def test_convergence_is_the_first_step_with_every_measured_bin_in_band():
     arm = {"tau": 0.86, "steps": [{"p5_alpha": [0.80, 0.9]}, {"p5_alpha": [0.87, 0.95]}, {"p5_alpha": [0.861, 0.879]}]}
     assert steps_to_band(arm) == 3
     assert steps_to_band({"tau": 0.86, "steps": [{"p5_alpha": [0.5]}]}) is None
+    assert steps_to_band(arm, band=None) == 2
+
+
+def test_the_midpoint_reading_averages_each_bins_bounds():
+    arm = {"tau": 0.86, "steps": [{"p5_alpha": [0.84, None], "p5_alpha_upper": [0.90, None]},
+                                  {"p5_alpha": [0.80, 0.85], "p5_alpha_upper": [0.90, 0.88]}]}
+    assert steps_to_band(arm, "midpoint") == 1 and steps_to_band(arm, "lower") is None
+    assert steps_to_band(arm, "midpoint", band=0.005) is None
+
+
+def test_a_label_that_cannot_name_a_file_is_refused(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["--arm", "b", "--label", "b/top64", "--out-dir", str(tmp_path)])
+    assert "--label 'b/top64': use letters, digits" in capsys.readouterr().err
 
 
 @pytest.mark.slow
@@ -88,8 +102,9 @@ def test_an_arm_at_its_wall_cap_keeps_the_steps_it_finished(tiny_qwen3, tmp_path
     the job shuts down) and again after; both say the arm was capped."""
     config = tiny_job(tmp_path / "job.yaml", tiny_qwen3, None, SETTINGS)
     out = tmp_path / "study"
-    main(["--arm", "c", "--config", str(config), "--steps", "500", "--out-dir", str(out), "--max-wall-s", "30",
-          "--grace-s", "30"])
-    arm = json.loads((out / "arm-c.json").read_text())
+    main(["--arm", "c", "--label", "c-capped", "--config", str(config), "--steps", "500", "--out-dir", str(out),
+          "--max-wall-s", "30", "--grace-s", "30"])
+    arm = json.loads((out / "arm-c-capped.json").read_text())
+    assert (arm["arm"], arm["label"]) == ("c", "c-capped") and "run.name=arm-c-capped" in arm["command"]
     assert arm["wall_capped"] and 1 <= len(arm["steps"]) < 500, len(arm["steps"])
     assert arm["eval_dense_before"]["policy_version"] == 0 and arm["eval_dense_after"] is None

@@ -13,7 +13,7 @@ def _figure(arms: list[dict], key, title: str, ylabel: str, path: Path, tau: flo
     for arm in arms:
         steps = [s["step"] + 1 for s in arm["steps"]]
         values = [key(s) for s in arm["steps"]]
-        ax.plot(steps, [float("nan") if v is None else v for v in values], marker=".", label=arm["arm"])
+        ax.plot(steps, [float("nan") if v is None else v for v in values], marker=".", label=arm["label"])
     if tau is not None:
         ax.axhline(tau, color="k", linestyle="--", linewidth=1, label="τ")
         ax.axhspan(tau, tau + 0.02, color="g", alpha=0.1)
@@ -40,7 +40,7 @@ def _per_bin(arms: list[dict], field: str, title: str, ylabel: str, path: Path, 
         for arm in arms:
             steps = [s["step"] + 1 for s in arm["steps"]]
             values = [s[field][b] if b < len(s[field]) else None for s in arm["steps"]]
-            ax.plot(steps, [float("nan") if v is None else v for v in values], marker=".", label=arm["arm"])
+            ax.plot(steps, [float("nan") if v is None else v for v in values], marker=".", label=arm["label"])
         if tau is not None:
             ax.axhline(tau, color="k", linestyle="--", linewidth=1)
             ax.axhspan(tau, tau + 0.02, color="g", alpha=0.1)

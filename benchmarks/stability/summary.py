@@ -45,27 +45,40 @@ def evaluations(records: list[dict], mode: str = "dense") -> list[dict]:
     return out
 
 
-def arm_summary(arm: str, description: str, command: list[str], records: list[dict], capped: bool,
+def arm_summary(arm: str, label: str, description: str, command: list[str], records: list[dict], capped: bool,
                 returncode: int | None, tau: float, edges: list[int], dense_blocks: list[int]) -> dict:
     """The arm JSON; `dense_blocks` (per bin, the blocks of its longest context) places dense bins on the budget plot."""
     evals = evaluations(records)
     before = next((e for e in evals if e["policy_version"] == 0), None)
     after = next((e for e in reversed(evals) if e["policy_version"] > 0), None)
-    return {"arm": arm, "description": description, "command": command, "tau": tau, "edges": edges,
+    return {"arm": arm, "label": label, "description": description, "command": command, "tau": tau, "edges": edges,
             "dense_blocks": dense_blocks,
             "steps": [step_row(r) for r in records], "eval_dense_before": before, "eval_dense_after": after,
             "evaluations_dense": evals, "wall_capped": capped, "returncode": returncode}
 
 
-def in_band(p5: list[float | None], tau: float) -> bool:
+def in_band(p5: list[float | None], tau: float, band: float | None = BAND) -> bool:
+    """Every measured bin at or above τ and, unless `band` is None, at most τ + band."""
     measured = [a for a in p5 if a is not None]
-    return bool(measured) and all(tau <= a <= tau + BAND for a in measured)
+    return bool(measured) and all(tau <= a and (band is None or a <= tau + band) for a in measured)
 
 
-def steps_to_band(arm: dict) -> int | None:
-    """Steps run until the first step whose every measured bin has p5 α in [τ, τ + BAND]; None if never."""
+STATISTICS = ("lower", "midpoint")
+"""The per-bin p5 a convergence column reads: the top-K lower bound the records keep, or the midpoint of the lower
+and upper bounds' p5s (close to what a controller on `statistic: midpoint` acts on; it pools a window of steps)."""
+
+
+def step_p5(row: dict, statistic: str) -> list[float | None]:
+    if statistic == "lower":
+        return row["p5_alpha"]
+    return [None if lo is None or hi is None else (lo + hi) / 2 for lo, hi in zip(row["p5_alpha"], row["p5_alpha_upper"])]
+
+
+def steps_to_band(arm: dict, statistic: str = "lower", band: float | None = BAND) -> int | None:
+    """Steps run until the first step whose every measured bin has p5 α in [τ, τ + band] (band None: ≥ τ); None if
+    never."""
     for i, row in enumerate(arm["steps"]):
-        if in_band(row["p5_alpha"], arm["tau"]):
+        if in_band(step_p5(row, statistic), arm["tau"], band):
             return i + 1
     return None
 
@@ -79,19 +92,24 @@ def _fmt(value, digits: int = 3) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
+def _steps(count: int | None) -> str:
+    return "never" if count is None else str(count)
+
+
 def table_row(arm: dict) -> list[str]:
     """One arm's row of the merged table (TABLE_HEADERS)."""
     steps = arm["steps"]
     rewards = [s["reward_mean"] for s in steps]
     before, after = arm["eval_dense_before"], arm["eval_dense_after"]
     held = f"{_fmt(before and before['accuracy'], 2)} -> {_fmt(after and after['accuracy'], 2)}"
-    converged = steps_to_band(arm)
+    reached = "/".join(_steps(steps_to_band(arm, statistic, band)) for band in (None, BAND) for statistic in STATISTICS)
     final = steps[-1]["topk_blocks"] if steps else []
     budgets = "/".join("dense" if k is None else str(k) for k in final)
-    return [arm["arm"], str(len(steps)), _fmt(rewards[-1] if rewards else None), _fmt(_mean(rewards)), held,
+    return [arm["label"], str(len(steps)), _fmt(rewards[-1] if rewards else None), _fmt(_mean(rewards)), held,
             _fmt(_mean(s["rollout_s"] for s in steps), 1), _fmt(_mean(s["step_s"] for s in steps), 1),
-            "never" if converged is None else str(converged), budgets]
+            reached, budgets]
 
 
 TABLE_HEADERS = ["arm", "steps", "final reward", "mean reward", "held-out acc (dense) before -> after",
-                 "rollout s/step", "step s", "steps to p5 in [tau, tau+0.02]", "final top-k per bin"]
+                 "rollout s/step", "step s", "steps to every bin's p5 >= tau (lower/midpoint) / in [tau, tau+0.02] (lower/midpoint)",
+                 "final top-k per bin"]
