@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from sparrow.acceptance import acceptance_exact, token_context_lengths
+from sparrow.finite import all_finite
 from sparrow.schedule import SPARROW_EDGES, SparsitySchedule, load_schedule
 from sparrow.weight_sync import CollectiveGroup, CollectiveSender, Manifest, ObjectStoreSender, plan_buckets
 
@@ -486,7 +487,7 @@ class TrainerRank:
 
     def weights_finite(self) -> bool:
         """True when no rank holds a NaN/Inf weight (each checks its own ZeRO-3 partition); collective."""
-        local = all(bool(torch.isfinite(p.ds_tensor if hasattr(p, "ds_tensor") else p.data).all())
+        local = all(all_finite(p.ds_tensor if hasattr(p, "ds_tensor") else p.data)
                     for p in self.exporter.params.values())
         return all_reduce_scalar(float(not local), "max", self.device) == 0.0
 

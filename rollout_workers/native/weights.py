@@ -14,6 +14,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
+from sparrow.finite import all_finite
+
 from .model import DecoderModel
 from .model_spec import ModelLoadError, WeightsError
 
@@ -85,7 +87,7 @@ def validated_weights(model: DecoderModel, weights: Mapping[str, torch.Tensor]) 
         if tuple(t.shape) != tuple(param.shape):
             shard = "" if model.tensor_parallel is None else " (shapes of this tensor-parallel rank's shard)"
             raise WeightsError(f"{name}: shape {tuple(t.shape)} does not match the model's {tuple(param.shape)}{shard}")
-        if not bool(torch.isfinite(t).all()):
+        if not all_finite(t):
             raise WeightsError(f"{name}: contains NaN or inf values")
         out[name] = t
     if tied_head is not None:
