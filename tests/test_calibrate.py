@@ -174,6 +174,19 @@ def test_a_topk_lower_bound_below_tau_even_when_dense_is_flagged():
     assert any("dense rollout's p5 of the top-K lower bound is 0.900 < τ=0.95" in w for w in warnings)
 
 
+
+def test_a_replay_difference_names_its_cause():
+    """Off tokens with the same blocks attended are rounding (bf16 on a GPU: most tokens), not a different selection."""
+    template = calibration_template((128, 256, 384))
+    runs = synthetic_runs(template)
+    run = runs[8]
+    run.tokens, run.replay_tokens_off = 1000, 900
+    [line] = [w for w in assemble(template, runs, target=0.86, percentile=5).warnings() if "Δlog q" in w]
+    assert "900 of 1000 tokens" in line and "the same blocks attended: numeric differences" in line
+    run.replay_block_mismatches = 12
+    [line] = [w for w in assemble(template, runs, target=0.86, percentile=5).warnings() if "Δlog q" in w]
+    assert "other blocks chosen on near-tied scores" in line
+
 # ------------------------------------------------------------------ configuration and CLI errors
 
 

@@ -68,7 +68,8 @@ class BudgetRun:
     replay_max_error: float = 0.0
     """Largest |log q| difference between the engine and the sparse recompute of the sampled token."""
     replay_tokens_off: int = 0
-    """Tokens whose |Δlog q| exceeds REPLAY_TOLERANCE: the recompute picked other blocks (near-tied scores)."""
+    """Tokens whose |Δlog q| exceeds REPLAY_TOLERANCE: the recompute picked other blocks (near-tied scores), or, with the
+    same blocks, the kernels round differently (bfloat16 on a GPU: most tokens)."""
     replay_block_mismatches: int = 0
     """Tokens whose recomputed blocks attended differ from the engine's (0 = exact replay)."""
     generate_seconds: float = 0.0

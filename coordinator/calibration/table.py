@@ -98,9 +98,12 @@ class CalibrationResult:
             if run.failed:
                 out.append(f"budget {run.label}: {run.failed} samples failed ({'; '.join(run.errors[:2])})")
             if run.tokens and run.replay_tokens_off > 0.005 * run.tokens:
+                cause = ("other blocks chosen on near-tied scores" if run.replay_block_mismatches else
+                         "the same blocks attended: numeric differences between the engine's kernels and the recompute, "
+                         "large in bfloat16/float16")
                 out.append(f"budget {run.label}: {run.replay_tokens_off} of {run.tokens} tokens have |Δlog q| > "
-                           f"{REPLAY_TOLERANCE:g} between the engine and the sparse recompute (other blocks chosen on "
-                           "near-tied scores); their α is the recompute's")
+                           f"{REPLAY_TOLERANCE:g} between the engine and the sparse recompute ({cause}); their α is the "
+                           "recompute's")
             if run.replay_block_mismatches:
                 out.append(f"budget {run.label}: {run.replay_block_mismatches} tokens' recomputed blocks differ from the "
                            "engine's; the sparse recompute does not replay the rollout exactly")
