@@ -10,12 +10,11 @@
 #                                                   KILL_AFTER_S=S the rollout worker's process is killed once, S s into
 #                                                   the run (the job replaces it and goes on; the report counts it)
 # MODEL is a shape (qwen3-1.7b, qwen3-4b, qwen3-8b; random bf16 weights). Extra options go to the bench (to
-# sparrow train for `train`). Seen on H200s (2026-11-27): publish ~55 s per shape to one engine (over 95 s to
-# three); train ~40 s per step after a ~70 s first step; tp-rollout qwen3-8b 8 decodes 32K tokens in 233 s dense,
-# 194 s sparse, after ~50 s of start-up (its ranks then hung in their exit; they now skip that teardown, and
-# the bench kills any still running 60 s after the report): give the call at least 360 s (dense); tp-test needs
-# more than 90 s. With 4 GPUs, run two
-# stages at once on disjoint pairs (CUDA_VISIBLE_DEVICES=0,1 and 2,3, separate OUT).
+# sparrow train for `train`). Seen on H200s (2026-11-27): publish 40-60 s per shape to one engine (the 8B's three
+# versions need more than 90 s); train ~40 s per step after a ~70 s first step; tp-rollout qwen3-8b 8 decodes 32K
+# tokens in 236 s dense, 196 s sparse, after ~50 s of start-up, then its ranks hang in their process exit and the
+# bench kills them 60 s after writing the report: give the call at least 400 s (dense); tp-test takes ~120 s.
+# With 4 GPUs, run two stages at once on disjoint pairs (CUDA_VISIBLE_DEVICES=0,1 and 2,3, separate OUT).
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 OUT=${OUT:-/tmp/sparrow-two-gpu}; mkdir -p "$OUT"
