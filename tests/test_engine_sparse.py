@@ -9,7 +9,7 @@ import torch
 
 from sparrow.acceptance import acceptance_exact
 from sparrow.kernels import SparseAttentionConfig
-from sparrow.kernels.reference import block_sparse_causal_attention, sparse_causal_mask
+from sparrow.kernels.reference import block_sparse_causal_attention, block_sparse_causal_sdpa, sparse_causal_mask
 from sparrow.rollout_workers.api import RolloutRequest, SamplingParams
 from sparrow.rollout_workers.native import NativeEngine, teacher_forced_logprobs
 from sparrow.rollout_workers.native.attention import TeacherForced, sparse_rows_mask
@@ -129,3 +129,22 @@ def test_byte_floor_speedup_counts_the_bytes_each_mode_must_move():
     sparse = (weights + 2 * batch * context * kv_tok + 26 * batch * (63 * 16 + 1) * kv_tok
               + 26 * batch * (n - 3) * per_candidate)
     assert byte_floor_speedup("qwen3-1.7b", budget, config, batch, context, context) == pytest.approx(dense / sparse)
+
+
+@pytest.mark.parametrize("heads", [(4, 4), (6, 2)])
+def test_the_sdpa_form_equals_the_reference_with_its_gradients(heads):
+    """What the trainer's sparse forward and the teacher-forced engine run, against the definition: same output and
+    same gradients for q, k, v (float32), GQA included, with a scale other than 1/sqrt(D)."""
+    num_q, num_kv = heads
+    gen = torch.Generator().manual_seed(0)
+    seq, dim = 150, 16
+    config = SparseAttentionConfig(block_size=16, sink=1, recent=2)
+    budgets = torch.where(torch.arange(seq) < 40, DENSE_BUDGET, 5)
+    inputs = [torch.randn(seq, h, dim, generator=gen, requires_grad=True) for h in (num_q, num_kv, num_kv)]
+    weights = torch.randn(seq, num_q, dim, generator=gen)
+    grads = []
+    for attention in (block_sparse_causal_attention, block_sparse_causal_sdpa):
+        out = attention(*inputs, budgets, config, 0.2)
+        grads.append((out, *torch.autograd.grad((out * weights).sum(), inputs)))
+    for ref, got in zip(*grads):
+        assert (ref - got).abs().max().item() < 1e-5

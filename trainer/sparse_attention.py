@@ -2,14 +2,14 @@
 
 `register()` adds the attention function "sparrow_block_sparse" to transformers' AttentionInterface
 (with the sdpa mask builder). A forward that passes `sparrow_sparse=SparseForward(...)` runs
-`sparrow.kernels.reference.block_sparse_causal_attention` in every layer outside `dense_layers`,
+`sparrow.kernels.reference.block_sparse_causal_sdpa` in every layer outside `dense_layers`,
 each query with the budget of its own context; any other forward (no such argument, or a dense
 layer) is plain sdpa, so one loaded model serves both the dense policy and the sparse forward.
 
 Budgets per query position are those of the rollout engines (`SparsitySchedule.query_budgets`): dense
-at the prompt positions, the schedule's at context L = i + 1 after them. The reference is O(T²) in
-memory per layer, which suits CPU tests and moderate lengths on GPU; long contexts need a fused
-kernel behind the same function.
+at the prompt positions, the schedule's at context L = i + 1 after them. The keys each query may attend
+are a boolean [H_kv, T, T] mask and SDPA does the masked softmax (on a GPU its memory-efficient kernel, which
+keeps no T × T logits); the compute is still that of dense attention over T², since the mask skips no work.
 """
 
 from dataclasses import dataclass
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from sparrow.kernels import SparseAttentionConfig
-from sparrow.kernels.reference import block_sparse_causal_attention
+from sparrow.kernels.reference import block_sparse_causal_sdpa
 from sparrow.schedule import SparsitySchedule
 
 ATTENTION_NAME = "sparrow_block_sparse"
@@ -47,7 +47,7 @@ def sparrow_attention(module, query, key, value, attention_mask, scaling=None, d
     if tuple(budgets.shape) != expected:
         raise ValueError(f"sparse budgets have shape {tuple(budgets.shape)}; expected [batch, seq] = {expected}")
     rows = [
-        block_sparse_causal_attention(
+        block_sparse_causal_sdpa(
             query[b].transpose(0, 1), key[b].transpose(0, 1), value[b].transpose(0, 1), budgets[b], sparrow_sparse.config, scaling
         )
         for b in range(query.shape[0])

@@ -7,6 +7,7 @@ count, a prompt position, or a dense layer attends densely with an ordinary caus
 """
 
 import torch
+from torch.nn import functional as F
 
 from sparrow.layout import SparseAttentionConfig
 
@@ -77,3 +78,38 @@ def block_sparse_causal_attention(
     logits = logits.masked_fill(~mask[:, None], float("-inf"))
     out = torch.einsum("hgts,shd->thgd", torch.softmax(logits, dim=-1), v.to(acc))
     return out.reshape(seq_len, num_q_heads, head_dim).to(q.dtype)
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None, causal: bool = False,
+         scale: float | None = None) -> torch.Tensor:
+    """`q: [C, H, D]` over `k, v: [T, H_kv, D]`; `mask: [H_kv or 1, C, T]` boolean (True = attend).
+
+    With a mask the keys and values are repeated to the query heads rather than passed with `enable_gqa`, so a GPU
+    can run the memory-efficient kernel (which takes a mask, keeps no [C, T] logits and has a backward)."""
+    group = q.shape[1] // k.shape[1]
+    if mask is not None:
+        if mask.shape[0] > 1:
+            mask = mask.repeat_interleave(group, dim=0)
+        mask = mask[None]
+        if group > 1:
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+            group = 1
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+        attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=group > 1,
+    )
+    return out[0].transpose(0, 1)
+
+
+def block_sparse_causal_sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    budgets: torch.Tensor,
+    config: SparseAttentionConfig,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """`block_sparse_causal_attention` with the masked softmax done by SDPA in the inputs' dtype: the same keys per
+    query, no float32 `[H_q, T, T]` logits (the reference keeps them for its backward). What the teacher-forced
+    engine and the trainer's sparse forward (DistillSparse) run; the reference stays the definition."""
+    return sdpa(q, k, v, sparse_causal_mask(q, k, budgets, config), scale=scale)

@@ -13,26 +13,15 @@ from torch.nn import functional as F
 
 from sparrow.kernels import AttentionBackend, SparseAttentionConfig
 from sparrow.kernels.reference import (
+    block_sparse_causal_sdpa,
     group_mean_queries,
     landmarks_from_keys,
     score_landmarks,
+    sdpa,
     select_blocks,
-    sparse_causal_mask,
 )
 
 from .kv_cache import KVCache
-
-
-def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None, causal: bool = False):
-    """`q: [C, H, D]` over `k, v: [T, H_kv, D]`; `mask: [H_kv or 1, C, T]` boolean (True = attend)."""
-    group = q.shape[1] // k.shape[1]
-    if mask is not None and mask.shape[0] > 1:
-        mask = mask.repeat_interleave(group, dim=0)[None]
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-        attn_mask=mask, is_causal=causal, enable_gqa=group > 1,
-    )
-    return out[0].transpose(0, 1)
 
 
 def sparse_rows_mask(
@@ -130,9 +119,8 @@ class PagedDecode:
 
 
 class TeacherForced:
-    """Whole sequences without a cache: in sparse layers, attention under the reference
-    `sparse_causal_mask` (what `block_sparse_causal_attention` computes, with the masked softmax done
-    by SDPA — 2x faster on CPU); causal dense attention elsewhere."""
+    """Whole sequences without a cache: in sparse layers `block_sparse_causal_sdpa` (the reference rule, the masked
+    softmax done by SDPA: 2x faster on CPU); causal dense attention elsewhere."""
 
     def __init__(self, config: SparseAttentionConfig, budgets: torch.Tensor | None):
         self.config, self.budgets = config, budgets
@@ -140,4 +128,4 @@ class TeacherForced:
     def __call__(self, layer: int, q, k, v):
         if self.budgets is None or self.config.is_dense_layer(layer):
             return sdpa(q, k, v, causal=True)
-        return sdpa(q, k, v, sparse_causal_mask(q, k, self.budgets, self.config))
+        return block_sparse_causal_sdpa(q, k, v, self.budgets, self.config)
