@@ -13,7 +13,7 @@
 # sparrow train for `train`). Seen on H200s (2026-11-27): publish 40-60 s per shape to one engine (the 8B's three
 # versions need more than 90 s); train ~40 s per step after a ~70 s first step; tp-rollout qwen3-8b 8 decodes 32K
 # tokens in 236 s dense, 196 s sparse, after ~50 s of start-up, then its ranks hang in their process exit and the
-# bench kills them 60 s after writing the report: give the call at least 400 s (dense); tp-test takes ~120 s.
+# bench kills them 15 s after writing the report: give the call at least 360 s (dense); tp-test takes ~120 s.
 # With 4 GPUs, run two stages at once on disjoint pairs (CUDA_VISIBLE_DEVICES=0,1 and 2,3, separate OUT).
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"

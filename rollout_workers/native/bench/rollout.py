@@ -39,9 +39,10 @@ RUN_KEYS = ("model", "device", "device_name", "dtype", "backend", "cuda_graphs",
             "prompt_len", "gen_len", "batch", "samples", "seed", "schedule")
 """What two single-mode results must share to be merged into one comparison."""
 SPARE_BLOCKS = 16
-TEARDOWN_GRACE_S = 60.0
-"""Seconds tensor-parallel ranks get to exit once their results are written (seen on 2 and 4 x H200: NCCL ranks
-that decoded from CUDA graphs never exited, and the 8B results were lost with them)."""
+TEARDOWN_GRACE_S = 15.0
+"""Seconds tensor-parallel ranks get to exit once their results are written. On 2 and 4 x H200, NCCL ranks that
+decoded from CUDA graphs never exited, even through `os._exit` after destroying their process group (stuck past
+Python, in the process exit); a rank that exits at all does so within seconds of its report."""
 STALL_DUMP_S = 120.0
 """Seconds without progress after which a tensor-parallel rank prints its stacks."""
 
