@@ -1,6 +1,6 @@
 """Per-arm JSON from a run's step records, and the merged table's rows: pure (records in, plain data out)."""
 
-from statistics import fmean
+from statistics import fmean, median
 
 BAND = 0.02
 """An arm has converged once every measured bin's p5 α lies in [τ, τ + BAND]."""
@@ -88,6 +88,12 @@ def _mean(values) -> float | None:
     return fmean(values) if values else None
 
 
+def _median(values) -> float | None:
+    """Per-step seconds: the median, since the first step also compiles kernels and captures graphs."""
+    values = [v for v in values if v is not None]
+    return median(values) if values else None
+
+
 def _fmt(value, digits: int = 3) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
@@ -106,10 +112,10 @@ def table_row(arm: dict) -> list[str]:
     final = steps[-1]["topk_blocks"] if steps else []
     budgets = "/".join("dense" if k is None else str(k) for k in final)
     return [arm["label"], str(len(steps)), _fmt(rewards[-1] if rewards else None), _fmt(_mean(rewards)), held,
-            _fmt(_mean(s["rollout_s"] for s in steps), 1), _fmt(_mean(s["step_s"] for s in steps), 1),
+            _fmt(_median(s["rollout_s"] for s in steps), 1), _fmt(_median(s["step_s"] for s in steps), 1),
             reached, budgets]
 
 
 TABLE_HEADERS = ["arm", "steps", "final reward", "mean reward", "held-out acc (dense) before -> after",
-                 "rollout s/step", "step s", "steps to every bin's p5 >= tau (lower/midpoint) / in [tau, tau+0.02] (lower/midpoint)",
+                 "median rollout s/step", "median step s", "steps to every bin's p5 >= tau (lower/midpoint) / in [tau, tau+0.02] (lower/midpoint)",
                  "final top-k per bin"]
