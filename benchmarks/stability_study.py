@@ -45,6 +45,14 @@ def _study_overrides(args) -> tuple[list[str], dict]:
         _fail(str(exc))
     study = [f"run.steps={args.steps}", f"run.seed={args.seed}", f"run.out_dir={args.runs_dir}", f"run.name=arm-{args.label}",
              f"data.eval.every={args.steps}", "data.eval.modes=[dense]", "run.checkpoint_every=0"]
+    owned = {item.split("=", 1)[0].strip(): "the arm" for item in arm_sets}
+    owned.update({item.split("=", 1)[0]: "the study" for item in study})
+    for item in args.set:
+        key = item.split("=", 1)[0].strip()
+        if key in owned:
+            _fail(f"--set {key}: {owned[key]} sets this key (a later --set would replace it silently); put the value in "
+                  f"the --config file instead (the arms keep its bins and schedule), or use the option for it "
+                  f"(--steps, --seed, --tau, --fixed-topk, --out-dir, --runs-dir, --label)")
     sets = arm_sets + study + args.set
     try:
         final = load_config(args.config, sets)  # validates the combination before Ray starts

@@ -71,6 +71,16 @@ def test_the_midpoint_reading_averages_each_bins_bounds():
     assert steps_to_band(arm, "midpoint", band=0.005) is None
 
 
+def test_a_set_that_would_replace_an_arms_key_is_refused(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["--arm", "c", "--config", str(GPU_CONFIG), "--out-dir", str(tmp_path),
+              "--set", "rollout.schedule={name: x, edges: [3072, 4096, 5120, 6144], topk_blocks: [4, 4, 4, 4, 4]}"])
+    assert "--set rollout.schedule: the arm sets this key" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--arm", "a", "--config", str(GPU_CONFIG), "--out-dir", str(tmp_path), "--set", "run.steps=3"])
+    assert "--set run.steps: the study sets this key" in capsys.readouterr().err
+
+
 def test_a_label_that_cannot_name_a_file_is_refused(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["--arm", "b", "--label", "b/top64", "--out-dir", str(tmp_path)])

@@ -71,7 +71,8 @@ and upper bounds' p5s (close to what a controller on `statistic: midpoint` acts 
 def step_p5(row: dict, statistic: str) -> list[float | None]:
     if statistic == "lower":
         return row["p5_alpha"]
-    return [None if lo is None or hi is None else (lo + hi) / 2 for lo, hi in zip(row["p5_alpha"], row["p5_alpha_upper"])]
+    pairs = zip(row["p5_alpha"], row["p5_alpha_upper"])
+    return [None if lo is None or hi is None else (lo + hi) / 2 for lo, hi in pairs]
 
 
 def steps_to_band(arm: dict, statistic: str = "lower", band: float | None = BAND) -> int | None:
@@ -117,5 +118,6 @@ def table_row(arm: dict) -> list[str]:
 
 
 TABLE_HEADERS = ["arm", "steps", "final reward", "mean reward", "held-out acc (dense) before -> after",
-                 "median rollout s/step", "median step s", "steps to every bin's p5 >= tau (lower/midpoint) / in [tau, tau+0.02] (lower/midpoint)",
+                 "median rollout s/step", "median step s",
+                 "steps to every bin's p5 >= tau (lower/midpoint) / in [tau, tau+0.02] (lower/midpoint)",
                  "final top-k per bin"]
