@@ -32,6 +32,11 @@ def _fail(message: str) -> None:
     sys.exit(2)
 
 
+def _key(override: str) -> str:
+    """The config key of a `KEY=VALUE` override."""
+    return override.split("=", 1)[0].strip()
+
+
 def _study_overrides(args) -> tuple[list[str], dict]:
     """The arm's --set list (arm, then the study's fixed keys, then the user's) and the facts the summary needs."""
     from sparrow.coordinator.config import ConfigError, load_config
@@ -45,11 +50,9 @@ def _study_overrides(args) -> tuple[list[str], dict]:
         _fail(str(exc))
     study = [f"run.steps={args.steps}", f"run.seed={args.seed}", f"run.out_dir={args.runs_dir}", f"run.name=arm-{args.label}",
              f"data.eval.every={args.steps}", "data.eval.modes=[dense]", "run.checkpoint_every=0"]
-    owned = {item.split("=", 1)[0].strip(): "the arm" for item in arm_sets}
-    owned.update({item.split("=", 1)[0]: "the study" for item in study})
+    owned = {_key(item): "the arm" for item in arm_sets} | {_key(item): "the study" for item in study}
     for item in args.set:
-        key = item.split("=", 1)[0].strip()
-        if key in owned:
+        if (key := _key(item)) in owned:
             _fail(f"--set {key}: {owned[key]} sets this key (a later --set would replace it silently); put the value in "
                   f"the --config file instead (the arms keep its bins and schedule), or use the option for it "
                   f"(--steps, --seed, --tau, --fixed-topk, --out-dir, --runs-dir, --label)")
