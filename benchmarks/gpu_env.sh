@@ -7,7 +7,9 @@ if ! python3 -c "import pydantic, ray" 2>/dev/null && [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 fi
 [ -d /tmp/site ] && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
-if ! python3 -c "import sparrow.rollout_workers.native" 2>/dev/null; then
+# -P: without the current folder on the path, as a script under benchmarks/ sees it (the cwd would hide a
+# missing PYTHONPATH once the symlinks exist).
+if ! python3 -P -c "import sparrow.rollout_workers.native" 2>/dev/null; then
   for pkg in coordinator kernels protos rollout_workers trainer; do [ -e "sparrow/$pkg" ] || ln -s "../$pkg" "sparrow/$pkg"; done
   export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 fi
