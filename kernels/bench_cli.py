@@ -11,7 +11,8 @@ from sparrow.layout import BLOCK_SIZE
 
 def register(actions) -> None:
     """`sparrow bench kernels`: the Triton decode kernels' bandwidth (logic in sparrow.kernels.triton.bench)."""
-    k = actions.add_parser("kernels", help="decode attention kernels: achieved bandwidth vs the copy bandwidth (CUDA)")
+    k = actions.add_parser("kernels", help="decode attention kernels: achieved bandwidth vs the copy bandwidth, beside "
+                           "torch SDPA and FlashInfer when installed (CUDA)")
     k.add_argument("--batches", type=int, nargs="+", help="batch sizes (default 8 64)")
     k.add_argument("--contexts", type=int, nargs="+", help="context lengths in tokens (default 8192 16384 32768)")
     k.add_argument("--budgets", type=int, nargs="+",

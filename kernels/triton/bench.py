@@ -23,6 +23,8 @@ import torch
 from sparrow.layout import BLOCK_SIZE, SparseAttentionConfig
 from sparrow.tables import format_table
 
+from .. import flashinfer_baseline as flashinfer
+
 from .attention import AttentionTiling, attention_partials, attention_tiling, merge_splits
 from .backend import SPLIT_WAVES, TritonBackend, choose_splits
 from .scoring import score_blocks
@@ -238,6 +240,22 @@ def sweep_attention(pool: Pool, spec: BenchSpec, num_sms: int, log) -> tuple[Att
     return AttentionTiling(*best_tiling), best_waves, rows
 
 
+def time_flashinfer(table: flashinfer.PageTable, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    num_kv_heads: int, reference: torch.Tensor, rep_ms: int) -> dict:
+    """FlashInfer's paged decode over `table` (graph-replayed like ours) and its relative error against our output;
+    a failure (FlashInfer's JIT build, an unsupported shape) is recorded in the row, not raised."""
+    head_dim = q.shape[-1]
+    try:
+        decode = flashinfer.FlashInferDecode(table, q.shape[1], num_kv_heads, head_dim, k_cache.shape[2], q.dtype,
+                                             head_dim**-0.5)
+        out = torch.empty_like(q)
+        us = _bench(_graph(lambda: decode.run(q, k_cache, v_cache, out)), rep_ms)
+    except Exception as exc:  # recorded: the rest of the benchmark still runs
+        return {"flashinfer_us": None, "flashinfer_error": f"{type(exc).__name__}: {exc}"[:500]}
+    ref = reference.reshape(out.shape).float()
+    return {"flashinfer_us": us, "flashinfer_rel_err": ((out.float() - ref).norm() / ref.norm()).item()}
+
+
 def run(spec: BenchSpec, out_path: Path | None, command: str, log=print) -> dict:
     if not torch.cuda.is_available():
         raise ValueError("sparrow bench kernels needs a CUDA GPU (the Triton kernels are CUDA kernels)")
@@ -251,6 +269,9 @@ def run(spec: BenchSpec, out_path: Path | None, command: str, log=print) -> dict
     launch_us = _bench(_graph(lambda: tiny.add_(1)), spec.rep_ms)
     log(f"{props.name}: {num_sms} SMs, device-to-device copy {copy_gbps:.0f} GB/s (read + write); "
         f"a one-element kernel in a graph times {launch_us:.1f} us (the per-measurement floor)")
+    flashinfer_missing = flashinfer.available()
+    log(f"peer kernel: FlashInfer {flashinfer.version()} paged decode (HND, pages of {BLOCK_SIZE})" if flashinfer_missing
+        is None else f"peer kernel: FlashInfer not timed: {flashinfer_missing}")
     max_tokens = max(spec.batches) * max(spec.contexts)
     pool = Pool(math.ceil(max_tokens / BLOCK_SIZE) + max(spec.batches), h, d)
 
@@ -278,22 +299,30 @@ def run(spec: BenchSpec, out_path: Path | None, command: str, log=print) -> dict
         uniform = torch.full_like(case.seq_lens, context)
         check = backend.decode(case.q, pool.k, pool.v, None, case.tables, uniform, None, mean_cfg, scale)[0]
         sdpa_us, sdpa_name, sdpa_err = sdpa_dense_us(pool, case, h, d, spec.rep_ms, check)
+        peer = {"flashinfer_us": None}
+        if flashinfer_missing is None:
+            peer = time_flashinfer(flashinfer.dense_page_table(case.tables, case.seq_lens, BLOCK_SIZE), case.q,
+                                   pool.k, pool.v, h, dense_fn()[0], spec.rep_ms)
         base = {"batch": batch, "context": context, "group": group, "splits": splits}
         results.append({**base, "kind": "dense", "us": dense_us, "zero_flush_us": dense_zero_flush_us, "bytes": nbytes,
                         "pct_copy": 100 * nbytes / dense_us / 1e3 / copy_gbps,
                         "sdpa_us": sdpa_us, "sdpa_backend": sdpa_name,
                         "sdpa_pct_copy": None if sdpa_us is None else
                         100 * (case.batch * context * h * d * 4) / sdpa_us / 1e3 / copy_gbps,
-                        "rel_err_vs_sdpa": sdpa_err})
+                        "rel_err_vs_sdpa": sdpa_err, **peer,
+                        "flashinfer_pct_copy": None if peer["flashinfer_us"] is None else
+                        100 * nbytes / peer["flashinfer_us"] / 1e3 / copy_gbps})
         log(f"[{i + 1}/{len(cases)}] B={batch} L={context} G={group}: dense {dense_us:.1f} us "
             f"({results[-1]['pct_copy']:.0f}% of copy), sdpa[{sdpa_name}] {_fmt(sdpa_us, '.1f')} us, "
-            f"rel err vs sdpa {_fmt(sdpa_err, '.1e')}")
+            f"rel err vs sdpa {_fmt(sdpa_err, '.1e')}, flashinfer {_fmt(peer['flashinfer_us'], '.1f')} us"
+            + (f" ({peer['flashinfer_error']})" if "flashinfer_error" in peer else ""))
 
         modes = [("mean", mean_cfg, pool.mean)] + ([("minmax", minmax_cfg, pool.minmax)]
                                                    if context in spec.minmax_contexts else [])
         for mode, cfg, landmarks in modes:
             for budget_tokens in spec.budgets:
-                row = time_sparse(backend, pool, case, landmarks, cfg, budget_tokens // BLOCK_SIZE, splits, tiling, spec.rep_ms)
+                row = time_sparse(backend, pool, case, landmarks, cfg, budget_tokens // BLOCK_SIZE, splits, tiling, spec.rep_ms,
+                                  peer=flashinfer_missing is None)
                 row.update(base, kind="sparse", landmark=mode, budget_tokens=budget_tokens,
                            speedup_vs_dense=dense_us / row["layer_us"])
                 total = row["bytes"]["total"]
@@ -306,6 +335,8 @@ def run(spec: BenchSpec, out_path: Path | None, command: str, log=print) -> dict
     report = {
         "device": props.name, "num_sms": num_sms, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": command, "torch": torch.__version__, "triton": triton.__version__,
+        "flashinfer": flashinfer.version() if flashinfer_missing is None else None,
+        "flashinfer_missing": flashinfer_missing,
         "copy_GBps": copy_gbps, "launch_floor_us": launch_us, "tiling": list(tiling), "split_waves": waves, "spec": asdict(spec),
         "sweep": sweep_rows, "results": results,
     }
@@ -318,8 +349,9 @@ def run(spec: BenchSpec, out_path: Path | None, command: str, log=print) -> dict
 
 
 def time_sparse(backend: TritonBackend, pool: Pool, case: Case, landmarks: torch.Tensor, cfg: SparseAttentionConfig,
-                budget_blocks: int, splits: int, tiling: AttentionTiling, rep_ms: int) -> dict:
-    """Per-kernel and whole-layer graph-replay times of one sparse decode layer."""
+                budget_blocks: int, splits: int, tiling: AttentionTiling, rep_ms: int, peer: bool = False) -> dict:
+    """Per-kernel and whole-layer graph-replay times of one sparse decode layer; with `peer`, FlashInfer's paged
+    decode over the same selected blocks (one request per sequence and KV head) beside our attention kernel."""
     h, d = pool.k.shape[1], pool.k.shape[3]
     ws = backend.workspace
     budgets = torch.full((case.batch,), budget_blocks, dtype=torch.int32, device=DEVICE)
@@ -340,6 +372,12 @@ def time_sparse(backend: TritonBackend, pool: Pool, case: Case, landmarks: torch
              "attn_us": _bench(_graph(attend), rep_ms),
              "merge_us": _bench(_graph(merge), rep_ms) if splits > 1 else 0.0,
              "layer_us": _bench(_graph(layer), rep_ms)}
+    if peer:
+        select()
+        table = flashinfer.sparse_page_table(case.tables, case.seq_lens, budgets, ws.selected, counts, h, BLOCK_SIZE)
+        group_q = case.q.view(case.batch * h, case.group, d)
+        times.update(time_flashinfer(table, group_q, flashinfer.per_head_pages(pool.k), flashinfer.per_head_pages(pool.v),
+                                     1, layer()[0], rep_ms))
     return {**times, "budget_blocks": budget_blocks, "bytes": sparse_bytes(case, budget_blocks, cfg, h, d)}
 
 
@@ -352,24 +390,32 @@ def render_tables(report: dict) -> str:
              f"graph after do_bench's zeroing flush", ""]
     lines.append(format_table(
         ["B", "L", "G", "splits", "dense us", "dense %", "zero-flush us", "sdpa us", "sdpa %", "sdpa backend",
-         "rel err vs sdpa"],
+         "rel err vs sdpa", "flashinfer us", "flashinfer %", "ours / flashinfer"],
         [[r["batch"], r["context"], r["group"], r["splits"], f"{r['us']:.1f}", f"{r['pct_copy']:.0f}",
           f"{r['zero_flush_us']:.1f}",
-          _fmt(r["sdpa_us"], ".1f"), _fmt(r["sdpa_pct_copy"], ".0f"), r["sdpa_backend"], _fmt(r["rel_err_vs_sdpa"], ".1e")]
+          _fmt(r["sdpa_us"], ".1f"), _fmt(r["sdpa_pct_copy"], ".0f"), r["sdpa_backend"], _fmt(r["rel_err_vs_sdpa"], ".1e"),
+          _fmt(r.get("flashinfer_us"), ".1f"), _fmt(r.get("flashinfer_pct_copy"), ".0f"),
+          _fmt(_ratio(r["us"], r.get("flashinfer_us")), ".2f")]
          for r in dense]))
     lines.append("")
     lines.append(format_table(
         ["B", "L", "G", "lm", "budget", "score us", "score %", "select us", "attn us", "attn %", "merge us",
-         "layer us", "layer %", "vs dense"],
+         "layer us", "layer %", "vs dense", "flashinfer attn us", "attn+merge / flashinfer"],
         [[r["batch"], r["context"], r["group"], r["landmark"], r["budget_tokens"], f"{r['score_us']:.1f}",
           f"{r['score_pct_copy']:.0f}", f"{r['select_us']:.1f}", f"{r['attn_us']:.1f}", f"{r['attn_pct_copy']:.0f}",
-          f"{r['merge_us']:.1f}", f"{r['layer_us']:.1f}", f"{r['layer_pct_copy']:.0f}", f"{r['speedup_vs_dense']:.2f}x"]
+          f"{r['merge_us']:.1f}", f"{r['layer_us']:.1f}", f"{r['layer_pct_copy']:.0f}", f"{r['speedup_vs_dense']:.2f}x",
+          _fmt(r.get("flashinfer_us"), ".1f"), _fmt(_ratio(r["attn_us"] + r["merge_us"], r.get("flashinfer_us")), ".2f")]
          for r in sparse]))
     return "\n".join(lines)
 
 
 def _fmt(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
+
+
+def _ratio(ours: float, peer: float | None) -> float | None:
+    """Our time over the peer's (< 1: ours is faster)."""
+    return None if peer is None else ours / peer
 
 
 def default_out_path(device_name: str, kind: str = "kernels") -> Path:
