@@ -1,6 +1,8 @@
 # Sourced by the GPU benchmark scripts: the environment of a lent GPU machine with no package index.
 # Carried wheels (.whl, from ../shared/tools/device-wheels.sh) install into /tmp/site; the repo's folders
 # become the sparrow.* packages through symlinks when Sparrow is not installed (setup.py maps them).
+# .whl (57 MiB) and the checkout (~10 MiB) no longer fit one call's 64 MiB: carry ray's wheel (44 MiB) in a call
+# of its own and install it into /tmp/site the same way (pip ... --target /tmp/site-ray; cp -a /tmp/site-ray/. /tmp/site/).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1
 if ! python3 -c "import pydantic, ray" 2>/dev/null && [ -d .whl ]; then
