@@ -9,10 +9,15 @@ import torch
 
 from sparrow.acceptance import acceptance_exact
 from sparrow.kernels import SparseAttentionConfig
-from sparrow.kernels.reference import block_sparse_causal_attention, block_sparse_causal_sdpa, sparse_causal_mask
+from sparrow.kernels.reference import (
+    block_sparse_causal_attention,
+    block_sparse_causal_sdpa,
+    sparse_causal_mask,
+    sparse_rows_mask,
+)
 from sparrow.rollout_workers.api import RolloutRequest, SamplingParams
 from sparrow.rollout_workers.native import NativeEngine, teacher_forced_logprobs
-from sparrow.rollout_workers.native.attention import TeacherForced, sparse_rows_mask
+from sparrow.rollout_workers.native.attention import TeacherForced
 from sparrow.schedule import DENSE_BUDGET, SparsitySchedule
 
 SMALL = SparsitySchedule(name="small", topk_blocks=(2, 4), edges=(160,))  # 5 blocks, then 7 beyond 160 tokens
@@ -139,12 +144,14 @@ def test_the_sdpa_form_equals_the_reference_with_its_gradients(heads):
     gen = torch.Generator().manual_seed(0)
     seq, dim = 150, 16
     config = SparseAttentionConfig(block_size=16, sink=1, recent=2)
-    budgets = torch.where(torch.arange(seq) < 40, DENSE_BUDGET, 5)
     inputs = [torch.randn(seq, h, dim, generator=gen, requires_grad=True) for h in (num_q, num_kv, num_kv)]
     weights = torch.randn(seq, num_q, dim, generator=gen)
-    grads = []
-    for attention in (block_sparse_causal_attention, block_sparse_causal_sdpa):
-        out = attention(*inputs, budgets, config, 0.2)
-        grads.append((out, *torch.autograd.grad((out * weights).sum(), inputs)))
-    for ref, got in zip(*grads):
-        assert (ref - got).abs().max().item() < 1e-5
+    # a 40-token prompt; no prompt (sparse from the first query whose blocks exceed 5); every query dense
+    for budgets in (torch.where(torch.arange(seq) < 40, DENSE_BUDGET, 5), torch.full((seq,), 5),
+                    torch.full((seq,), DENSE_BUDGET)):
+        grads = []
+        for attention in (block_sparse_causal_attention, block_sparse_causal_sdpa):
+            out = attention(*inputs, budgets, config, 0.2)
+            grads.append((out, *torch.autograd.grad((out * weights).sum(), inputs)))
+        for ref, got in zip(*grads):
+            assert (ref - got).abs().max().item() < 1e-5

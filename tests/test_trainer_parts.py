@@ -174,7 +174,8 @@ def test_sparse_forward_matches_native_engine_teacher_forcing(tiny_qwen3):
     mb = collate(trajs, [0, 1], pad_id=0)
     cfg = SparseAttentionConfig(dense_layers=(0, 1))
     with torch.no_grad():
-        sparse = fwd.stats(mb, sparse_attention.SparseForward(cfg, sparse_attention.query_budgets(mb.prompt_lens, 200, schedule)))
+        budgets = sparse_attention.query_budgets(mb.prompt_lens, 200, schedule)
+        sparse = fwd.stats(mb, sparse_attention.SparseForward(cfg, budgets, [200, 140]))  # the second row right-padded
         dense = fwd.stats(mb)
     engine = NativeEngine.from_pretrained(tiny_qwen3, num_kv_blocks=64)
     offset = 0
@@ -197,3 +198,15 @@ def test_group_refuses_a_batch_with_only_some_advantages(tiny_qwen3):
     mixed = TrajectoryBatch([_traj(3, 4, advantage=0.5, group_id="g"), _traj(3, 4, seed=1, group_id="g")])
     with pytest.raises(ValueError, match="1 of 2 trajectories have an advantage"):
         group.prepare(mixed)
+
+
+def test_sparse_forward_refuses_row_lengths_that_do_not_fit_the_batch():
+    from types import SimpleNamespace
+
+    from sparrow.kernels import SparseAttentionConfig
+    from sparrow.trainer import sparse_attention
+
+    q, kv = torch.zeros(2, 4, 32, 8), torch.zeros(2, 2, 32, 8)
+    sparse = sparse_attention.SparseForward(SparseAttentionConfig(dense_layers=()), torch.full((2, 32), 5), [32, 40])
+    with pytest.raises(ValueError, match=r"lengths \[32, 40\] do not fit a batch of 2 rows of 32 positions"):
+        sparse_attention.sparrow_attention(SimpleNamespace(layer_idx=3), q, kv, kv, None, sparrow_sparse=sparse)

@@ -366,7 +366,8 @@ class TrainerRank:
 
     def _sparse_forward(self, mb: MicroBatch) -> sparse_attention.SparseForward:
         budgets = sparse_attention.query_budgets(mb.prompt_lens, mb.input_ids.shape[1], self.schedule)
-        return sparse_attention.SparseForward(self.config.distill_sparse.layout_for(self.schedule), budgets)
+        lengths = [p + r for p, r in zip(mb.prompt_lens, mb.response_lens)]
+        return sparse_attention.SparseForward(self.config.distill_sparse.layout_for(self.schedule), budgets, lengths)
 
     def distill_step(self, batch: TrajectoryBatch, dense_logprobs: list[torch.Tensor]) -> dict[str, float]:
         """One LoRA update through the sparse forward (adapter on, base frozen).

@@ -7,14 +7,16 @@ each query with the budget of its own context; any other forward (no such argume
 layer) is plain sdpa, so one loaded model serves both the dense policy and the sparse forward.
 
 Budgets per query position are those of the rollout engines (`SparsitySchedule.query_budgets`): dense
-at the prompt positions, the schedule's at context L = i + 1 after them. The keys each query may attend
-are a boolean [H_kv, T, T] mask and SDPA does the masked softmax (on a GPU its memory-efficient kernel, which
-keeps no T × T logits); the compute is still that of dense attention over T², since the mask skips no work.
+at the prompt positions, the schedule's at context L = i + 1 after them. The prompt rows run SDPA's causal
+kernel; only the response rows are masked (`[H_kv, R, T]`, SDPA's memory-efficient kernel on a GPU), and a row's
+right padding is not attended at all (zeros: nothing reads it), so the sparse forward costs about what the dense
+one does.
 """
 
 from dataclasses import dataclass
 
 import torch
+from torch.nn import functional as F
 
 from sparrow.kernels import SparseAttentionConfig
 from sparrow.kernels.reference import block_sparse_causal_sdpa
@@ -29,6 +31,8 @@ class SparseForward:
 
     config: SparseAttentionConfig
     budgets: torch.Tensor
+    lengths: list[int]
+    """Tokens of each row before its right padding (prompt + response)."""
 
 
 def query_budgets(prompt_lens: list[int], seq_len: int, schedule: SparsitySchedule) -> torch.Tensor:
@@ -46,12 +50,16 @@ def sparrow_attention(module, query, key, value, attention_mask, scaling=None, d
     expected = (query.shape[0], query.shape[2])
     if tuple(budgets.shape) != expected:
         raise ValueError(f"sparse budgets have shape {tuple(budgets.shape)}; expected [batch, seq] = {expected}")
-    rows = [
-        block_sparse_causal_sdpa(
-            query[b].transpose(0, 1), key[b].transpose(0, 1), value[b].transpose(0, 1), budgets[b], sparrow_sparse.config, scaling
+    if len(sparrow_sparse.lengths) != expected[0] or max(sparrow_sparse.lengths) > expected[1]:
+        raise ValueError(f"sparse row lengths {sparrow_sparse.lengths} do not fit a batch of {expected[0]} rows "
+                         f"of {expected[1]} positions")
+    rows = []
+    for b, n in enumerate(sparrow_sparse.lengths):
+        row = block_sparse_causal_sdpa(
+            query[b, :, :n].transpose(0, 1), key[b, :, :n].transpose(0, 1), value[b, :, :n].transpose(0, 1),
+            budgets[b, :n], sparrow_sparse.config, scaling,
         )
-        for b in range(query.shape[0])
-    ]
+        rows.append(F.pad(row, (0, 0, 0, 0, 0, expected[1] - n)))
     return torch.stack(rows), None
 
 

@@ -13,7 +13,7 @@ from sparrow.layout import SparseAttentionConfig
 
 from .landmarks import landmarks_from_keys
 from .scoring import group_mean_queries, score_landmarks
-from .selection import candidate_rank
+from .selection import candidate_rank, select_blocks
 
 
 def sparse_causal_mask(
@@ -56,6 +56,25 @@ def sparse_causal_mask(
         chosen_key[..., : n_full * bs] = chosen.repeat_interleave(bs, dim=-1)
     allowed = (reserved | dense[:, None])[:, None, :] | chosen_key
     return (allowed & causal[:, None, :]).transpose(0, 1)
+
+
+def sparse_rows_mask(
+    q: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, budgets: torch.Tensor, config: SparseAttentionConfig
+) -> torch.Tensor:
+    """Rows of `sparse_causal_mask` for queries `q: [C, H, D]` at `positions` over the context
+    `keys: [T, H_kv, D]` → boolean `[H_kv, C, T]`, without computing the other rows."""
+    bs = config.block_size
+    total = keys.shape[0]
+    max_blocks = -(-total // bs)
+    landmarks = landmarks_from_keys(keys, bs, config.landmark)  # full blocks only
+    scores = score_landmarks(group_mean_queries(q, keys.shape[1]), landmarks, config.landmark)  # [C, H_kv, n_full]
+    scores = F.pad(scores, (0, max_blocks - scores.shape[-1]), value=float("-inf"))
+    block_ids, _ = select_blocks(scores, positions // bs + 1, budgets, config.sink, config.recent)
+    keep = torch.zeros(*block_ids.shape[:2], max_blocks + 1, dtype=torch.bool, device=q.device)
+    keep.scatter_(-1, torch.where(block_ids >= 0, block_ids, max_blocks), True)
+    token_keep = keep[..., :max_blocks].repeat_interleave(bs, dim=-1)[..., :total]  # [C, H_kv, T]
+    causal = torch.arange(total, device=q.device)[None, :] <= positions[:, None]
+    return (token_keep & causal[:, None, :]).transpose(0, 1)
 
 
 def block_sparse_causal_attention(
@@ -109,7 +128,20 @@ def block_sparse_causal_sdpa(
     config: SparseAttentionConfig,
     scale: float | None = None,
 ) -> torch.Tensor:
-    """`block_sparse_causal_attention` with the masked softmax done by SDPA in the inputs' dtype: the same keys per
-    query, no float32 `[H_q, T, T]` logits (the reference keeps them for its backward). What the teacher-forced
-    engine and the trainer's sparse forward (DistillSparse) run; the reference stays the definition."""
-    return sdpa(q, k, v, sparse_causal_mask(q, k, budgets, config), scale=scale)
+    """`block_sparse_causal_attention` with the softmax done by SDPA in the inputs' dtype: the same keys per query,
+    no float32 `[H_q, T, T]` logits (the reference keeps them for its backward). The rows before the first sparse
+    query (a prompt) attend causally among themselves, so they run SDPA's causal kernel (flash on a GPU); only the
+    rows from there on are masked, `[H_kv, T - first, T]`. What the teacher-forced engine and the trainer's sparse
+    forward (DistillSparse) run; the reference stays the definition."""
+    seq_len = k.shape[0]
+    blocks = torch.arange(seq_len, device=q.device) // config.block_size + 1
+    sparse = blocks > budgets.to(q.device).long().clamp(min=config.reserved_blocks)
+    first = int(sparse.long().argmax()) if bool(sparse.any()) else seq_len
+    parts = []
+    if first:
+        parts.append(sdpa(q[:first], k[:first], v[:first], causal=True, scale=scale))
+    if first < seq_len:
+        positions = torch.arange(first, seq_len, device=q.device)
+        mask = sparse_rows_mask(q[first:], k, positions, budgets[first:].to(q.device), config)
+        parts.append(sdpa(q[first:], k, v, mask, scale=scale))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -9,38 +9,11 @@ landmark, chosen per KV head.
 from dataclasses import dataclass
 
 import torch
-from torch.nn import functional as F
 
 from sparrow.kernels import AttentionBackend, SparseAttentionConfig
-from sparrow.kernels.reference import (
-    block_sparse_causal_sdpa,
-    group_mean_queries,
-    landmarks_from_keys,
-    score_landmarks,
-    sdpa,
-    select_blocks,
-)
+from sparrow.kernels.reference import block_sparse_causal_sdpa, sdpa, sparse_rows_mask
 
 from .kv_cache import KVCache
-
-
-def sparse_rows_mask(
-    q: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, budgets: torch.Tensor, config: SparseAttentionConfig
-) -> torch.Tensor:
-    """Rows of `reference.sparse_causal_mask` for queries `q: [C, H, D]` at `positions` over the
-    context `keys: [T, H_kv, D]` → boolean `[H_kv, C, T]`, without computing the other rows."""
-    bs = config.block_size
-    total = keys.shape[0]
-    max_blocks = -(-total // bs)
-    landmarks = landmarks_from_keys(keys, bs, config.landmark)  # full blocks only
-    scores = score_landmarks(group_mean_queries(q, keys.shape[1]), landmarks, config.landmark)  # [C, H_kv, n_full]
-    scores = F.pad(scores, (0, max_blocks - scores.shape[-1]), value=float("-inf"))
-    block_ids, _ = select_blocks(scores, positions // bs + 1, budgets, config.sink, config.recent)
-    keep = torch.zeros(*block_ids.shape[:2], max_blocks + 1, dtype=torch.bool, device=q.device)
-    keep.scatter_(-1, torch.where(block_ids >= 0, block_ids, max_blocks), True)
-    token_keep = keep[..., :max_blocks].repeat_interleave(bs, dim=-1)[..., :total]  # [C, H_kv, T]
-    causal = torch.arange(total, device=q.device)[None, :] <= positions[:, None]
-    return (token_keep & causal[:, None, :]).transpose(0, 1)
 
 
 def blocks_attended(num_tokens: torch.Tensor, budgets: torch.Tensor | None, config: SparseAttentionConfig) -> torch.Tensor:

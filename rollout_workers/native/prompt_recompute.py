@@ -14,10 +14,10 @@ their own K/V, under the same rule (`sparse_rows_mask`, the rows of the referenc
 import torch
 
 from sparrow.kernels import SparseAttentionConfig
-from sparrow.kernels.reference import sdpa
+from sparrow.kernels.reference import sdpa, sparse_rows_mask
 from sparrow.rollout_workers.api import TeacherForcedOutput
 
-from .attention import blocks_attended as count_blocks, sparse_rows_mask
+from .attention import blocks_attended as count_blocks
 from .model import DecoderModel
 from .teacher_forced import query_budgets
 
