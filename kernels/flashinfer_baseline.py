@@ -51,16 +51,17 @@ def dense_page_table(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_s
     return csr_page_table(block_tables, blocks, seq_lens, block_size)
 
 
-def sparse_page_table(block_tables: torch.Tensor, seq_lens: torch.Tensor, budgets: torch.Tensor,
-                      selected: torch.Tensor, counts: torch.Tensor, num_kv_heads: int, block_size: int) -> PageTable:
+def sparse_page_table(block_tables: torch.Tensor, seq_lens: torch.Tensor, selected: torch.Tensor, counts: torch.Tensor,
+                      num_kv_heads: int, block_size: int) -> PageTable:
     """One request per (sequence, KV head) over the per-head page view: the blocks Sparrow's selection chose.
 
     `selected: [B·H_kv, ≥M]` and `counts: [B]` as `sparrow.kernels.triton.select_blocks` writes them (physical
-    block ids, the partial block last); rows whose context fits the budget are dense and read `block_tables`."""
+    block ids, the partial block last); a sequence whose count is all its blocks fit its budget: its rows are
+    dense, left unwritten by the selection, and read `block_tables`."""
     bsz, width = block_tables.shape
     heads = torch.arange(num_kv_heads, device=block_tables.device)
     blocks = torch.div(seq_lens.long() + block_size - 1, block_size, rounding_mode="floor")
-    dense = (blocks <= budgets.long()).repeat_interleave(num_kv_heads)
+    dense = (counts.long() >= blocks).repeat_interleave(num_kv_heads)
     chosen = selected[: bsz * num_kv_heads, :width].long()
     physical = torch.where(dense[:, None], block_tables.long().repeat_interleave(num_kv_heads, dim=0), chosen)
     pages = physical * num_kv_heads + heads.repeat(bsz)[:, None]

@@ -67,7 +67,7 @@ def test_the_sparse_page_table_reads_the_selected_blocks_one_request_per_kv_head
     selected[:, : logical.shape[-1]] = torch.where(logical >= 0, physical, -7).flatten(0, 1).int()
     selected[2 * H_KV: 3 * H_KV] = -7
 
-    table = sparse_page_table(tables, lengths, budgets, selected, counts, H_KV, BS)
+    table = sparse_page_table(tables, lengths, selected, counts, H_KV, BS)
     assert table.indptr.diff().tolist() == [4, 4, 4, 4, 2, 2, 5, 5]
     assert int(table.indices.min()) >= 0
     got = csr_decode(q.view(-1, GROUP, D), per_head_pages(k), per_head_pages(v), table).view_as(q)

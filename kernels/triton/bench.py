@@ -374,7 +374,7 @@ def time_sparse(backend: TritonBackend, pool: Pool, case: Case, landmarks: torch
              "layer_us": _bench(_graph(layer), rep_ms)}
     if peer:
         select()
-        table = flashinfer.sparse_page_table(case.tables, case.seq_lens, budgets, ws.selected, counts, h, BLOCK_SIZE)
+        table = flashinfer.sparse_page_table(case.tables, case.seq_lens, ws.selected, counts, h, BLOCK_SIZE)
         group_q = case.q.view(case.batch * h, case.group, d)
         times.update(time_flashinfer(table, group_q, flashinfer.per_head_pages(pool.k), flashinfer.per_head_pages(pool.v),
                                      1, layer()[0], rep_ms))
