@@ -13,7 +13,7 @@ from sparrow.layout import SparseAttentionConfig
 
 from .landmarks import landmarks_from_keys
 from .scoring import group_mean_queries, score_landmarks
-from .selection import candidate_rank, select_blocks
+from .selection import select_blocks
 
 
 def sparse_causal_mask(
@@ -27,42 +27,15 @@ def sparse_causal_mask(
     `q: [T, H_q, D]`, `k: [T, H_kv, D]` (post-RoPE), `budgets: [T]` total blocks per query
     (use a value ≥ ceil(T / block_size) for dense positions).
     """
-    seq_len, num_kv_heads, _ = k.shape
-    bs = config.block_size
-    device = q.device
-    positions = torch.arange(seq_len, device=device)
-    num_blocks = positions // bs + 1  # blocks in the context of query i (L = i + 1)
-    budgets = torch.maximum(budgets.long(), torch.full_like(num_blocks, config.reserved_blocks))
-    dense = num_blocks <= budgets
-    k_row = torch.where(dense, 0, budgets - config.reserved_blocks)
-
-    n_full = seq_len // bs
-    block_pos = torch.arange(max(n_full, 1), device=device)
-    candidate = (block_pos[None, :] >= config.sink) & (block_pos[None, :] < (num_blocks - config.recent)[:, None])
-    candidate = candidate[:, :n_full]
-    if n_full:
-        lms = landmarks_from_keys(k, bs, config.landmark)  # [n_full, H, W]
-        scores = score_landmarks(group_mean_queries(q, num_kv_heads), lms, config.landmark)  # [T, H, n_full]
-        rank = candidate_rank(scores, candidate[:, None, :].expand_as(scores))
-        chosen = candidate[:, None, :] & (rank < k_row[:, None, None])  # [T, H, n_full]
-    else:
-        chosen = torch.zeros(seq_len, num_kv_heads, 0, dtype=torch.bool, device=device)
-
-    key_block = positions // bs  # [T]
-    causal = positions[None, :] <= positions[:, None]  # [T(query), T(key)]
-    reserved = (key_block[None, :] < config.sink) | (key_block[None, :] >= (num_blocks - config.recent)[:, None])
-    chosen_key = torch.zeros(seq_len, num_kv_heads, seq_len, dtype=torch.bool, device=device)
-    if n_full:
-        chosen_key[..., : n_full * bs] = chosen.repeat_interleave(bs, dim=-1)
-    allowed = (reserved | dense[:, None])[:, None, :] | chosen_key
-    return (allowed & causal[:, None, :]).transpose(0, 1)
+    return sparse_rows_mask(q, k, torch.arange(k.shape[0], device=q.device), budgets.to(q.device), config)
 
 
 def sparse_rows_mask(
     q: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, budgets: torch.Tensor, config: SparseAttentionConfig
 ) -> torch.Tensor:
-    """Rows of `sparse_causal_mask` for queries `q: [C, H, D]` at `positions` over the context
-    `keys: [T, H_kv, D]` → boolean `[H_kv, C, T]`, without computing the other rows."""
+    """The keys each query `q: [C, H, D]` at `positions` may attend to in the context `keys: [T, H_kv, D]`
+    (post-RoPE) under `budgets: [C]` → boolean `[H_kv, C, T]`: `sparse_causal_mask`'s rows, the others not computed.
+    The reference decode selection (`select_blocks`) picks each row's blocks from its full blocks' landmarks."""
     bs = config.block_size
     total = keys.shape[0]
     max_blocks = -(-total // bs)
