@@ -86,11 +86,10 @@ def available() -> str | None:
     return None
 
 
-def version() -> str | None:
-    try:
-        import flashinfer
-    except Exception:
-        return None
+def version() -> str:
+    """FlashInfer's version; call only where `available()` said it can be used."""
+    import flashinfer
+
     return getattr(flashinfer, "__version__", "unknown")
 
 
