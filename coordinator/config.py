@@ -415,7 +415,22 @@ class SparrowConfig(_Section):
         self.rollout.engine_config().check_job(
             SamplingParams(**s.model_dump()), self.schedule_template(), "rollout", self.rollout.engine
         )
+        self._trainer_sparse_layers_match_rollout()
         return self
+
+    def _trainer_sparse_layers_match_rollout(self) -> None:
+        """The trainer's sparse forward (DistillSparse, exact α) must select blocks as the rollout engines do."""
+        if not (self.trainer.distill_sparse.enabled or self.trainer.exact_alpha):
+            return
+        engine, name = self.rollout.engine_config(), self.rollout.engine
+        trainer = self.trainer.distill_sparse
+        for key in ("dense_layers", "landmark"):
+            if getattr(trainer, key) != getattr(engine, key):
+                raise ValueError(
+                    f"trainer.distill_sparse.{key}={getattr(trainer, key)!r} differs from rollout.{name}.{key}="
+                    f"{getattr(engine, key)!r}: the trainer's sparse forward (DistillSparse, trainer.exact_alpha) must "
+                    "select blocks as the rollout engines do; set both to the same value"
+                )
 
     # ------------------------------------------------------------------ derived values
 

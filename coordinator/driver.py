@@ -352,6 +352,8 @@ class TrainingJob:
                               step=time.perf_counter() - t0, elapsed=time.perf_counter() - self.started),
             faults=self.fleet.resolved[self._events_logged:],
             evaluations=self._evaluations,
+            alpha_exact=None if results[0].alpha_exact is None else
+            alpha_tail(results[0].alpha_exact.combined()[0], None, self.controller_config.percentile),
         )
         self._evaluations = []
         self._events_logged = len(self.fleet.resolved)

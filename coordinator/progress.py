@@ -17,9 +17,12 @@ def step_line(record, target: float, total_steps: int) -> str:
     blocks = " ".join("d" if b is None else str(b) for b in sched.blocks)
     changed = f" (v{sched.version}, {record.controller.changes} changed)" if record.controller.changes else ""
     faults = f" | {len(record.faults)} recovered" if record.faults else ""
+    exact = record.alpha_exact
+    exact_tails = "" if exact is None else " | exact " + " ".join(
+        "-" if p is None or not n else f"{p:.3f}" for p, n in zip(exact.p5, exact.tokens))
     return (
         f"step {record.step + 1}/{total_steps} reward {fmt(r.reward_mean)} len {fmt(r.response_length_mean, '.0f')} "
-        f"| α p5 vs τ={target:g}: {' '.join(tails) or 'no tokens'} | blocks {blocks}{changed} "
+        f"| α p5 vs τ={target:g}: {' '.join(tails) or 'no tokens'}{exact_tails} | blocks {blocks}{changed} "
         f"| {fmt(r.tokens_per_s, '.0f')} tok/s | {record.timing.step:.0f} s{faults}"
     )
 

@@ -146,15 +146,25 @@ def summary_table(rows: list[StepRecord], target: float) -> str:
 
 
 def per_step_table(rows: list[StepRecord]) -> str:
+    """One row per step; with trainer.exact_alpha the tail's upper bound and exact value sit beside the lower bound."""
+    exact = any(r.alpha_exact is not None for r in rows)
     out = []
     for r in rows:
-        tails = " ".join(fmt(p, ".3f") if n else "-" for p, n in zip(r.alpha.p5, r.alpha.tokens))
+        tails = [_tails(r.alpha.p5, r.alpha.tokens)]
+        if exact:
+            tails += [_tails(r.alpha.p5_upper or [None] * len(r.alpha.p5), r.alpha.tokens),
+                      "-" if r.alpha_exact is None else _tails(r.alpha_exact.p5, r.alpha_exact.tokens)]
         blocks = " ".join("d" if b is None else str(b) for b in r.schedule.blocks)
         util = " ".join(f"{u:.2f}" for u in r.rollout.utilisation.values()) or "-"
-        out.append([r.step + 1, fmt(r.rollout.reward_mean), fmt(r.rollout.response_length_mean, ".1f"), tails, blocks,
+        out.append([r.step + 1, fmt(r.rollout.reward_mean), fmt(r.rollout.response_length_mean, ".1f"), *tails, blocks,
                     fmt(r.rollout.kv_read_fraction, ".2f"), fmt(r.rollout.tokens_per_s, ".0f"), util, f"{r.timing.step:.0f}"])
-    return format_table(["step", "reward", "length", "α p5 per bin", "blocks after", "KV read", "tok/s", "utilisation",
+    alpha_heads = ["α p5 per bin"] + (["α p5 upper bound", "exact α p5"] if exact else [])
+    return format_table(["step", "reward", "length", *alpha_heads, "blocks after", "KV read", "tok/s", "utilisation",
                          "s"], out)
+
+
+def _tails(values: list[float | None], tokens: list[int]) -> str:
+    return " ".join(fmt(p, ".3f") if n and p is not None else "-" for p, n in zip(values, tokens))
 
 
 def loose_tail_note(rows: list[StepRecord]) -> list[str]:

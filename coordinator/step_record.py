@@ -219,6 +219,8 @@ class StepRecord:
     faults: list[FaultEvent] = field(default_factory=list)
     evaluations: list[EvalRecord] = field(default_factory=list)
     """Evaluations finished during this step: before the first step (policy 0) and after every data.eval.every-th."""
+    alpha_exact: AlphaTail | None = None
+    """Exact α of the same tokens (trainer.exact_alpha), beside `alpha`'s top-k bounds."""
 
     @property
     def tis_capped_fraction(self) -> float | None:
@@ -235,6 +237,7 @@ class StepRecord:
         parts = {"rollout": RolloutStats, "alpha": AlphaTail, "schedule": ScheduleSnapshot, "controller": ControllerSummary,
                  "publish": PublishStats, "timing": StepTiming}
         values = {k: (parts[k](**v) if k in parts else v) for k, v in data.items()}
+        values["alpha_exact"] = AlphaTail(**data["alpha_exact"]) if data.get("alpha_exact") else None
         values["faults"] = [FaultEvent(**f) for f in data.get("faults", [])]
         values["evaluations"] = [EvalRecord.from_dict(e) for e in data.get("evaluations", [])]
         return cls(**values)

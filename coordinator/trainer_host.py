@@ -34,12 +34,14 @@ from .step_record import BatchSummary
 
 @dataclass
 class ShardResult:
-    """One rank's part of a step: the ids it trained on; rank 0 adds the step's metrics and α."""
+    """One rank's part of a step: the ids it trained on; rank 0 adds the step's metrics and α (and exact α when
+    trainer.exact_alpha is on)."""
 
     rank: int
     trained_ids: list[str]
     metrics: dict[str, float] | None = None
     alpha: AlphaReport | None = None
+    alpha_exact: AlphaReport | None = None
 
 
 def to_trainer_trajectory(t) -> Trajectory:
@@ -180,7 +182,7 @@ class TrainerHost(TrainerRank):
         if self.rank != 0:
             return ShardResult(self.rank, ids)
         metrics = {k: float(v) for k, v in result.metrics.items() if math.isfinite(float(v))}
-        return ShardResult(self.rank, ids, metrics, result.alpha)
+        return ShardResult(self.rank, ids, metrics, result.alpha, result.alpha_exact)
 
     def stop_ingest(self) -> None:
         self._stop.set()

@@ -70,6 +70,12 @@ def test_cross_section_rules():
     assert "controller.enabled=true needs rollout.sampling.logprobs > 0" in _error(["rollout.sampling.logprobs=0"])
     assert "leave top_p=1 and top_k=0 with rollout.engine='vllm'" in _error(["rollout.engine=vllm", "rollout.sampling.top_p=0.9"])
     assert "weights_channel='collective' needs mode='sync'" in _error(["run.weights_channel=collective"])
+    for switch in ("trainer.exact_alpha=true", "trainer.distill_sparse.enabled=true"):
+        message = _error([switch, "rollout.native.dense_layers=[0]"])
+        assert "trainer.distill_sparse.dense_layers=(0, 1) differs from rollout.native.dense_layers=(0,)" in message
+        assert "landmark" in _error([switch, "rollout.native.landmark=minmax"])
+    assert load_config(None, ["trainer.exact_alpha=true", "rollout.native.dense_layers=[0]",
+                              "trainer.distill_sparse.dense_layers=[0]"]).trainer.exact_alpha
     several = _error(["run.steps=0", "trainer.zero_stage=5"])
     assert "run.steps" in several and "trainer.zero_stage" in several
 

@@ -205,3 +205,29 @@ def test_held_out_evaluation_before_during_and_after_training(ray_cluster, tiny_
 
     report = write_report(run_dir).read_text()
     assert "## Held-out evaluation" in report and (run_dir.report / "eval_accuracy.png").is_file()
+
+
+def test_exact_alpha_lies_between_the_top_k_bounds(ray_cluster, tiny_qwen3, tmp_path):
+    """trainer.exact_alpha in a sync job: each step records exact α of the tokens the top-k bounds cover, and each
+    bin's tail lies between the bounds' tails (α is bracketed token by token, so its percentile is too)."""
+    from sparrow.coordinator.report import write_report
+
+    path = tiny_job(tmp_path / "job.yaml", tiny_qwen3, tmp_path / "runs", {
+        "trainer.exact_alpha": True, "controller.enabled": False, "run.steps": 2,
+        "rollout.sampling": {"max_tokens": 64, "n": 2, "temperature": 1.0},
+        "rollout.schedule": {"name": "tiny0", "edges": [80, 96], "topk_blocks": [0, 0, 0]},
+    })
+    config = load_config(path, ["run.name=exact"])
+    run_dir = RunDir.create(config.run.out_dir, "exact")
+    run_dir.config_file.write_text(config.dump())
+    with TrainingJob(config, run_dir, progress=False, log=lambda *_: None) as job:
+        records = job.run()
+    for r in records:
+        exact, bounds = r.alpha_exact, r.alpha
+        assert exact is not None and exact.tokens == bounds.tokens and sum(exact.tokens) > 0
+        assert r.train["train/alpha_exact_unmeasured_tokens"] == 0
+        for lower, upper, value, n in zip(bounds.p5, bounds.p5_upper, exact.p5, exact.tokens):
+            assert not n or lower - 1e-3 <= value <= upper + 1e-3
+    assert any(p < 0.999 for r in records for p, n in zip(r.alpha_exact.p5, r.alpha_exact.tokens) if n), \
+        "3-block budgets change α"
+    assert "exact α p5" in write_report(run_dir).read_text()

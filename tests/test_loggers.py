@@ -1,6 +1,7 @@
 """Experiment tracking (coordinator/loggers): real `StepRecord`s through jsonl, TensorBoard and W&B
 (offline), read back with each tool's own reader; config errors naming the key, value and fix."""
 
+import dataclasses
 import json
 import math
 import os
@@ -76,6 +77,10 @@ def test_step_scalars_are_the_records_numbers_by_bin_and_worker():
         assert 0.75 < s2[f"alpha/p5/bin{b}"] < s2[f"alpha/p5_upper/bin{b}"] < 1.0
         assert s2[f"alpha/tokens/bin{b}"] == TOKENS_PER_BIN[b] and s2[f"schedule/dense/bin{b}"] == 0.0
     assert s2["alpha/tokens/bin3"] == 0.0 and "alpha/p5/bin3" not in s2 and "alpha/mean/bin3" not in s2
+    assert not any(tag.startswith("alpha/p5_exact") for tag in s2)  # trainer.exact_alpha was off
+    exact = dataclasses.replace(r.alpha, p5=[0.9, 0.88, 0.87, None], p5_upper=None)
+    s3 = step_scalars(dataclasses.replace(r, alpha_exact=exact))
+    assert [s3.get(f"alpha/p5_exact/bin{b}") for b in range(4)] == [0.9, 0.88, 0.87, None]
     # blocks = top-k + sink 1 + recent 2; the dense bin has no budget, only the dense flag
     assert [s2.get(f"schedule/blocks/bin{b}") for b in range(4)] == [6.0, 7.0, 10.0, None]
     assert s2["schedule/dense/bin3"] == 1.0 and s2["schedule/version"] == 2.0 and s2["controller/changes"] == 1.0

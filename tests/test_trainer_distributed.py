@@ -410,3 +410,34 @@ def test_distill_sparse_on_two_ranks(ray_session, tiny_qwen3, tmp_path):
     assert all(torch.equal(merged[k], w2[k]) for k in merged if k not in lora_targets)
     assert all(torch.allclose(merged[k], reference_merge[k], atol=1e-6) for k in merged)
 
+
+
+def test_exact_alpha_replays_each_trajectory_under_its_rollout_schedule(ray_session, tiny_qwen3):
+    """trainer.exact_alpha: every step, before the update, exact α of each trajectory under the schedule version it
+    was decoded with. A version whose budgets cover every context measures 1; a sparse one measures what
+    `measure_sparse_alpha` does with that schedule in force; a version the trainer no longer knows is counted."""
+    import dataclasses
+
+    from sparrow.schedule import SparsitySchedule
+
+    sparse = SparsitySchedule(name="top1", topk_blocks=(1,) * 20, version=1)
+    covering = SparsitySchedule(name="top1000", topk_blocks=(1000,) * 20, version=2)
+    batch = list(_long_batch(0))
+    versions = [1, 1, 2, 7]
+    group = _group(tiny_qwen3, 2, exact_alpha=True, micro_batch_tokens=256)
+    try:
+        group.set_schedule(sparse.to_dict())
+        direct = group.measure_sparse_alpha(TrajectoryBatch(batch[:2]))
+        group.set_schedule(covering.to_dict())
+        result = group.train_step(TrajectoryBatch([dataclasses.replace(t, schedule_version=v) for t, v in zip(batch, versions)]))
+    finally:
+        group.shutdown()
+    exact = result.alpha_exact
+    assert sorted(exact.lower) == [1, 2]
+    assert exact.unmeasured == batch[3].response_len == result.metrics["train/alpha_exact_unmeasured_tokens"]
+    assert int(exact.lower[2].count().sum()) == batch[2].response_len
+    assert float(exact.lower[2].sums.sum()) == pytest.approx(batch[2].response_len, abs=1e-4)
+    measured, expected = exact.lower[1], direct.lower[sparse.version]
+    assert torch.equal(measured.counts, expected.counts) and int(measured.count().sum()) == 160
+    assert torch.allclose(measured.sums, expected.sums, rtol=0, atol=1e-9)
+    assert float(measured.sums.sum()) < 160 - 1.0, "top-1 budgets on 60-100-token responses change α"

@@ -31,6 +31,8 @@ class AlphaReport:
     nonfinite: int = 0
     """Loss tokens left out because their α was NaN/Inf (non-finite logits: the step's update is then skipped and
     its weights are not published), so one bad step cannot poison the histograms or stop the job."""
+    unmeasured: int = 0
+    """Response tokens an exact measurement left out: their rollout schedule version is no longer known to the trainer."""
 
     def _pair(self, version: int) -> tuple[AlphaHistogram, AlphaHistogram]:
         if version not in self.lower:
@@ -44,7 +46,8 @@ class AlphaReport:
         up.add(upper, bins)
 
     def merge(self, other: "AlphaReport") -> "AlphaReport":
-        out = AlphaReport(self.num_length_bins, nonfinite=self.nonfinite + other.nonfinite)
+        out = AlphaReport(self.num_length_bins, nonfinite=self.nonfinite + other.nonfinite,
+                          unmeasured=self.unmeasured + other.unmeasured)
         for report in (self, other):
             for v in report.lower:
                 lo, up = out._pair(v)

@@ -104,6 +104,13 @@ class TrainerConfig(BaseModel):
     gradient_checkpointing: bool = True
     temperature: float = Field(1.0, gt=0, description="rollout temperature; logprobs are of logits / temperature")
     recompute_topk: int = Field(20, ge=1, description="top-k of the dense recompute (α against the rollout's top-k)")
+    exact_alpha: bool = Field(
+        False,
+        description="also measure exact α every step: each trajectory teacher-forced through the dense and the sparse "
+        "(+ DistillSparse adapter) forward under the schedule it was decoded with, full vocabulary on both sides; the "
+        "step record's alpha_exact sits beside the top-k bounds (a diagnostic of the controller's statistic; costs about "
+        "two forward passes over the step's tokens)",
+    )
     schedule: str | None = Field(
         None, description="initial sparsity schedule (name or file): length bins of α and DistillSparse budgets"
     )

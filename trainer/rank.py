@@ -65,6 +65,10 @@ def _index_parts(n: int, parts: int) -> list[list[int]]:
     return [list(range(a, b)) for a, b in zip(bounds, bounds[1:])]
 
 
+KNOWN_SCHEDULES = 16
+"""Schedule versions a rank remembers, so exact α can replay a trajectory under the one it was decoded with."""
+
+
 class TrainerRank:
     def __init__(self, config: TrainerConfig | dict, rank: int = 0, world_size: int = 1):
         self.config = config if isinstance(config, TrainerConfig) else TrainerConfig.model_validate(config)
@@ -74,6 +78,7 @@ class TrainerRank:
         self.engine = None
         self.step_count = 0
         self.weight_group: CollectiveGroup | None = None
+        self.known_schedules: dict[int, SparsitySchedule] = {}
 
     # ------------------------------------------------------------------ set-up
 
@@ -97,7 +102,7 @@ class TrainerRank:
         set_rank_environment(self.rank, self.world_size, master_addr, master_port, local_rank, local_size)
         init_distributed("nccl" if self.device.type == "cuda" else "gloo")
         torch.manual_seed(cfg.seed)
-        self.schedule = load_schedule(cfg.schedule) if cfg.schedule else None
+        self.set_schedule(load_schedule(cfg.schedule) if cfg.schedule else None)
 
         import deepspeed
 
@@ -107,7 +112,7 @@ class TrainerRank:
 
             self._hf_ds_config = HfDeepSpeedConfig(ds_config)  # must stay alive: from_pretrained partitions under it
         distill = cfg.distill_sparse.enabled
-        attn = sparse_attention.register() if distill else "sdpa"
+        attn = sparse_attention.register() if distill or cfg.exact_alpha else "sdpa"
         model = load_causal_lm(cfg.model, self.dtype, attn)
         self.vocab_size = model.config.vocab_size
         self.num_layers = model.config.num_hidden_layers
@@ -154,6 +159,10 @@ class TrainerRank:
         elif isinstance(schedule, str):
             schedule = load_schedule(schedule)
         self.schedule = schedule
+        if schedule is not None:
+            self.known_schedules[schedule.version] = schedule
+            while len(self.known_schedules) > KNOWN_SCHEDULES:
+                del self.known_schedules[min(self.known_schedules)]
 
     @property
     def bins(self) -> SparsitySchedule:
@@ -245,6 +254,8 @@ class TrainerRank:
         if len(batch):
             batch.validate(self.vocab_size, need_advantages=True)
         trajectories = list(batch)
+        exact = self.measure_sparse_alpha(batch) if self.config.exact_alpha and self.schedule is not None else None
+        exact_seconds = time.perf_counter() - start
         if cfg.on_policy:
             old, report = [None] * len(trajectories), AlphaReport(self.bins.num_bins)
         else:
@@ -273,7 +284,10 @@ class TrainerRank:
             metrics.update(self.distill_step(batch, old))
         alpha = self._global_alpha(report) if cfg.on_policy else report
         metrics["train/alpha_nonfinite_tokens"] = float(alpha.nonfinite)
-        return StepResult(metrics=metrics, alpha=alpha, gradients=gradients)
+        if exact is not None:
+            metrics["train/alpha_exact_seconds"] = exact_seconds
+            metrics["train/alpha_exact_unmeasured_tokens"] = float(exact.unmeasured)
+        return StepResult(metrics=metrics, alpha=alpha, gradients=gradients, alpha_exact=exact)
 
     def _update(self, members: list[Trajectory], old: list, sums: dict, maxes: dict, report: AlphaReport | None) -> list:
         """Forward/backward over one mini-batch's micro-batches, up to the accumulation boundary.
@@ -364,8 +378,9 @@ class TrainerRank:
 
     # ------------------------------------------------------------------ DistillSparse
 
-    def _sparse_forward(self, mb: MicroBatch) -> sparse_attention.SparseForward:
-        budgets = sparse_attention.query_budgets(mb.prompt_lens, mb.input_ids.shape[1], self.schedule)
+    def _sparse_forward(self, mb: MicroBatch, schedules: list[SparsitySchedule] | None = None) -> sparse_attention.SparseForward:
+        """The sparse forward of a micro-batch under the schedule in force, or one schedule per row."""
+        budgets = sparse_attention.query_budgets(mb.prompt_lens, mb.input_ids.shape[1], schedules or self.schedule)
         lengths = [p + r for p, r in zip(mb.prompt_lens, mb.response_lens)]
         return sparse_attention.SparseForward(self.config.distill_sparse.layout_for(self.schedule), budgets, lengths)
 
@@ -440,22 +455,26 @@ class TrainerRank:
     def measure_sparse_alpha(self, batch: TrajectoryBatch) -> AlphaReport:
         """Exact α between the dense policy and the trainer's sparse (+LoRA) forward, per length bin.
 
-        Full-vocabulary distributions on both sides, so lower = upper; keyed by the schedule version.
-        Costs one dense and one sparse forward per micro-batch (meant for evaluation).
+        Full-vocabulary distributions on both sides, so lower = upper. Each trajectory runs under the schedule it
+        was decoded with (`schedule_version`; the one in force when it has none) and is keyed by that version; one
+        whose version this rank no longer knows is counted in `unmeasured`. Costs one dense and one sparse forward
+        per micro-batch.
         """
         self._require_setup()
         if self.schedule is None:
             raise ValueError("measure_sparse_alpha needs a sparsity schedule; none is set")
-        trajectories = list(batch)
+        known = [(t, self._rollout_schedule(t)) for t in batch]
+        trajectories = [t for t, s in known if s is not None]
+        schedules = [s for _, s in known if s is not None]
         self.engine.module.eval()
-        report = AlphaReport(self.bins.num_bins)
+        report = AlphaReport(self.bins.num_bins, unmeasured=sum(t.response_len for t, s in known if s is None))
         chunk = self.config.logprob_chunk_tokens
         for plan in plan_micro_batches([t.total_len for t in trajectories], self.config.micro_batch_tokens):
             mb = collate(trajectories, plan, pad_id=0)
             with self.forward.adapter(False):
                 dense_h = self.forward.hidden(mb)
             with self.forward.adapter(True):
-                sparse_h = self.forward.hidden(mb, self._sparse_forward(mb))
+                sparse_h = self.forward.hidden(mb, self._sparse_forward(mb, [schedules[i] for i in mb.indices]))
             alpha = torch.cat([
                 acceptance_exact(
                     self.forward.module.full_logprobs(dense_h[s : s + chunk]), self.forward.module.full_logprobs(sparse_h[s : s + chunk])
@@ -466,8 +485,14 @@ class TrainerRank:
                 t = trajectories[i]
                 keep = t.response_mask()
                 bins = self.bins.bins_for_lengths(token_context_lengths(t.prompt_len, t.response_len))
-                report.add(self.schedule.version, a[keep], a[keep], bins[keep])
+                report.add(schedules[i].version, a[keep], a[keep], bins[keep])
         return self._global_alpha(report)
+
+    def _rollout_schedule(self, trajectory: Trajectory) -> SparsitySchedule | None:
+        """The schedule `trajectory` was decoded with: by its version, the one in force if it has none."""
+        if trajectory.schedule_version < 0:
+            return self.schedule
+        return self.known_schedules.get(trajectory.schedule_version)
 
     # ------------------------------------------------------------------ weight publishing
 

@@ -15,6 +15,8 @@ class StepResult:
     """α of the rollouts against π_old, per rollout schedule version, all ranks merged."""
     gradients: dict[str, torch.Tensor] | None = None
     """Full gradients of the last mini-batch before the optimizer step (only when asked for)."""
+    alpha_exact: AlphaReport | None = None
+    """Exact α of the same tokens against π_old (`TrainerConfig.exact_alpha`), all ranks merged."""
 
 
 @dataclass

@@ -35,9 +35,12 @@ class SparseForward:
     """Tokens of each row before its right padding (prompt + response)."""
 
 
-def query_budgets(prompt_lens: list[int], seq_len: int, schedule: SparsitySchedule) -> torch.Tensor:
-    """`[B, seq_len]` budgets of a padded batch: `schedule.query_budgets` per row."""
-    return torch.stack([schedule.query_budgets(p, seq_len) for p in prompt_lens])
+def query_budgets(prompt_lens: list[int], seq_len: int, schedule: SparsitySchedule | list[SparsitySchedule]) -> torch.Tensor:
+    """`[B, seq_len]` budgets of a padded batch: `schedule.query_budgets` per row (one schedule, or one per row)."""
+    schedules = schedule if isinstance(schedule, list) else [schedule] * len(prompt_lens)
+    if len(schedules) != len(prompt_lens):
+        raise ValueError(f"{len(schedules)} schedules for {len(prompt_lens)} rows")
+    return torch.stack([s.query_budgets(p, seq_len) for s, p in zip(schedules, prompt_lens)])
 
 
 def sparrow_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sparrow_sparse=None, **kwargs):

@@ -54,6 +54,7 @@ def step_scalars(record: StepRecord) -> dict[str, float]:
         **_per_bin("alpha/p5_upper", a.p5_upper),
         **_per_bin("alpha/mean", a.mean),
         **_per_bin("alpha/tokens", a.tokens),
+        **_per_bin("alpha/p5_exact", record.alpha_exact.p5 if record.alpha_exact else None),
         "schedule/version": s.version,
         **_per_bin("schedule/blocks", s.blocks),
         **_per_bin("schedule/dense", [int(blocks is None) for blocks in s.blocks]),
