@@ -82,6 +82,7 @@ def test_coordinator_exports_alpha_control_and_the_step_record():
     first, second = make_record(4), make_record(5)
     metrics.record_step(replace(
         first, predicted_speedup=predicted, publish=replace(first.publish, seconds=1.5),
+        alpha_exact=replace(first.alpha, p5=[0.91, 0.9, 0.88, None], p5_upper=None),
         rollout=replace(first.rollout, kv_read_fraction=0.25, speedup_measured=2.21, utilisation={"rollout-0": 0.75}),
         faults=[FaultEvent("rollout_worker_lost", "rollout-0", "killed", 42.0, 4),
                 FaultEvent("trainer_lost", "trainer", "rank 1 killed", None, 4)],  # not recovered yet: not counted
@@ -101,6 +102,9 @@ def test_coordinator_exports_alpha_control_and_the_step_record():
     assert sample_value(alpha, "sparrow_alpha_bucket", bin="3", le="0.86") == 2 * counts[:1720].sum().item()
     assert sample_value(alpha, "sparrow_alpha_count", bin="3") == 2 * 4000
     assert sample_value(alpha, "sparrow_alpha_sum", bin="3") == pytest.approx(2 * hist.sums[3].item())
+    exact = families["sparrow_alpha_tail_exact"]
+    assert [sample_value(exact, "sparrow_alpha_tail_exact", bin=str(b), quantile="0.05") for b in range(3)] == [0.91, 0.9, 0.88]
+    assert not [s for s in exact.samples if s.labels["bin"] == "3"], "a bin without tokens is not set"
     tail = families["sparrow_alpha_tail"]
     assert sample_value(tail, "sparrow_alpha_tail", bin="3", quantile="0.05") == pytest.approx(float(hist.percentile(5)[3]))
     assert sample_value(families["sparrow_alpha_target"], "sparrow_alpha_target") == 0.86

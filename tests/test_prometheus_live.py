@@ -55,14 +55,14 @@ RUN = "live"
 SETTINGS = {
     "rollout.sampling": {"max_tokens": 20, "n": 4, "temperature": 1.0}, "rollout.speedup_probe_every": 1,
     "rollout.schedule.topk_blocks": [1, 1, 1], "trainer.pool.size": 2, "controller.target": TAU,
-    "metrics": {"port": 0}, "run.steps": STEPS,
+    "metrics": {"port": 0}, "run.steps": STEPS, "trainer.exact_alpha": True,
 }
 
 # Panels (title, refId) that must return data from a live CPU run. The rest must evaluate; they may be
 # empty here (GPU memory on CPU ranks, recoveries, reward errors, skipped updates' series exist but
 # are 0, backpressure waits ...).
 KEY_PANELS = [
-    ("Tail α (p5) per bin vs τ", "A"), ("Tail α (p5) per bin vs τ", "B"),
+    ("Tail α (p5) per bin vs τ", "A"), ("Tail α (p5) per bin vs τ", "B"), ("Tail α (p5) per bin vs τ", "C"),
     ("KV budget per bin (blocks attended)", "A"),
     ("α distribution (cumulative histogram, 10 m rate)", "A"),
     ("Schedule version per process", "A"),

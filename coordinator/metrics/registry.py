@@ -43,7 +43,7 @@ ROLE_FAMILIES: dict[str, frozenset[str]] = {
     # `sparrow train` itself: α and the controller, the schedule, per-step results of the whole job
     # (from the step record), weight publication. It serves no queue (statistics reach it over Ray).
     "coordinator": frozenset({
-        "sparrow_alpha", "sparrow_alpha_tail", "sparrow_alpha_target",
+        "sparrow_alpha", "sparrow_alpha_tail", "sparrow_alpha_tail_exact", "sparrow_alpha_target",
         "sparrow_schedule_budget_blocks", "sparrow_schedule_dense", "sparrow_schedule_version",
         "sparrow_controller_decisions", "sparrow_controller_violation_steps",
         "sparrow_speedup_measured", "sparrow_speedup_predicted",
@@ -302,6 +302,11 @@ class SparrowMetrics:
             self.staleness.labels(pool="trainer").observe(lag)
         if target is not None:
             self.alpha_target.set(target)
+        exact = record.alpha_exact
+        if exact is not None:
+            for b, (p, n) in enumerate(zip(exact.p5, exact.tokens)):
+                if n and p is not None:
+                    self.alpha_tail_exact.labels(bin=str(b), quantile=f"{exact.percentile / 100:g}").set(p)
 
     def record_eval(self, record) -> None:
         """A held-out evaluation (`EvalRecord`): accuracy and mean reward per mode, and the policy it scored."""
@@ -377,6 +382,8 @@ _PROCESS = ("worker", "pool")
 _FAMILIES: dict[str, tuple[str, Callable[[], object]]] = {
     # family name: (attribute, factory). Which process exports which: ROLE_FAMILIES.
     "sparrow_alpha_tail": ("alpha_tail", _gauge("sparrow_alpha_tail", "α percentile per length bin, latest step", ("bin", "quantile"))),
+    "sparrow_alpha_tail_exact": ("alpha_tail_exact", _gauge(
+        "sparrow_alpha_tail_exact", "Exact α percentile per length bin, latest step (trainer.exact_alpha)", ("bin", "quantile"))),
     "sparrow_alpha_target": ("alpha_target", lambda: _Settable("sparrow_alpha_target", "Target τ for the tail percentile of α")),
     "sparrow_schedule_budget_blocks": ("budget_blocks", _gauge(
         "sparrow_schedule_budget_blocks", "KV blocks attended per row in a length bin (NaN when dense)", ("bin",))),
