@@ -10,6 +10,11 @@ def fmt(value, spec: str = ".3f") -> str:
     return "-" if value is None else format(value, spec)
 
 
+def bin_values(values: list[float | None], tokens: list[int]) -> str:
+    """A per-bin tail as `0.931 - 0.874`: "-" where a bin measured no tokens."""
+    return " ".join(fmt(p, ".3f") if n else "-" for p, n in zip(values, tokens))
+
+
 def step_line(record, target: float, total_steps: int) -> str:
     """`step 3/6 reward 0.44 len 41 | α5 b0 0.93 b1 0.85< | blocks 5 5 6 7 | 88 tok/s | 61 s` from a `StepRecord`."""
     r, alpha, sched = record.rollout, record.alpha, record.schedule
@@ -18,8 +23,7 @@ def step_line(record, target: float, total_steps: int) -> str:
     changed = f" (v{sched.version}, {record.controller.changes} changed)" if record.controller.changes else ""
     faults = f" | {len(record.faults)} recovered" if record.faults else ""
     exact = record.alpha_exact
-    exact_tails = "" if exact is None else " | exact " + " ".join(
-        "-" if p is None or not n else f"{p:.3f}" for p, n in zip(exact.p5, exact.tokens))
+    exact_tails = "" if exact is None else " | exact " + bin_values(exact.p5, exact.tokens)
     return (
         f"step {record.step + 1}/{total_steps} reward {fmt(r.reward_mean)} len {fmt(r.response_length_mean, '.0f')} "
         f"| α p5 vs τ={target:g}: {' '.join(tails) or 'no tokens'}{exact_tails} | blocks {blocks}{changed} "

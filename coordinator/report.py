@@ -11,7 +11,7 @@ import yaml
 from sparrow.schedule import SparsitySchedule
 from sparrow.tables import format_table
 
-from .progress import fmt
+from .progress import bin_values, fmt
 from .run_dir import RunDir
 from .step_record import LOOSE_BOUND_GAP, StepRecord, loose_tail_advice
 
@@ -150,10 +150,10 @@ def per_step_table(rows: list[StepRecord]) -> str:
     exact = any(r.alpha_exact is not None for r in rows)
     out = []
     for r in rows:
-        tails = [_tails(r.alpha.p5, r.alpha.tokens)]
+        tails = [bin_values(r.alpha.p5, r.alpha.tokens)]
         if exact:
-            tails += [_tails(r.alpha.p5_upper or [None] * len(r.alpha.p5), r.alpha.tokens),
-                      "-" if r.alpha_exact is None else _tails(r.alpha_exact.p5, r.alpha_exact.tokens)]
+            tails += [bin_values(r.alpha.p5_upper or [None] * len(r.alpha.p5), r.alpha.tokens),
+                      "-" if r.alpha_exact is None else bin_values(r.alpha_exact.p5, r.alpha_exact.tokens)]
         blocks = " ".join("d" if b is None else str(b) for b in r.schedule.blocks)
         util = " ".join(f"{u:.2f}" for u in r.rollout.utilisation.values()) or "-"
         out.append([r.step + 1, fmt(r.rollout.reward_mean), fmt(r.rollout.response_length_mean, ".1f"), *tails, blocks,
@@ -161,10 +161,6 @@ def per_step_table(rows: list[StepRecord]) -> str:
     alpha_heads = ["α p5 per bin"] + (["α p5 upper bound", "exact α p5"] if exact else [])
     return format_table(["step", "reward", "length", *alpha_heads, "blocks after", "KV read", "tok/s", "utilisation",
                          "s"], out)
-
-
-def _tails(values: list[float | None], tokens: list[int]) -> str:
-    return " ".join(fmt(p, ".3f") if n and p is not None else "-" for p, n in zip(values, tokens))
 
 
 def loose_tail_note(rows: list[StepRecord]) -> list[str]:

@@ -254,8 +254,10 @@ class TrainerRank:
         if len(batch):
             batch.validate(self.vocab_size, need_advantages=True)
         trajectories = list(batch)
-        exact = self.measure_sparse_alpha(batch) if self.config.exact_alpha and self.schedule is not None else None
-        exact_seconds = time.perf_counter() - start
+        exact, exact_seconds = None, 0.0
+        if self.config.exact_alpha and self.schedule is not None:
+            exact = self.measure_sparse_alpha(batch)
+            exact_seconds = time.perf_counter() - start
         if cfg.on_policy:
             old, report = [None] * len(trajectories), AlphaReport(self.bins.num_bins)
         else:
@@ -381,6 +383,7 @@ class TrainerRank:
     def _sparse_forward(self, mb: MicroBatch, schedules: list[SparsitySchedule] | None = None) -> sparse_attention.SparseForward:
         """The sparse forward of a micro-batch under the schedule in force, or one schedule per row."""
         budgets = sparse_attention.query_budgets(mb.prompt_lens, mb.input_ids.shape[1], schedules or self.schedule)
+        budgets = budgets.to(self.device)  # once per forward, not once per layer
         lengths = [p + r for p, r in zip(mb.prompt_lens, mb.response_lens)]
         return sparse_attention.SparseForward(self.config.distill_sparse.layout_for(self.schedule), budgets, lengths)
 
