@@ -137,6 +137,15 @@ class SparsitySchedule:
         budgets[prompt_len:] = self.budgets_for_lengths(torch.arange(prompt_len, num_tokens) + 1)
         return budgets
 
+    @classmethod
+    def fixed_budget(cls, blocks: int, what: str = "budget") -> "SparsitySchedule":
+        """`blocks` total blocks per query at every length, the default layout's sink + recent included: the
+        benchmarks' schedule. `what` names the value in the error (a CLI flag)."""
+        reserved = DEFAULT_LAYOUT.reserved_blocks
+        if blocks < reserved:
+            raise ScheduleError(f"{what}={blocks}: must be >= {reserved}, the sink + recent blocks every query keeps")
+        return cls(name=f"budget-{blocks}", topk_blocks=(blocks - reserved,), edges=())
+
     def with_topk(self, topk_blocks, version: int | None = None, name: str | None = None) -> "SparsitySchedule":
         return replace(
             self,

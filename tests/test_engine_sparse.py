@@ -12,6 +12,7 @@ from sparrow.kernels import SparseAttentionConfig
 from sparrow.kernels.reference import (
     block_sparse_causal_attention,
     block_sparse_causal_sdpa,
+    first_sparse_query,
     sparse_causal_mask,
     sparse_rows_mask,
 )
@@ -155,3 +156,17 @@ def test_the_sdpa_form_equals_the_reference_with_its_gradients(heads):
             grads.append((out, *torch.autograd.grad((out * weights).sum(), inputs)))
         for ref, got in zip(*grads):
             assert (ref - got).abs().max().item() < 1e-5
+
+
+def test_first_sparse_query_is_where_a_budget_first_falls_below_its_blocks():
+    """The dense prefix the SDPA form runs causally: a prompt's end, the first query whose context outgrows its
+    budget (never before `reserved_blocks` of context), or the whole row when every budget covers its context."""
+    config = SparseAttentionConfig(block_size=16, sink=1, recent=2)
+    assert first_sparse_query(torch.where(torch.arange(150) < 40, DENSE_BUDGET, 5), config) == 80  # 5 blocks cover 80
+    assert first_sparse_query(torch.where(torch.arange(150) < 100, DENSE_BUDGET, 5), config) == 100
+    assert first_sparse_query(torch.full((150,), 1), config) == 3 * 16  # reserved 3 blocks: queries 0..47 dense
+    assert first_sparse_query(torch.full((150,), DENSE_BUDGET), config) == 150
+    budgets = torch.where(torch.arange(150) < 40, DENSE_BUDGET, 5)
+    q, k, v = (torch.randn(150, h, 16, generator=torch.Generator().manual_seed(h)) for h in (4, 2, 2))
+    given = block_sparse_causal_sdpa(q, k, v, budgets, config, first=first_sparse_query(budgets, config))
+    assert torch.equal(given, block_sparse_causal_sdpa(q, k, v, budgets, config))

@@ -120,3 +120,12 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     assert "one value per bin" in capsys.readouterr().err
     assert main(["schedule", "list", "--json"]) == 0
     assert len(json.loads(capsys.readouterr().out)) == 20
+
+
+def test_a_fixed_budget_counts_sink_and_recent_in_its_blocks():
+    schedule = SparsitySchedule.fixed_budget(16)
+    assert schedule.name == "budget-16" and schedule.num_bins == 1
+    assert schedule.blocks_attended(100_000) == 16
+    assert SparsitySchedule.fixed_budget(3).blocks_attended(5000) == 3  # sink + recent only
+    with pytest.raises(ScheduleError, match="--budget-blocks=2: must be >= 3, the sink \\+ recent blocks"):
+        SparsitySchedule.fixed_budget(2, "--budget-blocks")

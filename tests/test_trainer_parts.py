@@ -175,7 +175,7 @@ def test_sparse_forward_matches_native_engine_teacher_forcing(tiny_qwen3):
     cfg = SparseAttentionConfig(dense_layers=(0, 1))
     with torch.no_grad():
         budgets = sparse_attention.query_budgets(mb.prompt_lens, 200, schedule)
-        sparse = fwd.stats(mb, sparse_attention.SparseForward(cfg, budgets, [200, 140]))  # the second row right-padded
+        sparse = fwd.stats(mb, sparse_attention.SparseForward.of(cfg, budgets, [200, 140]))  # the second row right-padded
         dense = fwd.stats(mb)
     engine = NativeEngine.from_pretrained(tiny_qwen3, num_kv_blocks=64)
     offset = 0
@@ -207,6 +207,9 @@ def test_sparse_forward_refuses_row_lengths_that_do_not_fit_the_batch():
     from sparrow.trainer import sparse_attention
 
     q, kv = torch.zeros(2, 4, 32, 8), torch.zeros(2, 2, 32, 8)
-    sparse = sparse_attention.SparseForward(SparseAttentionConfig(dense_layers=()), torch.full((2, 32), 5), [32, 40])
+    config = SparseAttentionConfig(dense_layers=())
     with pytest.raises(ValueError, match=r"lengths \[32, 40\] do not fit a batch of 2 rows of 32 positions"):
+        sparse_attention.SparseForward.of(config, torch.full((2, 32), 5), [32, 40])
+    sparse = sparse_attention.SparseForward.of(config, torch.full((2, 16), 5), [16, 10])
+    with pytest.raises(ValueError, match=r"sparse budgets have shape \(2, 16\); expected \[batch, seq\] = \(2, 32\)"):
         sparse_attention.sparrow_attention(SimpleNamespace(layer_idx=3), q, kv, kv, None, sparrow_sparse=sparse)

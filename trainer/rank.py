@@ -383,9 +383,8 @@ class TrainerRank:
     def _sparse_forward(self, mb: MicroBatch, schedules: list[SparsitySchedule] | None = None) -> sparse_attention.SparseForward:
         """The sparse forward of a micro-batch under the schedule in force, or one schedule per row."""
         budgets = sparse_attention.query_budgets(mb.prompt_lens, mb.input_ids.shape[1], schedules or self.schedule)
-        budgets = budgets.to(self.device)  # once per forward, not once per layer
         lengths = [p + r for p, r in zip(mb.prompt_lens, mb.response_lens)]
-        return sparse_attention.SparseForward(self.config.distill_sparse.layout_for(self.schedule), budgets, lengths)
+        return sparse_attention.SparseForward.of(self.config.distill_sparse.layout_for(self.schedule), budgets, lengths, self.device)
 
     def distill_step(self, batch: TrajectoryBatch, dense_logprobs: list[torch.Tensor]) -> dict[str, float]:
         """One LoRA update through the sparse forward (adapter on, base frozen).

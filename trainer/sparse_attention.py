@@ -19,7 +19,7 @@ import torch
 from torch.nn import functional as F
 
 from sparrow.kernels import SparseAttentionConfig
-from sparrow.kernels.reference import block_sparse_causal_sdpa
+from sparrow.kernels.reference import block_sparse_causal_sdpa, first_sparse_query
 from sparrow.schedule import SparsitySchedule
 
 ATTENTION_NAME = "sparrow_block_sparse"
@@ -27,12 +27,27 @@ ATTENTION_NAME = "sparrow_block_sparse"
 
 @dataclass(frozen=True)
 class SparseForward:
-    """What one sparse forward needs: the selection rule and `[B, T]` total blocks per query."""
+    """What one sparse forward needs: the selection rule and `[B, T]` total blocks per query (on the model's
+    device), and per row its length and first sparse query, found on the host (`of` builds one)."""
 
     config: SparseAttentionConfig
     budgets: torch.Tensor
     lengths: list[int]
     """Tokens of each row before its right padding (prompt + response)."""
+    firsts: list[int]
+    """Each row's `first_sparse_query`: the positions before it attend densely."""
+
+    @classmethod
+    def of(cls, config: SparseAttentionConfig, budgets: torch.Tensor, lengths: list[int],
+           device: torch.device | str = "cpu") -> "SparseForward":
+        """From host budgets `[B, T]`: the rows' first sparse queries found here, the budgets moved to `device`
+        once per forward (not once per layer, and without stalling the GPU to read them back)."""
+        host = budgets.cpu()
+        if len(lengths) != host.shape[0] or (lengths and max(lengths) > host.shape[1]):
+            raise ValueError(f"sparse row lengths {lengths} do not fit a batch of {host.shape[0]} rows "
+                             f"of {host.shape[1]} positions")
+        firsts = [first_sparse_query(host[b, :n], config) for b, n in enumerate(lengths)]
+        return cls(config, budgets.to(device), list(lengths), firsts)
 
 
 def query_budgets(prompt_lens: list[int], seq_len: int, schedule: SparsitySchedule | list[SparsitySchedule]) -> torch.Tensor:
@@ -49,18 +64,15 @@ def sparrow_attention(module, query, key, value, attention_mask, scaling=None, d
 
     if sparrow_sparse is None or sparrow_sparse.config.is_dense_layer(module.layer_idx):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    budgets = sparrow_sparse.budgets.to(query.device)
+    budgets = sparrow_sparse.budgets
     expected = (query.shape[0], query.shape[2])
     if tuple(budgets.shape) != expected:
         raise ValueError(f"sparse budgets have shape {tuple(budgets.shape)}; expected [batch, seq] = {expected}")
-    if len(sparrow_sparse.lengths) != expected[0] or max(sparrow_sparse.lengths) > expected[1]:
-        raise ValueError(f"sparse row lengths {sparrow_sparse.lengths} do not fit a batch of {expected[0]} rows "
-                         f"of {expected[1]} positions")
     rows = []
-    for b, n in enumerate(sparrow_sparse.lengths):
+    for b, (n, first) in enumerate(zip(sparrow_sparse.lengths, sparrow_sparse.firsts)):
         row = block_sparse_causal_sdpa(
             query[b, :, :n].transpose(0, 1), key[b, :, :n].transpose(0, 1), value[b, :, :n].transpose(0, 1),
-            budgets[b, :n], sparrow_sparse.config, scaling,
+            budgets[b, :n], sparrow_sparse.config, scaling, first,
         )
         rows.append(F.pad(row, (0, 0, 0, 0, 0, expected[1] - n)))
     return torch.stack(rows), None

@@ -4,7 +4,14 @@ Every faster backend (Triton kernels, the vLLM plugin) is tested against these f
 """
 
 from .attention import dense_block_ids, paged_decode_attention
-from .causal import block_sparse_causal_attention, block_sparse_causal_sdpa, sdpa, sparse_causal_mask, sparse_rows_mask
+from .causal import (
+    block_sparse_causal_attention,
+    block_sparse_causal_sdpa,
+    first_sparse_query,
+    sdpa,
+    sparse_causal_mask,
+    sparse_rows_mask,
+)
 from .landmarks import landmarks_from_keys, update_landmarks, write_kv
 from .scoring import group_mean_queries, score_landmarks, score_paged_blocks
 from .selection import select_blocks
@@ -13,6 +20,7 @@ from .sparse_decode import block_sparse_decode
 __all__ = [
     "block_sparse_causal_attention",
     "block_sparse_causal_sdpa",
+    "first_sparse_query",
     "block_sparse_decode",
     "dense_block_ids",
     "group_mean_queries",

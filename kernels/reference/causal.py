@@ -93,6 +93,14 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor |
     return out[0].transpose(0, 1)
 
 
+def first_sparse_query(budgets: torch.Tensor, config: SparseAttentionConfig) -> int:
+    """The first position whose budget is below its context's block count (`len(budgets)` when none is): the rows
+    before it attend densely. On a host tensor this costs no device synchronisation."""
+    blocks = torch.arange(budgets.shape[0], device=budgets.device) // config.block_size + 1
+    sparse = blocks > budgets.long().clamp(min=config.reserved_blocks)
+    return int(sparse.long().argmax()) if bool(sparse.any()) else budgets.shape[0]
+
+
 def block_sparse_causal_sdpa(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -100,16 +108,16 @@ def block_sparse_causal_sdpa(
     budgets: torch.Tensor,
     config: SparseAttentionConfig,
     scale: float | None = None,
+    first: int | None = None,
 ) -> torch.Tensor:
     """`block_sparse_causal_attention` with the softmax done by SDPA in the inputs' dtype: the same keys per query,
     no float32 `[H_q, T, T]` logits (the reference keeps them for its backward). The rows before the first sparse
     query (a prompt) attend causally among themselves, so they run SDPA's causal kernel (flash on a GPU); only the
     rows from there on are masked, `[H_kv, T - first, T]`. What the teacher-forced engine and the trainer's sparse
-    forward (DistillSparse) run; the reference stays the definition."""
+    forward (DistillSparse) run; the reference stays the definition. `first` is `first_sparse_query(budgets)`, passed
+    by a caller that has it from host budgets (finding it from device budgets stalls the GPU twice per call)."""
     seq_len = k.shape[0]
-    blocks = torch.arange(seq_len, device=q.device) // config.block_size + 1
-    sparse = blocks > budgets.to(q.device).long().clamp(min=config.reserved_blocks)
-    first = int(sparse.long().argmax()) if bool(sparse.any()) else seq_len
+    first = first_sparse_query(budgets, config) if first is None else first
     parts = []
     if first:
         parts.append(sdpa(q[:first], k[:first], v[:first], causal=True, scale=scale))

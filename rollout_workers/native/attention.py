@@ -95,10 +95,11 @@ class TeacherForced:
     """Whole sequences without a cache: in sparse layers `block_sparse_causal_sdpa` (the reference rule, the masked
     softmax done by SDPA: 2x faster on CPU); causal dense attention elsewhere."""
 
-    def __init__(self, config: SparseAttentionConfig, budgets: torch.Tensor | None):
-        self.config, self.budgets = config, budgets
+    def __init__(self, config: SparseAttentionConfig, budgets: torch.Tensor | None, first: int | None = None):
+        """`budgets` on the model's device; `first` their `first_sparse_query`, found on the host copy."""
+        self.config, self.budgets, self.first = config, budgets, first
 
     def __call__(self, layer: int, q, k, v):
         if self.budgets is None or self.config.is_dense_layer(layer):
             return sdpa(q, k, v, causal=True)
-        return block_sparse_causal_sdpa(q, k, v, self.budgets, self.config)
+        return block_sparse_causal_sdpa(q, k, v, self.budgets, self.config, first=self.first)

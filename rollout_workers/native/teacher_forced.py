@@ -11,6 +11,7 @@ equal to the context's block count means dense).
 import torch
 
 from sparrow.kernels import SparseAttentionConfig
+from sparrow.kernels.reference import first_sparse_query
 from sparrow.rollout_workers.api import TeacherForcedOutput
 from sparrow.schedule import DENSE_BUDGET, SparsitySchedule
 
@@ -65,7 +66,8 @@ def teacher_forced_logprobs(
         budgets = None
     positions = torch.arange(total, device=model.device)
     device_budgets = None if budgets is None else budgets.to(model.device)
-    hidden = model(tokens, positions, TeacherForced(attention, device_budgets))
+    first = None if budgets is None else first_sparse_query(budgets, attention)
+    hidden = model(tokens, positions, TeacherForced(attention, device_budgets, first))
     logits = model.logits(hidden[prompt_len - 1 : total - 1])
     logprobs = torch.log_softmax(logits / (temperature or 1.0), dim=-1)
     producing = positions[prompt_len - 1 : total - 1]

@@ -33,7 +33,7 @@ def run_decode_step(model_name: str = "qwen3-1.7b", batch: int = 8, contexts=(16
     log(f"{report['device']}: copy {copy_gbps:.0f} GB/s; {model_name} ({spec.num_layers} layers), batch {batch}, "
         f"budget {budget} blocks ({budget_tokens} tokens incl. sink + recent), weights {weight_bytes(model) / 1e9:.2f} GB")
     filled = FilledDecode(model, attention, batch, max_len)
-    schedule = SparsitySchedule(name=f"budget-{budget}", topk_blocks=(budget - attention.reserved_blocks,), edges=())
+    schedule = SparsitySchedule.fixed_budget(budget, "--budget-tokens / block size")
     filled.graphs.set_schedule(schedule)
     report.update(model=model_name, batch=batch, budget_blocks=budget, copy_GBps=copy_gbps, replays=replays,
                   weights_bytes=weight_bytes(model), results=[], profiles={})

@@ -48,12 +48,7 @@ STALL_DUMP_S = 120.0
 
 
 def bench_schedule(schedule_name: str, budget: int | None) -> SparsitySchedule:
-    reserved = DEFAULT_LAYOUT.reserved_blocks
-    if budget is None:
-        return load_schedule(schedule_name)
-    if budget < reserved:
-        raise ValueError(f"--budget={budget}: must be >= {reserved} (sink + recent)")
-    return SparsitySchedule(name=f"budget-{budget}", topk_blocks=(budget - reserved,), edges=())
+    return load_schedule(schedule_name) if budget is None else SparsitySchedule.fixed_budget(budget, "--budget")
 
 
 def largest_batch(model, total: int, samples: int, memory_fraction: float) -> int:
