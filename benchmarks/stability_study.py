@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from stability.arms import ARMS, arm_overrides  # noqa: E402
 from stability.plots import plot_all  # noqa: E402
-from stability.summary import TABLE_HEADERS, arm_summary, table_row  # noqa: E402
+from stability.summary import EXACT_HEADERS, TABLE_HEADERS, arm_summary, exact_row, has_exact, step_row, table_row  # noqa: E402
 from train_runs import interrupt, step_records, train_command  # noqa: E402
 
 
@@ -125,12 +125,20 @@ def merge(paths: list[Path], out_dir: Path) -> Path:
     arms = []
     for path in paths:
         try:
-            arms.append(json.loads(path.read_text()))
+            arm = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError) as exc:
             _fail(f"--merge {path}: not an arm JSON ({exc})")
+        kept = path.with_suffix("") / "metrics.jsonl"  # the run's records kept beside it: rebuilt with today's fields
+        if kept.is_file():
+            arm["steps"] = [step_row(r) for r in step_records(kept.parent)]
+        arms.append(arm)
     arms.sort(key=lambda a: (list(ARMS).index(a["arm"]), a["label"]))
     out_dir.mkdir(parents=True, exist_ok=True)
     table = markdown_table(TABLE_HEADERS, [table_row(a) for a in arms])
+    exact = [a for a in arms if has_exact(a)]
+    if exact:
+        table += "\n\nExact α (trainer.exact_alpha) beside the top-K bounds, and the trainer's seconds per step:\n\n"
+        table += markdown_table(EXACT_HEADERS, [exact_row(a) for a in exact])
     plots = plot_all(arms, out_dir)
     results = out_dir / "stability.json"
     results.write_text(json.dumps({"arms": arms, "table": table, "plots": [p.name for p in plots]}, indent=1))

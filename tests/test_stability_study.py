@@ -12,7 +12,7 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
 from stability.arms import arm_overrides, covering_topk  # noqa: E402
-from stability.summary import in_band, steps_to_band  # noqa: E402
+from stability.summary import exact_row, in_band, steps_to_band  # noqa: E402
 from stability_study import main  # noqa: E402
 
 from sparrow.coordinator.config import load_config  # noqa: E402
@@ -69,6 +69,20 @@ def test_the_midpoint_reading_averages_each_bins_bounds():
                                   {"p5_alpha": [0.80, 0.85], "p5_alpha_upper": [0.90, 0.88]}]}
     assert steps_to_band(arm, "midpoint") == 1 and steps_to_band(arm, "lower") is None
     assert steps_to_band(arm, "midpoint", band=0.005) is None
+
+
+def test_the_exact_reading_and_its_row_beside_the_bounds():
+    """trainer.exact_alpha's p5 per bin: its own convergence reading, and how far the bounds sit from it."""
+    timing = {"policy_update_s": 30.0, "exact_alpha_s": 40.0}
+    steps = [dict(timing, p5_alpha=[0.80, 0.70], p5_alpha_upper=[0.92, 0.90], p5_alpha_exact=[0.90, 0.86],
+                  distill_s=65.0, distill_kl=0.15),
+             dict(timing, p5_alpha=[0.84, 0.80], p5_alpha_upper=[0.88, 0.86], p5_alpha_exact=[0.87, 0.865],
+                  distill_s=61.0, distill_kl=0.12)]
+    arm = {"label": "b-distill", "tau": 0.86, "steps": steps}
+    assert steps_to_band(arm, "exact", band=None) == 1 and steps_to_band(arm, "exact") == 2
+    assert steps_to_band(arm, "lower", band=None) is None
+    assert exact_row(arm) == ["b-distill", "0.870 0.865", "0.089", "0.016", "1/2", "30.0", "40.0", "63.0", "0.150 0.120"]
+    assert steps_to_band({"tau": 0.86, "steps": [{"p5_alpha": [0.9]}]}, "exact", band=None) is None  # not measured
 
 
 def test_a_set_that_would_replace_an_arms_key_is_refused(tmp_path, capsys):

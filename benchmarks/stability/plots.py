@@ -66,7 +66,10 @@ def _budgets(arm: dict) -> dict:
 
 def plot_all(arms: list[dict], out_dir: Path) -> list[Path]:
     tau = arms[0]["tau"] if arms else None
-    return [
+    exact = [a for a in arms if any(s.get("p5_alpha_exact") for s in a["steps"])]
+    extra = [_per_bin(exact, "p5_alpha_exact", "exact p5 α (trainer.exact_alpha) per length bin vs τ", "p5 α",
+                      out_dir / "alpha_p5_exact.png", tau)] if exact else []
+    return extra + [
         _figure(arms, lambda s: s["reward_mean"], "rollout reward per step", "mean reward", out_dir / "reward.png"),
         _per_bin(arms, "p5_alpha", "p5 α (lower bound) per length bin vs τ", "p5 α", out_dir / "alpha_p5.png", tau),
         _per_bin([_budgets(a) for a in arms], "budget", "KV blocks read per length bin (dense = the bin's longest context)",

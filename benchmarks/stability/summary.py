@@ -15,6 +15,8 @@ def _rollout_seconds(rollout: dict) -> float | None:
 def step_row(record: dict) -> dict:
     """What the study keeps of one `metrics.jsonl` line (StepRecord.to_dict)."""
     rollout, alpha, schedule, timing = record["rollout"], record["alpha"], record["schedule"], record["timing"]
+    train = record.get("train") or {}
+    exact_s = train.get("train/alpha_exact_seconds")
     return {
         "step": record["step"],
         "reward_mean": rollout["reward_mean"],
@@ -30,6 +32,11 @@ def step_row(record: dict) -> dict:
         "rollout_wait_s": timing["rollout_wait"],
         "step_s": timing["step"],
         "speedup_measured": rollout["speedup_measured"],
+        "p5_alpha_exact": (record.get("alpha_exact") or {}).get("p5"),  # trainer.exact_alpha: α itself, per bin
+        "exact_alpha_s": exact_s,
+        "policy_update_s": None if "train/seconds" not in train else train["train/seconds"] - (exact_s or 0.0),
+        "distill_s": train.get("distill/seconds"),
+        "distill_kl": train.get("distill/kl"),
     }
 
 
@@ -71,6 +78,8 @@ and upper bounds' p5s (close to what a controller on `statistic: midpoint` acts 
 def step_p5(row: dict, statistic: str) -> list[float | None]:
     if statistic == "lower":
         return row["p5_alpha"]
+    if statistic == "exact":
+        return row.get("p5_alpha_exact") or []
     pairs = zip(row["p5_alpha"], row["p5_alpha_upper"])
     return [None if lo is None or hi is None else (lo + hi) / 2 for lo, hi in pairs]
 
@@ -121,3 +130,30 @@ TABLE_HEADERS = ["arm", "steps", "final reward", "mean reward", "held-out acc (d
                  "median rollout s/step", "median step s",
                  "steps to every bin's p5 >= tau (lower/midpoint) / in [tau, tau+0.02] (lower/midpoint)",
                  "final top-k per bin"]
+
+
+def has_exact(arm: dict) -> bool:
+    return any(s.get("p5_alpha_exact") for s in arm["steps"])
+
+
+def _gap(steps: list[dict], hi: str, lo: str) -> float | None:
+    """Mean over steps and bins of row[hi] − row[lo] where both are measured."""
+    return _mean(h - l for s in steps for h, l in zip(s.get(hi) or [], s.get(lo) or []) if h is not None and l is not None)
+
+
+def exact_row(arm: dict) -> list[str]:
+    """One arm's row of the exact-α table (EXACT_HEADERS): where the top-K bounds sit around α itself, and what the
+    measurement and DistillSparse cost per step."""
+    steps = arm["steps"]
+    final = steps[-1].get("p5_alpha_exact") or [] if steps else []
+    return [arm["label"], " ".join(_fmt(a) for a in final), _fmt(_gap(steps, "p5_alpha_exact", "p5_alpha")),
+            _fmt(_gap(steps, "p5_alpha_upper", "p5_alpha_exact")),
+            "/".join(_steps(steps_to_band(arm, "exact", band)) for band in (None, BAND)),
+            _fmt(_median(s.get("policy_update_s") for s in steps), 1), _fmt(_median(s.get("exact_alpha_s") for s in steps), 1),
+            _fmt(_median(s.get("distill_s") for s in steps), 1),
+            " ".join(_fmt(s.get("distill_kl")) for s in steps) if any(s.get("distill_kl") is not None for s in steps) else "-"]
+
+
+EXACT_HEADERS = ["arm", "final exact p5 α per bin", "mean exact − lower", "mean upper − exact",
+                 "steps to exact p5 >= tau / in [tau, tau+0.02]", "median policy update s", "median exact α s",
+                 "median DistillSparse s", "DistillSparse KL per step"]
