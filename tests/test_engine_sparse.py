@@ -10,8 +10,10 @@ import torch
 from sparrow.acceptance import acceptance_exact
 from sparrow.kernels import SparseAttentionConfig
 from sparrow.kernels.reference import (
+    SparseRows,
     block_sparse_causal_attention,
     block_sparse_causal_sdpa,
+    block_sparse_causal_sdpa_batch,
     first_sparse_query,
     sparse_causal_mask,
     sparse_rows_mask,
@@ -170,3 +172,29 @@ def test_first_sparse_query_is_where_a_budget_first_falls_below_its_blocks():
     q, k, v = (torch.randn(150, h, 16, generator=torch.Generator().manual_seed(h)) for h in (4, 2, 2))
     given = block_sparse_causal_sdpa(q, k, v, budgets, config, first=first_sparse_query(budgets, config))
     assert torch.equal(given, block_sparse_causal_sdpa(q, k, v, budgets, config))
+
+
+def test_the_batched_sdpa_form_equals_the_reference_row_by_row_with_its_gradients():
+    """One call for a right-padded batch (what each trainer layer runs): rows of different lengths and prompts, one
+    with no sparse query at all, equal the reference on each row alone, outputs and q/k/v gradients, and the
+    padding gets no gradient from the real positions."""
+    gen = torch.Generator().manual_seed(3)
+    seq, dim, config = 150, 16, SparseAttentionConfig(block_size=16, sink=1, recent=2)
+    lengths, prompts = [150, 97, 120], [40, 60, 120]
+    budgets = torch.stack([torch.where(torch.arange(seq) < p, DENSE_BUDGET, 5) for p in prompts])
+    q, k, v = (torch.randn(3, h, seq, dim, generator=gen, requires_grad=True) for h in (6, 2, 2))
+    weights = torch.randn(3, seq, 6, dim, generator=gen)
+    valid = (torch.arange(seq)[None, :] < torch.tensor(lengths)[:, None])[..., None, None]
+    firsts = [first_sparse_query(budgets[b, :n], config) for b, n in enumerate(lengths)]
+    assert firsts == [80, 80, 120]  # the third row is all prompt: nothing of it runs masked
+    rows = SparseRows.of(firsts, lengths, seq)
+    out = block_sparse_causal_sdpa_batch(q, k, v, budgets, rows, config, 0.2)
+    grads = torch.autograd.grad((out * weights * valid).sum(), (q, k, v))
+    for b, n in enumerate(lengths):
+        row = [t[b, :, :n].detach().transpose(0, 1).requires_grad_() for t in (q, k, v)]
+        ref = block_sparse_causal_attention(*row, budgets[b, :n], config, 0.2)
+        ref_grads = torch.autograd.grad((ref * weights[b, :n]).sum(), row)
+        assert (out[b, :n] - ref).abs().max().item() < 1e-5
+        for got, want in zip(grads, ref_grads):
+            assert (got[b, :, :n].transpose(0, 1) - want).abs().max().item() < 1e-5
+            assert got[b, :, n:].abs().max().item() == 0.0 if n < seq else True

@@ -5,8 +5,10 @@ Every faster backend (Triton kernels, the vLLM plugin) is tested against these f
 
 from .attention import dense_block_ids, paged_decode_attention
 from .causal import (
+    SparseRows,
     block_sparse_causal_attention,
     block_sparse_causal_sdpa,
+    block_sparse_causal_sdpa_batch,
     first_sparse_query,
     sdpa,
     sparse_causal_mask,
@@ -14,12 +16,14 @@ from .causal import (
 )
 from .landmarks import landmarks_from_keys, update_landmarks, write_kv
 from .scoring import group_mean_queries, score_landmarks, score_paged_blocks
-from .selection import select_blocks
+from .selection import select_blocks, selected_blocks_mask
 from .sparse_decode import block_sparse_decode
 
 __all__ = [
+    "SparseRows",
     "block_sparse_causal_attention",
     "block_sparse_causal_sdpa",
+    "block_sparse_causal_sdpa_batch",
     "first_sparse_query",
     "block_sparse_decode",
     "dense_block_ids",
@@ -30,6 +34,7 @@ __all__ = [
     "score_paged_blocks",
     "sdpa",
     "select_blocks",
+    "selected_blocks_mask",
     "sparse_causal_mask",
     "sparse_rows_mask",
     "update_landmarks",

@@ -6,6 +6,8 @@ it decoded from that position; every query selects its own blocks with the same 
 count, a prompt position, or a dense layer attends densely with an ordinary causal mask.
 """
 
+from dataclasses import dataclass
+
 import torch
 from torch.nn import functional as F
 
@@ -13,7 +15,7 @@ from sparrow.layout import SparseAttentionConfig
 
 from .landmarks import landmarks_from_keys
 from .scoring import group_mean_queries, score_landmarks
-from .selection import select_blocks
+from .selection import selected_blocks_mask
 
 
 def sparse_causal_mask(
@@ -34,20 +36,28 @@ def sparse_rows_mask(
     q: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, budgets: torch.Tensor, config: SparseAttentionConfig
 ) -> torch.Tensor:
     """The keys each query `q: [C, H, D]` at `positions` may attend to in the context `keys: [T, H_kv, D]`
-    (post-RoPE) under `budgets: [C]` → boolean `[H_kv, C, T]`: `sparse_causal_mask`'s rows, the others not computed.
-    The reference decode selection (`select_blocks`) picks each row's blocks from its full blocks' landmarks."""
+    (post-RoPE) under `budgets: [C]` → boolean `[H_kv, C, T]`: `sparse_causal_mask`'s rows, the others not computed."""
+    return rows_keep(q[None], keys[None], positions[None], budgets[None], config)[0].transpose(0, 1)
+
+
+def rows_keep(
+    q: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, budgets: torch.Tensor, config: SparseAttentionConfig
+) -> torch.Tensor:
+    """Batched `sparse_rows_mask`: queries `q: [B, R, H_q, D]` at `positions: [B, R]` of their row's keys
+    `keys: [B, T, H_kv, D]` under `budgets: [B, R]` → boolean `[B, R, H_kv, T]`. The reference decode selection
+    (`select_blocks`' rule) picks each query's blocks from its row's full blocks' landmarks."""
+    bsz, rows = q.shape[:2]
+    total, heads = keys.shape[1], keys.shape[2]
     bs = config.block_size
-    total = keys.shape[0]
     max_blocks = -(-total // bs)
-    landmarks = landmarks_from_keys(keys, bs, config.landmark)  # full blocks only
-    scores = score_landmarks(group_mean_queries(q, keys.shape[1]), landmarks, config.landmark)  # [C, H_kv, n_full]
+    landmarks = landmarks_from_keys(keys, bs, config.landmark)[:, None]  # [B, 1, n_full, H_kv, W]: full blocks only
+    scores = score_landmarks(group_mean_queries(q, heads), landmarks, config.landmark)  # [B, R, H_kv, n_full]
     scores = F.pad(scores, (0, max_blocks - scores.shape[-1]), value=float("-inf"))
-    block_ids, _ = select_blocks(scores, positions // bs + 1, budgets, config.sink, config.recent)
-    keep = torch.zeros(*block_ids.shape[:2], max_blocks + 1, dtype=torch.bool, device=q.device)
-    keep.scatter_(-1, torch.where(block_ids >= 0, block_ids, max_blocks), True)
-    token_keep = keep[..., :max_blocks].repeat_interleave(bs, dim=-1)[..., :total]  # [C, H_kv, T]
-    causal = torch.arange(total, device=q.device)[None, :] <= positions[:, None]
-    return (token_keep & causal[:, None, :]).transpose(0, 1)
+    keep, _ = selected_blocks_mask(scores.flatten(0, 1), (positions // bs + 1).flatten(), budgets.flatten(),
+                                   config.sink, config.recent)
+    token_keep = keep.view(bsz, rows, heads, max_blocks).repeat_interleave(bs, dim=-1)[..., :total]
+    causal = torch.arange(total, device=q.device) <= positions[..., None]  # [B, R, T]
+    return token_keep & causal[:, :, None, :]
 
 
 def block_sparse_causal_attention(
@@ -101,6 +111,68 @@ def first_sparse_query(budgets: torch.Tensor, config: SparseAttentionConfig) -> 
     return int(sparse.long().argmax()) if bool(sparse.any()) else budgets.shape[0]
 
 
+@dataclass(frozen=True)
+class SparseRows:
+    """The query rows of a right-padded batch that attend sparsely, as index tensors built on the host once per
+    forward (so no layer reads anything back from the device): row b's queries first_b … len_b − 1."""
+
+    positions: torch.Tensor
+    """`[B, R]` their positions, R the most any row has; a shorter row repeats its last position (computed, dropped)."""
+    source: torch.Tensor
+    """`[N]` the real entries' indices into the flattened `[B * R]`."""
+    target: torch.Tensor
+    """`[N]` their indices into the flattened `[B * T]`."""
+
+    @classmethod
+    def of(cls, firsts: list[int], lengths: list[int], seq_len: int, device: torch.device | str = "cpu") -> "SparseRows":
+        """From each row's `first_sparse_query` and length (tokens before its right padding)."""
+        width = max((n - f for f, n in zip(firsts, lengths)), default=0)
+        positions, source, target = [], [], []
+        for b, (f, n) in enumerate(zip(firsts, lengths)):
+            count = max(n - f, 0)
+            positions.append([f + min(r, count - 1) if count else 0 for r in range(width)])
+            source += range(b * width, b * width + count)
+            target += range(b * seq_len + f, b * seq_len + f + count)
+        as_long = lambda values: torch.tensor(values, dtype=torch.long).to(device)  # noqa: E731
+        return cls(as_long(positions).view(len(lengths), width), as_long(source), as_long(target))
+
+
+def block_sparse_causal_sdpa_batch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    budgets: torch.Tensor,
+    rows: SparseRows,
+    config: SparseAttentionConfig,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """`block_sparse_causal_attention` for a right-padded batch in SDPA's layout, `q: [B, H_q, T, D]`,
+    `k, v: [B, H_kv, T, D]`, `budgets: [B, T]` → `[B, T, H_q, D]`, with the softmax done by SDPA in the inputs' dtype.
+
+    Every row runs SDPA's causal kernel (flash on a GPU), which is exact for the queries before a row's first sparse
+    query (a prompt) and, with right padding, never lets padding reach a real query; then only the sparse queries
+    (`rows`) run again under their keys' mask, `[B, H, R, T]` (SDPA's memory-efficient kernel on a GPU), and replace
+    their rows. One call per layer for the whole batch: a fixed number of operators, whatever the rows. What the
+    trainer's sparse forward (DistillSparse, exact α) and the teacher-forced engine run; the reference stays the
+    definition. Padding positions hold finite values nothing reads."""
+    bsz, num_q_heads, seq_len, head_dim = q.shape
+    group = num_q_heads // k.shape[1]
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=group > 1).transpose(1, 2)
+    width = rows.positions.shape[1]
+    if width == 0:
+        return out
+    batch = torch.arange(bsz, device=q.device)[:, None]
+    queries = q.transpose(1, 2)[batch, rows.positions]  # [B, R, H_q, D]
+    keep = rows_keep(queries, k.transpose(1, 2), rows.positions, budgets.gather(1, rows.positions), config)
+    mask = keep.transpose(1, 2)  # [B, H_kv, R, T]
+    if group > 1:  # to the query heads, so a GPU can run the memory-efficient kernel (it takes a mask, not GQA)
+        mask, k, v = (t.repeat_interleave(group, dim=1) for t in (mask, k, v))
+    sparse = F.scaled_dot_product_attention(queries.transpose(1, 2), k, v, attn_mask=mask, scale=scale)
+    picked = sparse.transpose(1, 2).reshape(bsz * width, num_q_heads, head_dim).index_select(0, rows.source)
+    merged = out.reshape(bsz * seq_len, num_q_heads, head_dim).index_copy(0, rows.target, picked)
+    return merged.view(bsz, seq_len, num_q_heads, head_dim)
+
+
 def block_sparse_causal_sdpa(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -110,19 +182,11 @@ def block_sparse_causal_sdpa(
     scale: float | None = None,
     first: int | None = None,
 ) -> torch.Tensor:
-    """`block_sparse_causal_attention` with the softmax done by SDPA in the inputs' dtype: the same keys per query,
-    no float32 `[H_q, T, T]` logits (the reference keeps them for its backward). The rows before the first sparse
-    query (a prompt) attend causally among themselves, so they run SDPA's causal kernel (flash on a GPU); only the
-    rows from there on are masked, `[H_kv, T - first, T]`. What the teacher-forced engine and the trainer's sparse
-    forward (DistillSparse) run; the reference stays the definition. `first` is `first_sparse_query(budgets)`, passed
-    by a caller that has it from host budgets (finding it from device budgets stalls the GPU twice per call)."""
+    """`block_sparse_causal_sdpa_batch` for one sequence, `q: [T, H_q, D]`, `k, v: [T, H_kv, D]`, `budgets: [T]`
+    → `[T, H_q, D]`. `first` is `first_sparse_query(budgets)`, passed by a caller that has it from host budgets
+    (finding it from device budgets stalls the GPU)."""
     seq_len = k.shape[0]
     first = first_sparse_query(budgets, config) if first is None else first
-    parts = []
-    if first:
-        parts.append(sdpa(q[:first], k[:first], v[:first], causal=True, scale=scale))
-    if first < seq_len:
-        positions = torch.arange(first, seq_len, device=q.device)
-        mask = sparse_rows_mask(q[first:], k, positions, budgets[first:].to(q.device), config)
-        parts.append(sdpa(q[first:], k, v, mask, scale=scale))
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
+    rows = SparseRows.of([first], [seq_len], seq_len, q.device)
+    layout = lambda t: t.transpose(0, 1)[None]  # noqa: E731
+    return block_sparse_causal_sdpa_batch(layout(q), layout(k), layout(v), budgets.to(q.device)[None], rows, config, scale)[0]

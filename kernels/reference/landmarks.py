@@ -59,14 +59,15 @@ def update_landmarks(
 
 
 def landmarks_from_keys(keys: torch.Tensor, block_size: int, mode: str = "mean") -> torch.Tensor:
-    """Landmarks of the full blocks of a contiguous key sequence `keys: [T, H_kv, D]`.
+    """Landmarks of the full blocks of a contiguous key sequence `keys: [..., T, H_kv, D]` (leading dims: a batch).
 
-    Returns `[T // block_size, H_kv, W]`; used by the teacher-forced (trainer) path, and as the
+    Returns `[..., T // block_size, H_kv, W]`; used by the teacher-forced (trainer) path, and as the
     from-scratch recomputation the paged writes are tested against.
     """
-    n_full = keys.shape[0] // block_size
-    blocks = keys[: n_full * block_size].reshape(n_full, block_size, *keys.shape[1:])
+    *lead, seq_len, heads, dim = keys.shape
+    n_full = seq_len // block_size
+    blocks = keys[..., : n_full * block_size, :, :].reshape(*lead, n_full, block_size, heads, dim)
     if mode == "mean":
         acc = torch.promote_types(keys.dtype, torch.float32)
-        return blocks.to(acc).mean(dim=1).to(keys.dtype)
-    return torch.cat([blocks.amax(dim=1), blocks.amin(dim=1)], dim=-1)
+        return blocks.to(acc).mean(dim=-3).to(keys.dtype)
+    return torch.cat([blocks.amax(dim=-3), blocks.amin(dim=-3)], dim=-1)

@@ -22,6 +22,27 @@ def select_blocks(
     Returns `(block_ids, counts)`: `block_ids: [B, H_kv, K]` logical block ids in ascending order,
     padded with -1, and `counts: [B]` blocks attended per row (equal across a sequence's KV heads).
     """
+    keep, counts = selected_blocks_mask(scores, num_blocks, budgets, sink, recent)
+    bsz, heads, max_blocks = scores.shape
+    pos = torch.arange(max_blocks, device=scores.device)
+    width = int(counts.max()) if bsz else 0
+    slot = torch.cumsum(keep.long(), dim=-1) - 1
+    block_ids = torch.full((bsz, heads, width + 1), -1, dtype=torch.long, device=scores.device)
+    target = torch.where(keep, slot, width)
+    block_ids.scatter_(-1, target, pos.expand(bsz, heads, max_blocks).clone())
+    block_ids = block_ids[..., :width]
+    return block_ids, counts
+
+
+def selected_blocks_mask(
+    scores: torch.Tensor,
+    num_blocks: torch.Tensor,
+    budgets: torch.Tensor,
+    sink: int,
+    recent: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`select_blocks`'s choice as a boolean `[B, H_kv, M]` (True = attended) and `counts: [B]`, without the
+    compaction into lists (which reads the widest count back to the host)."""
     if recent < 1:
         raise ValueError(f"recent={recent}: must be >= 1 (the partial block has no landmark)")
     bsz, heads, max_blocks = scores.shape
@@ -40,14 +61,7 @@ def select_blocks(
     reserved = (pos[None, :] < sink) | (pos[None, :] >= (num_blocks - recent)[:, None])
     keep = (reserved & (pos[None, :] < num_blocks[:, None]))[:, None, :] | chosen
     keep = keep | (dense[:, None, None] & (pos[None, None, :] < num_blocks[:, None, None]))
-
-    width = int(counts.max()) if bsz else 0
-    slot = torch.cumsum(keep.long(), dim=-1) - 1
-    block_ids = torch.full((bsz, heads, width + 1), -1, dtype=torch.long, device=device)
-    target = torch.where(keep, slot, width)
-    block_ids.scatter_(-1, target, pos.expand(bsz, heads, max_blocks).clone())
-    block_ids = block_ids[..., :width]
-    return block_ids, counts
+    return keep, counts
 
 
 def candidate_rank(scores: torch.Tensor, candidate: torch.Tensor) -> torch.Tensor:
