@@ -402,10 +402,16 @@ class SparrowConfig(_Section):
             )
         if s.logprobs > self.transport.max_top_k:
             raise ValueError(f"rollout.sampling.logprobs={s.logprobs} exceeds transport.max_top_k={self.transport.max_top_k}")
-        if self.controller.enabled and s.logprobs == 0:
+        exact = self.controller.statistic == "exact"
+        if self.controller.enabled and exact and not self.trainer.exact_alpha:
+            raise ValueError(
+                "controller.statistic='exact' needs trainer.exact_alpha=true (the trainer then measures α itself each "
+                "step); set it, or steer on 'lower', 'midpoint' or 'upper'"
+            )
+        if self.controller.enabled and not exact and s.logprobs == 0:
             raise ValueError(
                 "controller.enabled=true needs rollout.sampling.logprobs > 0 (α is measured from the rollout's top-k); "
-                "set logprobs (e.g. 20) or controller.enabled=false"
+                "set logprobs (e.g. 20), controller.statistic=exact with trainer.exact_alpha=true, or controller.enabled=false"
             )
         if self.run.weights_channel == "collective" and self.run.mode == "async":
             raise ValueError(

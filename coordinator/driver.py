@@ -381,7 +381,7 @@ class TrainingJob:
     def _warn_loose_tail(self, record: StepRecord) -> None:
         """Say so when the top-k lists cannot see the tail (the lower bound is then far below α itself)."""
         loose = record.alpha.loose_bins()
-        if loose and not self._warned_loose:
+        if loose and not self._warned_loose and self.controller_config.statistic != "exact":
             gaps = record.alpha.bound_gaps
             worst = max(loose, key=lambda b: gaps[b])
             self.log(
@@ -498,6 +498,8 @@ class TrainingJob:
         self.metrics.observe_alpha(alpha)
         if self.controller is None:
             return alpha, upper, None
+        if self.controller_config.statistic == "exact":  # α itself, the trainer's measurement (trainer.exact_alpha)
+            report = rank0.alpha_exact
         versions = sorted(report.lower) or [max(self.schedule.version, 0)]
         for v in versions:
             self.controller.observe(report.lower.get(v, empty), v, report.upper.get(v, empty))

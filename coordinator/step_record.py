@@ -94,12 +94,14 @@ def loose_tail_advice(statistic: str | None) -> str:
     below exact α (0.29 under dense rollout at temperature 1.0, 0.89 at 0.7), the upper bound's up to 0.11 above
     it; top-64 lists bring the lower bound to within 0.03-0.07 and the upper to within 0.005."""
     fix = "raise rollout.sampling.logprobs and trainer.recompute_topk together (up to 64)"
+    exact = ("; or steer on α itself: controller.statistic: exact with trainer.exact_alpha: true (one dense and one "
+             "sparse forward of the step's tokens in the trainer)")
     if statistic == "upper":
-        return fix + "; the upper bound is optimistic, so the tail may be below what the controller sees"
+        return fix + "; the upper bound is optimistic, so the tail may be below what the controller sees" + exact
     if statistic in (None, "lower"):
-        return fix + ", or set controller.statistic: midpoint (closer to α, still below it where the lists miss much)"
+        return fix + ", or set controller.statistic: midpoint (closer to α, still below it where the lists miss much)" + exact
     return fix + (", or set controller.statistic: upper (close to α but above it: raise controller.target by the margin "
-                  "sparrow calibrate measures for the model)")
+                  "sparrow calibrate measures for the model)") + exact
 
 
 @dataclass

@@ -68,6 +68,8 @@ def test_cross_section_rules():
     assert "run: mode='async' with max_staleness=0 is sync mode" in _error(["run.max_staleness=0"])
     assert "max_staleness=2 needs mode='async'" in _error(["run.mode=sync", "run.max_staleness=2"])
     assert "controller.enabled=true needs rollout.sampling.logprobs > 0" in _error(["rollout.sampling.logprobs=0"])
+    assert "controller.statistic='exact' needs trainer.exact_alpha=true" in _error(["controller.statistic=exact"])
+    load_config(None, ["controller.statistic=exact", "trainer.exact_alpha=true", "rollout.sampling.logprobs=0"])
     assert "leave top_p=1 and top_k=0 with rollout.engine='vllm'" in _error(["rollout.engine=vllm", "rollout.sampling.top_p=0.9"])
     assert "weights_channel='collective' needs mode='sync'" in _error(["run.weights_channel=collective"])
     for switch in ("trainer.exact_alpha=true", "trainer.distill_sparse.enabled=true"):

@@ -207,13 +207,18 @@ def test_held_out_evaluation_before_during_and_after_training(ray_cluster, tiny_
     assert "## Held-out evaluation" in report and (run_dir.report / "eval_accuracy.png").is_file()
 
 
-def test_exact_alpha_lies_between_the_top_k_bounds(ray_cluster, tiny_qwen3, tmp_path):
+def test_exact_alpha_lies_between_the_top_k_bounds_and_steers_the_controller(ray_cluster, tiny_qwen3, tmp_path):
     """trainer.exact_alpha in a sync job: each step records exact α of the tokens the top-k bounds cover, and each
-    bin's tail lies between the bounds' tails (α is bracketed token by token, so its percentile is too)."""
+    bin's tail lies between the bounds' tails (α is bracketed token by token, so its percentile is too); with
+    controller.statistic=exact the controller judges every bin on that same exact tail."""
+    import json
+
     from sparrow.coordinator.report import write_report
 
     path = tiny_job(tmp_path / "job.yaml", tiny_qwen3, tmp_path / "runs", {
-        "trainer.exact_alpha": True, "controller.enabled": False, "run.steps": 2,
+        "trainer.exact_alpha": True, "run.steps": 2,
+        "controller": {"enabled": True, "statistic": "exact", "min_samples": 1, "window_steps": 1, "confidence_z": 0.0,
+                       "ladder": [0, 1, 2, 4]},
         "rollout.sampling": {"max_tokens": 64, "n": 2, "temperature": 1.0},
         "rollout.schedule": {"name": "tiny0", "edges": [80, 96], "topk_blocks": [0, 0, 0]},
     })
@@ -231,3 +236,10 @@ def test_exact_alpha_lies_between_the_top_k_bounds(ray_cluster, tiny_qwen3, tmp_
     assert any(p < 0.999 for r in records for p, n in zip(r.alpha_exact.p5, r.alpha_exact.tokens) if n), \
         "3-block budgets change α"
     assert "exact α p5" in write_report(run_dir).read_text()
+    decisions = [json.loads(line) for line in run_dir.decisions_file.read_text().splitlines()]
+    assert len(decisions) == len(records) == 2
+    for r, step in zip(records, decisions):
+        judged = {d["bin"]: d["stats"]["alpha"] for d in step["decisions"] if "alpha" in d["stats"]}
+        assert judged and all(r.alpha_exact.tokens[b] for b in judged)
+        for b, alpha in judged.items():
+            assert alpha == pytest.approx(r.alpha_exact.p5[b], abs=1e-6)

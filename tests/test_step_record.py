@@ -38,6 +38,8 @@ def test_the_report_warns_when_the_tail_was_only_bracketed(tmp_path):
 def test_the_loose_tail_advice_never_suggests_the_statistic_in_use():
     assert "controller.statistic: midpoint" in loose_tail_advice("lower")
     assert "controller.statistic: upper" in loose_tail_advice("midpoint")
-    assert "controller.statistic" not in loose_tail_advice("upper") and "optimistic" in loose_tail_advice("upper")
+    assert "controller.statistic: upper" not in loose_tail_advice("upper") and "optimistic" in loose_tail_advice("upper")
+    assert all("controller.statistic: exact with trainer.exact_alpha: true" in loose_tail_advice(s)
+               for s in ("lower", "midpoint", "upper", None))
     assert all("rollout.sampling.logprobs and trainer.recompute_topk" in loose_tail_advice(s)
                for s in ("lower", "midpoint", "upper", None))

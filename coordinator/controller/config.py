@@ -14,8 +14,9 @@ class ControllerConfig(BaseModel):
 
     target: float = Field(0.86, gt=0.0, lt=1.0, description="τ: the tail α every length bin must keep")
     percentile: float = Field(5.0, gt=0.0, le=50.0, description="which percentile of α is the tail (Sparrow: 5)")
-    statistic: Literal["lower", "upper", "midpoint"] = Field(
-        "lower", description="with top-k α bounds: act on the lower bound (Sparrow's statistic), the upper, or their mean"
+    statistic: Literal["lower", "upper", "midpoint", "exact"] = Field(
+        "lower", description="act on the top-k lower bound of α (Sparrow's statistic), the upper bound, their mean, or "
+        "exact α (measured by the trainer each step; needs trainer.exact_alpha)"
     )
     confidence_z: float = Field(
         1.0, ge=0.0, le=5.0,

@@ -46,10 +46,11 @@ def tail_estimate(
     lower: np.ndarray, upper: np.ndarray | None, pct: float, z: float, statistic: str
 ) -> TailEstimate | None:
     """From one bin's histogram row(s) of the α lower bound (and upper bound, when the trainer has
-    both): the percentile under `statistic` ("lower", "upper" or "midpoint"); None for no tokens."""
+    both): the percentile under `statistic` ("lower", "upper" or "midpoint"; "exact" reads `lower`, which then
+    holds exact α); None for no tokens."""
     if int(lower.sum()) == 0:
         return None
-    if statistic == "lower" or upper is None:
+    if statistic in ("lower", "exact") or upper is None:
         return _estimate(lower, pct, z)
     hi = _estimate(upper, pct, z)
     if statistic == "upper":

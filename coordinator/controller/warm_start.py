@@ -55,7 +55,7 @@ def _calibration_table(path: Path, percentile: float, statistic: str, template: 
         if "histograms" not in data:
             return {int(b): {int(k): float(v) for k, v in curve.items()} for b, curve in data["alpha_tail"].items()}
         by_statistic = data.get("all_statistics") or {}
-        if statistic in ("lower", "upper") and statistic in by_statistic:
+        if statistic in ("lower", "upper", "exact") and statistic in by_statistic:
             return _tails(by_statistic[statistic], percentile)
         if statistic == "midpoint" and {"lower", "upper"} <= by_statistic.keys():
             lower, upper = _tails(by_statistic["lower"], percentile), _tails(by_statistic["upper"], percentile)
