@@ -70,12 +70,16 @@ def plot(run_dir: RunDir, rows: list[StepRecord], target: float) -> list[Path]:
     edges = rows[-1].schedule.edges
     names = _bin_names(edges)
     fig, ax = plt.subplots(figsize=(6, 3.6))
+    exact = any(r.alpha_exact is not None for r in rows)
     for b in range(len(names)):
         values = [r.alpha.p5[b] if r.alpha.tokens[b] else None for r in rows]
         if any(v is not None for v in values):
-            ax.plot(steps, [float("nan") if v is None else v for v in values], "o-", label=f"bin {b} ({names[b]})")
+            line, = ax.plot(steps, [float("nan") if v is None else v for v in values], "o-", label=f"bin {b} ({names[b]})")
+            if exact:  # trainer.exact_alpha: α itself, dashed in the bin's colour
+                tails = [r.alpha_exact.p5[b] if r.alpha_exact is not None and r.alpha_exact.tokens[b] else None for r in rows]
+                ax.plot(steps, [float("nan") if v is None else v for v in tails], "x--", color=line.get_color())
     ax.axhline(target, color="k", ls="--", lw=1, label=f"τ = {target:g}")
-    save(fig, ax, "alpha_tail.png", f"p{rows[-1].alpha.percentile:g} of α (lower bound)")
+    save(fig, ax, "alpha_tail.png", f"p{rows[-1].alpha.percentile:g} of α ({'lower bound: o, exact: x' if exact else 'lower bound'})")
 
     fig, ax = plt.subplots(figsize=(6, 3.6))
     history = [rows[0].schedule.blocks_before] + [r.schedule.blocks for r in rows]
@@ -140,8 +144,11 @@ def summary_table(rows: list[StepRecord], target: float) -> str:
         ("final blocks per bin", " ".join("dense" if b is None else str(b) for b in last.schedule.blocks)),
         ("schedule version", str(last.schedule.version)),
         ("budget changes by the controller", str(sum(r.controller.changes for r in rows))),
-        (f"bins below τ={target:g} at the last step", ", ".join(map(str, last.bins_below(target))) or "none"),
+        (f"bins below τ={target:g} at the last step (lower bound)", ", ".join(map(str, last.alpha.bins_below(target))) or "none"),
     ]
+    if last.alpha_exact is not None:
+        items.append((f"bins below τ={target:g} at the last step (exact α)",
+                      ", ".join(map(str, last.alpha_exact.bins_below(target))) or "none"))
     return format_table(["", "value"], [list(i) for i in items])
 
 

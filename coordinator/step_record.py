@@ -124,6 +124,10 @@ class AlphaTail:
         """Bins whose tail is bracketed too loosely to be measured (flat distributions, too small a top-k)."""
         return [b for b, gap in enumerate(self.bound_gaps) if gap is not None and gap > LOOSE_BOUND_GAP]
 
+    def bins_below(self, target: float) -> list[int]:
+        """Bins that measured tokens and whose tail is below `target`."""
+        return [b for b, (p, n) in enumerate(zip(self.p5, self.tokens)) if n and p is not None and p < target]
+
 
 @dataclass
 class ScheduleSnapshot:
@@ -227,9 +231,6 @@ class StepRecord:
     @property
     def tis_capped_fraction(self) -> float | None:
         return (self.train or {}).get("train/tis_capped_fraction")
-
-    def bins_below(self, target: float) -> list[int]:
-        return [b for b, (p, n) in enumerate(zip(self.alpha.p5, self.alpha.tokens)) if n and p is not None and p < target]
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -43,3 +43,18 @@ def test_the_loose_tail_advice_never_suggests_the_statistic_in_use():
                for s in ("lower", "midpoint", "upper", None))
     assert all("rollout.sampling.logprobs and trainer.recompute_topk" in loose_tail_advice(s)
                for s in ("lower", "midpoint", "upper", None))
+
+
+def test_the_report_names_bins_below_tau_on_the_lower_bound_and_on_exact_alpha(tmp_path):
+    run_dir = RunDir.create(tmp_path, "run")
+    for step in range(2):
+        record = make_record(step)
+        if step == 1:  # trainer.exact_alpha: bin 0's tail below τ by exact α too, bin 2's only by the bound
+            record = replace(record, alpha=replace(record.alpha, p5=[0.82, 0.90, 0.84, None]),
+                             alpha_exact=replace(record.alpha, p5=[0.80, 0.95, 0.90, None], p5_upper=None))
+        run_dir.append(run_dir.metrics_file, record.to_dict())
+    text = write_report(run_dir).read_text()
+    lower = next(line for line in text.splitlines() if "at the last step (lower bound)" in line)
+    exact = next(line for line in text.splitlines() if "at the last step (exact α)" in line)
+    assert lower.split()[-2:] == ["0,", "2"] and exact.split()[-1] == "0"
+    assert (run_dir.report / "alpha_tail.png").stat().st_size > 0
