@@ -1,8 +1,9 @@
 """The trainer's sparse forward, one attention layer forward + backward: the reference (float32 einsum, keeps the
-[H_q, T, T] logits) against `block_sparse_causal_sdpa` (what DistillSparse runs), at SmolLM2's head shape, with
-dense causal SDPA (what the policy update runs) as the floor.
+[H_q, T, T] logits) against `block_sparse_causal_sdpa` (the SDPA form), at SmolLM2's head shape, with dense causal
+SDPA (what the policy update runs) as the floor. With `--rows N` (N > 1), a micro-batch of N rows: one row at a time
+(the trainer's former path) against `block_sparse_causal_sdpa_batch` (one call per layer, what it runs now).
 
-    python3 benchmarks/sparse_forward.py [--lengths 1024 2048 4096] [--device cpu|cuda] [--dtype float32|bfloat16]
+    python3 benchmarks/sparse_forward.py [--lengths 1024 2048 4096] [--rows N] [--device cpu|cuda] [--dtype float32|bfloat16]
 """
 
 import argparse
@@ -11,7 +12,14 @@ import time
 import torch
 
 from sparrow.kernels import SparseAttentionConfig
-from sparrow.kernels.reference import block_sparse_causal_attention, block_sparse_causal_sdpa, sdpa
+from sparrow.kernels.reference import (
+    SparseRows,
+    block_sparse_causal_attention,
+    block_sparse_causal_sdpa,
+    block_sparse_causal_sdpa_batch,
+    first_sparse_query,
+    sdpa,
+)
 from sparrow.tables import markdown_table
 
 HEADS_Q, HEADS_KV, HEAD_DIM = 9, 3, 64  # SmolLM2-135M
@@ -39,9 +47,12 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--rows", type=int, default=1, help="rows per call; > 1 compares one call per row with the batched call")
     args = p.parse_args(argv)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     config = SparseAttentionConfig(block_size=16, sink=1, recent=2)
+    if args.rows > 1:
+        return _batched(args, device, dtype, config)
     rows = []
     for seq in args.lengths:
         gen = torch.Generator().manual_seed(seq)
@@ -64,6 +75,42 @@ def main(argv=None) -> int:
     if device.type == "cuda":
         headers += ["reference peak GiB", "sdpa peak GiB"]
     print(markdown_table(headers, rows))
+    return 0
+
+
+def _batched(args, device, dtype, config) -> int:
+    """N rows of each length in SDPA's layout: a loop of single-row calls against one batched call, and dense."""
+    rows = []
+    for seq in args.lengths:
+        gen = torch.Generator().manual_seed(seq)
+        inputs = [torch.randn(args.rows, h, seq, HEAD_DIM, generator=gen).to(device, dtype).requires_grad_()
+                  for h in (HEADS_Q, HEADS_KV, HEADS_KV)]
+        host = torch.where(torch.arange(seq) < int(args.prompt * seq), 10**9, args.budget).expand(args.rows, seq)
+        budgets = host.to(device)
+        first = first_sparse_query(host[0], config)
+        sparse_rows = SparseRows.of([first] * args.rows, [seq] * args.rows, seq, device)
+
+        def per_row(q, k, v, budgets, config):
+            return torch.stack([block_sparse_causal_sdpa(q[b].transpose(0, 1), k[b].transpose(0, 1), v[b].transpose(0, 1),
+                                                         budgets[b], config, first=first) for b in range(q.shape[0])])
+
+        def batched(q, k, v, budgets, config):
+            return block_sparse_causal_sdpa_batch(q, k, v, budgets, sparse_rows, config)
+
+        def dense(q, k, v, budgets, config):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+        timings = {}
+        for name, attention in (("per row", per_row), ("batched", batched), ("dense", dense)):
+            runs = [_run(attention, inputs, budgets, config, device) for _ in range(args.repeats + 1)][1:]
+            timings[name] = min(r[0] for r in runs)
+        rows.append([str(seq), f"{timings['per row']:.4f}", f"{timings['batched']:.4f}",
+                     f"{timings['per row'] / timings['batched']:.1f}x", f"{timings['dense']:.4f}",
+                     f"{timings['batched'] / timings['dense']:.2f}"])
+    print(f"one layer, {args.rows} rows of {HEADS_Q} query / {HEADS_KV} KV heads of {HEAD_DIM}, {args.dtype} on {device}, "
+          f"budget {args.budget} blocks after a {args.prompt:.0%} prompt; forward + backward, best of {args.repeats}")
+    print(markdown_table(["tokens per row", "one call per row s", "batched s", "faster", "dense causal s",
+                          "batched / dense"], rows))
     return 0
 
 

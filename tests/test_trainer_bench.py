@@ -3,12 +3,14 @@
 from sparrow.cli.main import main
 
 
-def test_bench_trainer_times_the_parts_of_a_step_with_exact_alpha_and_distill(tiny_qwen3, capsys):
+def test_bench_trainer_times_the_parts_of_a_step_with_exact_alpha_and_distill(tiny_qwen3, capfd):
     code = main(["bench", "trainer", "--model", str(tiny_qwen3), "--ranks", "1", "--batch", "2", "--prompt-len", "96",
                  "--response-len", "32", "--steps", "1", "--no-publish", "--no-gradient-checkpointing",
                  "--distill-sparse", "--exact-alpha", "--budget-blocks", "4", "--profile", "3"])
-    out = capsys.readouterr().out
+    captured = capfd.readouterr()
+    out = captured.out
     assert code == 0, out
+    assert "] warm-up train_step" in captured.err and "] profiling DistillSparse pass" in captured.err  # progress
     assert "2 × (96+32) tokens, 4 blocks per query" in out
     for row in ("train_step", "exact α (dense + sparse forward)", "policy update",
                 "DistillSparse pass (sparse forward + LoRA backward)", "recompute"):

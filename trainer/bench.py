@@ -7,6 +7,7 @@ Under a fixed sparsity budget the step's parts are timed too (exact α, the poli
 DistillSparse pass), and `profile` prints each part's heaviest operators from torch's profiler.
 """
 
+import sys
 import time
 
 import torch
@@ -57,11 +58,19 @@ def _trainer(rank, world, config, master_port, weight_port, args, queue):
         trainer.set_schedule(args["schedule"])
     batch = synthetic_batch(args["batch"], args["prompt_len"], args["response_len"], trainer.vocab_size)
     shard = batch.shard(world)[rank][1]
-    trainer.train_step(shard)  # warm-up
+    began = time.perf_counter()
+
+    def progress(what: str) -> None:  # rank 0 says what it starts, so a long benchmark is not silent
+        if rank == 0:
+            print(f"bench trainer [{time.perf_counter() - began:6.1f} s] {what}", file=sys.stderr, flush=True)
+
+    progress("warm-up train_step")
+    trainer.train_step(shard)
     row = {}
     for name, call in (("train_step", trainer.train_step), ("recompute", trainer.recompute)):
         start = time.perf_counter()
-        for _ in range(args["steps"]):
+        for i in range(args["steps"]):
+            progress(f"{name} {i + 1}/{args['steps']}")
             result = call(shard)
         row[name] = (time.perf_counter() - start) / args["steps"]
         row[f"{name}_metrics"] = result.metrics
@@ -74,7 +83,10 @@ def _trainer(rank, world, config, master_port, weight_port, args, queue):
         if trainer.config.distill_sparse.enabled:
             dense = trainer.recompute(shard).logprobs
             parts["DistillSparse pass"] = lambda: trainer.distill_step(shard, dense)
-        row["profile"] = {name: _profile(call, args["profile"], trainer.device) for name, call in parts.items()}
+        row["profile"] = {}
+        for name, call in parts.items():
+            progress(f"profiling {name}")
+            row["profile"][name] = _profile(call, args["profile"], trainer.device)
     if args["publish"]:
         trainer.init_weight_group("127.0.0.1", weight_port, 2)
         reports = [trainer.publish_weights(v, "collective") for v in range(1, args["publishes"] + 1)]
