@@ -7,10 +7,10 @@ each query with the budget of its own context; any other forward (no such argume
 layer) is plain sdpa, so one loaded model serves both the dense policy and the sparse forward.
 
 Budgets per query position are those of the rollout engines (`SparsitySchedule.query_budgets`): dense
-at the prompt positions, the schedule's at context L = i + 1 after them. The whole batch runs SDPA's causal
-kernel, then only the response rows again under their mask (`[B, H, R, T]`, SDPA's memory-efficient kernel on a
-GPU): one call per layer for all rows, whose operator count does not grow with the rows (a call per row cost
-~3–4 ms of dispatch per row and layer on an H100).
+at the prompt positions, the schedule's at context L = i + 1 after them. The prompts run SDPA's causal kernel,
+only the response rows run under their mask (`[B, H, R, T]`, SDPA's memory-efficient kernel on a GPU): one call
+per layer for all rows, whose operator count does not grow with the rows (a call per row cost ~3–4 ms of dispatch
+per row and layer on an H100).
 """
 
 from dataclasses import dataclass

@@ -122,6 +122,8 @@ class SparseRows:
     """`[N]` the real entries' indices into the flattened `[B * R]`."""
     target: torch.Tensor
     """`[N]` their indices into the flattened `[B * T]`."""
+    prefix: int
+    """The positions every row attends densely before: the latest first sparse query (bounded by the length)."""
 
     @classmethod
     def of(cls, firsts: list[int], lengths: list[int], seq_len: int, device: torch.device | str = "cpu") -> "SparseRows":
@@ -134,7 +136,8 @@ class SparseRows:
             source += range(b * width, b * width + count)
             target += range(b * seq_len + f, b * seq_len + f + count)
         as_long = lambda values: torch.tensor(values, dtype=torch.long).to(device)  # noqa: E731
-        return cls(as_long(positions).view(len(lengths), width), as_long(source), as_long(target))
+        prefix = max((min(f, n) for f, n in zip(firsts, lengths)), default=0)
+        return cls(as_long(positions).view(len(lengths), width), as_long(source), as_long(target), prefix)
 
 
 def block_sparse_causal_sdpa_batch(
@@ -149,15 +152,18 @@ def block_sparse_causal_sdpa_batch(
     """`block_sparse_causal_attention` for a right-padded batch in SDPA's layout, `q: [B, H_q, T, D]`,
     `k, v: [B, H_kv, T, D]`, `budgets: [B, T]` → `[B, T, H_q, D]`, with the softmax done by SDPA in the inputs' dtype.
 
-    Every row runs SDPA's causal kernel (flash on a GPU), which is exact for the queries before a row's first sparse
-    query (a prompt) and, with right padding, never lets padding reach a real query; then only the sparse queries
-    (`rows`) run again under their keys' mask, `[B, H, R, T]` (SDPA's memory-efficient kernel on a GPU), and replace
-    their rows. One call per layer for the whole batch: a fixed number of operators, whatever the rows. What the
-    trainer's sparse forward (DistillSparse, exact α) and the teacher-forced engine run; the reference stays the
-    definition. Padding positions hold finite values nothing reads."""
+    The positions before `rows.prefix` (the latest first sparse query: the prompts) run SDPA's causal kernel (flash
+    on a GPU), exact for every query before its row's first sparse query; then only the sparse queries (`rows`) run
+    under their keys' mask, `[B, H, R, T]` (SDPA's memory-efficient kernel on a GPU), and take their places. Right
+    padding is never attended by a real query, and its outputs are zeros. One call per layer for the whole batch: a
+    fixed number of operators, whatever the rows. What the trainer's sparse forward (DistillSparse, exact α) and the
+    teacher-forced engine run; the reference stays the definition."""
     bsz, num_q_heads, seq_len, head_dim = q.shape
     group = num_q_heads // k.shape[1]
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=group > 1).transpose(1, 2)
+    cut = rows.prefix
+    prefix = F.scaled_dot_product_attention(q[:, :, :cut], k[:, :, :cut], v[:, :, :cut], is_causal=True, scale=scale,
+                                            enable_gqa=group > 1)
+    out = F.pad(prefix.transpose(1, 2), (0, 0, 0, 0, 0, seq_len - cut))
     width = rows.positions.shape[1]
     if width == 0:
         return out
