@@ -89,10 +89,11 @@ def _batched(args, device, dtype, config) -> int:
         budgets = host.to(device)
         first = first_sparse_query(host[0], config)
         sparse_rows = SparseRows.of([first] * args.rows, [seq] * args.rows, seq, device)
+        one_row = SparseRows.of([first], [seq], seq, device)
 
         def per_row(q, k, v, budgets, config):
             return torch.stack([block_sparse_causal_sdpa(q[b].transpose(0, 1), k[b].transpose(0, 1), v[b].transpose(0, 1),
-                                                         budgets[b], config, first=first) for b in range(q.shape[0])])
+                                                         budgets[b], config, rows=one_row) for b in range(q.shape[0])])
 
         def batched(q, k, v, budgets, config):
             return block_sparse_causal_sdpa_batch(q, k, v, budgets, sparse_rows, config)

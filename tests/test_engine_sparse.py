@@ -170,7 +170,8 @@ def test_first_sparse_query_is_where_a_budget_first_falls_below_its_blocks():
     assert first_sparse_query(torch.full((150,), DENSE_BUDGET), config) == 150
     budgets = torch.where(torch.arange(150) < 40, DENSE_BUDGET, 5)
     q, k, v = (torch.randn(150, h, 16, generator=torch.Generator().manual_seed(h)) for h in (4, 2, 2))
-    given = block_sparse_causal_sdpa(q, k, v, budgets, config, first=first_sparse_query(budgets, config))
+    rows = SparseRows.of([first_sparse_query(budgets, config)], [150], 150)
+    given = block_sparse_causal_sdpa(q, k, v, budgets, config, rows=rows)
     assert torch.equal(given, block_sparse_causal_sdpa(q, k, v, budgets, config))
 
 

@@ -186,13 +186,13 @@ def block_sparse_causal_sdpa(
     budgets: torch.Tensor,
     config: SparseAttentionConfig,
     scale: float | None = None,
-    first: int | None = None,
+    rows: SparseRows | None = None,
 ) -> torch.Tensor:
     """`block_sparse_causal_sdpa_batch` for one sequence, `q: [T, H_q, D]`, `k, v: [T, H_kv, D]`, `budgets: [T]`
-    → `[T, H_q, D]`. `first` is `first_sparse_query(budgets)`, passed by a caller that has it from host budgets
-    (finding it from device budgets stalls the GPU)."""
+    → `[T, H_q, D]`. `rows` is the sequence's `SparseRows`, passed by a caller that built it once from host budgets
+    (finding the first sparse query from device budgets stalls the GPU)."""
     seq_len = k.shape[0]
-    first = first_sparse_query(budgets, config) if first is None else first
-    rows = SparseRows.of([first], [seq_len], seq_len, q.device)
+    if rows is None:
+        rows = SparseRows.of([first_sparse_query(budgets, config)], [seq_len], seq_len, q.device)
     layout = lambda t: t.transpose(0, 1)[None]  # noqa: E731
     return block_sparse_causal_sdpa_batch(layout(q), layout(k), layout(v), budgets.to(q.device)[None], rows, config, scale)[0]

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from sparrow.kernels import AttentionBackend, SparseAttentionConfig
-from sparrow.kernels.reference import block_sparse_causal_sdpa, sdpa, sparse_rows_mask
+from sparrow.kernels.reference import SparseRows, block_sparse_causal_sdpa, first_sparse_query, sdpa, sparse_rows_mask
 
 from .kv_cache import KVCache
 
@@ -95,11 +95,16 @@ class TeacherForced:
     """Whole sequences without a cache: in sparse layers `block_sparse_causal_sdpa` (the reference rule, the masked
     softmax done by SDPA: 2x faster on CPU); causal dense attention elsewhere."""
 
-    def __init__(self, config: SparseAttentionConfig, budgets: torch.Tensor | None, first: int | None = None):
-        """`budgets` on the model's device; `first` their `first_sparse_query`, found on the host copy."""
-        self.config, self.budgets, self.first = config, budgets, first
+    def __init__(self, config: SparseAttentionConfig, budgets: torch.Tensor | None, device: torch.device | str = "cpu"):
+        """`budgets: [T]` per query (host or device; None = dense), moved to `device` with the sequence's sparse
+        rows once, not in every layer."""
+        self.config, self.budgets, self.rows = config, None, None
+        if budgets is not None:
+            host, seq_len = budgets.cpu(), budgets.shape[0]
+            self.budgets = budgets.to(device)
+            self.rows = SparseRows.of([first_sparse_query(host, config)], [seq_len], seq_len, device)
 
     def __call__(self, layer: int, q, k, v):
         if self.budgets is None or self.config.is_dense_layer(layer):
             return sdpa(q, k, v, causal=True)
-        return block_sparse_causal_sdpa(q, k, v, self.budgets, self.config, first=self.first)
+        return block_sparse_causal_sdpa(q, k, v, self.budgets, self.config, rows=self.rows)

@@ -11,7 +11,6 @@ equal to the context's block count means dense).
 import torch
 
 from sparrow.kernels import SparseAttentionConfig
-from sparrow.kernels.reference import first_sparse_query
 from sparrow.rollout_workers.api import TeacherForcedOutput
 from sparrow.schedule import DENSE_BUDGET, SparsitySchedule
 
@@ -65,14 +64,13 @@ def teacher_forced_logprobs(
     if all(attention.is_dense_layer(i) for i in range(model.spec.num_layers)):
         budgets = None
     positions = torch.arange(total, device=model.device)
-    device_budgets = None if budgets is None else budgets.to(model.device)
-    first = None if budgets is None else first_sparse_query(budgets, attention)
-    hidden = model(tokens, positions, TeacherForced(attention, device_budgets, first))
+    forced = TeacherForced(attention, budgets, model.device)
+    hidden = model(tokens, positions, forced)
     logits = model.logits(hidden[prompt_len - 1 : total - 1])
     logprobs = torch.log_softmax(logits / (temperature or 1.0), dim=-1)
     producing = positions[prompt_len - 1 : total - 1]
     return TeacherForcedOutput(
         logprobs=logprobs.gather(-1, tokens[prompt_len:, None])[:, 0],
-        blocks_attended=count_blocks(producing + 1, None if device_budgets is None else device_budgets[producing], attention),
+        blocks_attended=count_blocks(producing + 1, None if forced.budgets is None else forced.budgets[producing], attention),
         full_logprobs=logprobs if full else None,
     )
