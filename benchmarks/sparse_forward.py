@@ -17,7 +17,6 @@ from sparrow.kernels.reference import (
     block_sparse_causal_attention,
     block_sparse_causal_sdpa,
     block_sparse_causal_sdpa_batch,
-    first_sparse_query,
     sdpa,
 )
 from sparrow.tables import markdown_table
@@ -87,9 +86,8 @@ def _batched(args, device, dtype, config) -> int:
                   for h in (HEADS_Q, HEADS_KV, HEADS_KV)]
         host = torch.where(torch.arange(seq) < int(args.prompt * seq), 10**9, args.budget).expand(args.rows, seq)
         budgets = host.to(device)
-        first = first_sparse_query(host[0], config)
-        sparse_rows = SparseRows.of([first] * args.rows, [seq] * args.rows, seq, device)
-        one_row = SparseRows.of([first], [seq], seq, device)
+        sparse_rows = SparseRows.of(host, [seq] * args.rows, config, device)
+        one_row = SparseRows.of(host[:1], [seq], config, device)
 
         def per_row(q, k, v, budgets, config):
             return torch.stack([block_sparse_causal_sdpa(q[b].transpose(0, 1), k[b].transpose(0, 1), v[b].transpose(0, 1),

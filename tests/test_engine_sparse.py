@@ -170,7 +170,7 @@ def test_first_sparse_query_is_where_a_budget_first_falls_below_its_blocks():
     assert first_sparse_query(torch.full((150,), DENSE_BUDGET), config) == 150
     budgets = torch.where(torch.arange(150) < 40, DENSE_BUDGET, 5)
     q, k, v = (torch.randn(150, h, 16, generator=torch.Generator().manual_seed(h)) for h in (4, 2, 2))
-    rows = SparseRows.of([first_sparse_query(budgets, config)], [150], 150)
+    rows = SparseRows.of(budgets[None], [150], config)
     given = block_sparse_causal_sdpa(q, k, v, budgets, config, rows=rows)
     assert torch.equal(given, block_sparse_causal_sdpa(q, k, v, budgets, config))
 
@@ -188,7 +188,7 @@ def test_the_batched_sdpa_form_equals_the_reference_row_by_row_with_its_gradient
     valid = (torch.arange(seq)[None, :] < torch.tensor(lengths)[:, None])[..., None, None]
     firsts = [first_sparse_query(budgets[b, :n], config) for b, n in enumerate(lengths)]
     assert firsts == [80, 80, 120]  # the third row is all prompt: nothing of it runs masked
-    rows = SparseRows.of(firsts, lengths, seq)
+    rows = SparseRows.of(budgets, lengths, config)
     out = block_sparse_causal_sdpa_batch(q, k, v, budgets, rows, config, 0.2)
     grads = torch.autograd.grad((out * weights * valid).sum(), (q, k, v))
     for b, n in enumerate(lengths):

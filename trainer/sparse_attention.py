@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from sparrow.kernels import SparseAttentionConfig
-from sparrow.kernels.reference import SparseRows, block_sparse_causal_sdpa_batch, first_sparse_query
+from sparrow.kernels.reference import SparseRows, block_sparse_causal_sdpa_batch
 from sparrow.schedule import SparsitySchedule
 
 ATTENTION_NAME = "sparrow_block_sparse"
@@ -39,12 +39,7 @@ class SparseForward:
         """From host budgets `[B, T]` and each row's length before its right padding (prompt + response): the
         rows' sparse queries found here and everything moved to `device` once per forward, not once per layer,
         and without stalling the GPU to read anything back."""
-        host = budgets.cpu()
-        if len(lengths) != host.shape[0] or (lengths and max(lengths) > host.shape[1]):
-            raise ValueError(f"sparse row lengths {lengths} do not fit a batch of {host.shape[0]} rows "
-                             f"of {host.shape[1]} positions")
-        firsts = [first_sparse_query(host[b, :n], config) for b, n in enumerate(lengths)]
-        return cls(config, budgets.to(device), SparseRows.of(firsts, list(lengths), host.shape[1], device))
+        return cls(config, budgets.to(device), SparseRows.of(budgets, list(lengths), config, device))
 
 
 def query_budgets(prompt_lens: list[int], seq_len: int, schedule: SparsitySchedule | list[SparsitySchedule]) -> torch.Tensor:

@@ -126,8 +126,15 @@ class SparseRows:
     """The positions every row attends densely before: the latest first sparse query (bounded by the length)."""
 
     @classmethod
-    def of(cls, firsts: list[int], lengths: list[int], seq_len: int, device: torch.device | str = "cpu") -> "SparseRows":
-        """From each row's `first_sparse_query` and length (tokens before its right padding)."""
+    def of(cls, budgets: torch.Tensor, lengths: list[int], config: SparseAttentionConfig,
+           device: torch.device | str = "cpu") -> "SparseRows":
+        """From a batch's budgets `[B, T]` (read on the host: pass them there) and each row's length before its right
+        padding; each row's first sparse query is its `first_sparse_query`."""
+        host = budgets.cpu()
+        seq_len = host.shape[1]
+        if len(lengths) != host.shape[0] or (lengths and max(lengths) > seq_len):
+            raise ValueError(f"sparse row lengths {lengths} do not fit a batch of {host.shape[0]} rows of {seq_len} positions")
+        firsts = [first_sparse_query(host[b, :n], config) for b, n in enumerate(lengths)]
         width = max((n - f for f, n in zip(firsts, lengths)), default=0)
         positions, source, target = [], [], []
         for b, (f, n) in enumerate(zip(firsts, lengths)):
@@ -193,6 +200,6 @@ def block_sparse_causal_sdpa(
     (finding the first sparse query from device budgets stalls the GPU)."""
     seq_len = k.shape[0]
     if rows is None:
-        rows = SparseRows.of([first_sparse_query(budgets, config)], [seq_len], seq_len, q.device)
+        rows = SparseRows.of(budgets[None], [seq_len], config, q.device)
     layout = lambda t: t.transpose(0, 1)[None]  # noqa: E731
     return block_sparse_causal_sdpa_batch(layout(q), layout(k), layout(v), budgets.to(q.device)[None], rows, config, scale)[0]

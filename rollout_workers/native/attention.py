@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from sparrow.kernels import AttentionBackend, SparseAttentionConfig
-from sparrow.kernels.reference import SparseRows, block_sparse_causal_sdpa, first_sparse_query, sdpa, sparse_rows_mask
+from sparrow.kernels.reference import SparseRows, block_sparse_causal_sdpa, sdpa, sparse_rows_mask
 
 from .kv_cache import KVCache
 
@@ -100,9 +100,8 @@ class TeacherForced:
         rows once, not in every layer."""
         self.config, self.budgets, self.rows = config, None, None
         if budgets is not None:
-            host, seq_len = budgets.cpu(), budgets.shape[0]
             self.budgets = budgets.to(device)
-            self.rows = SparseRows.of([first_sparse_query(host, config)], [seq_len], seq_len, device)
+            self.rows = SparseRows.of(budgets[None], [budgets.shape[0]], config, device)
 
     def __call__(self, layer: int, q, k, v):
         if self.budgets is None or self.config.is_dense_layer(layer):
