@@ -297,6 +297,10 @@ class RecoveryConfig(_Section):
     hung_worker_timeout_s: float = Field(
         30.0, gt=0, description="a worker whose leases expired and that does not answer within this is replaced",
     )
+    join_timeout_s: float = Field(
+        900.0, gt=0, description="a new rollout worker (a replacement or an added one) that does not serve within this "
+        "many seconds of its start is replaced in turn (a start-up that hangs)",
+    )
     max_worker_restarts: int = Field(3, ge=0, description="replacements per rollout worker slot before the job stops")
     max_trainer_restarts: int = Field(
         2, ge=0, description="trainer pool rebuilds (from the last checkpoint) before the job stops",

@@ -7,6 +7,8 @@ The driver calls `check()` a few times a second while it waits for rollouts. It
   restarts per slot; past the bound the job stops naming the worker and its last error);
 - notices a worker whose leases expired (it stopped renewing): if it does not answer a liveness
   probe within `hung_worker_timeout_s` it is killed and replaced like a dead one;
+- notices a new worker that does not serve within `join_timeout_s` of its start (its engine's
+  start-up hangs) and replaces it in turn;
 - brings up new workers without blocking: a replacement or an added worker is given the trajectory
   address, the schedule in force and the current weights in its `serve` call, and only leases work
   once it holds them (the dispatcher's admission control checks its policy version);
@@ -49,6 +51,8 @@ class _Recovery:
     event: FaultEvent
     started: float
     slot: int
+    spawned: float | None = None
+    """When the slot's current actor was started (None while its bundle waits for placement)."""
 
 
 class RolloutFleet:
@@ -176,8 +180,9 @@ class RolloutFleet:
                             f"{self.recovery.max_worker_restarts}); last error: {error}")
         self.pool.kill(slot)
         self._retract(slot)
-        event = FaultEvent(kind, slot.worker_id, f"{error}; {len(lost)} groups requeued", None, self.step)
-        self._recovering[slot.index] = _Recovery(event, time.monotonic(), slot.index)
+        if slot.index not in self._recovering:  # a replacement that never served keeps the first event and its clock
+            event = FaultEvent(kind, slot.worker_id, f"{error}; {len(lost)} groups requeued", None, self.step)
+            self._recovering[slot.index] = _Recovery(event, time.monotonic(), slot.index)
         self._bring_up(slot)
 
     def _bring_up(self, slot: WorkerSlot) -> None:
@@ -186,6 +191,8 @@ class RolloutFleet:
             self._waiting_placement.discard(slot.index)
             self.pool.spawn(slot)
             self._serve(slot)
+            if slot.index in self._recovering:
+                self._recovering[slot.index].spawned = time.monotonic()
         else:
             if slot.index not in self._waiting_placement:
                 free = {k: round(v, 2) for k, v in ray.available_resources().items() if k in ("CPU", "GPU")}
@@ -209,6 +216,9 @@ class RolloutFleet:
                 self._announce(ray.get(slot.actor.info.remote()))
                 self.log(f"step {self.step + 1}: {slot.worker_id} replaced and serving after {rec.event.recovery_seconds:.1f} s")
                 del self._recovering[index]
+            elif rec.spawned is not None and time.monotonic() - rec.spawned > self.recovery.join_timeout_s:
+                self._replace(slot, rec.event.kind, f"started {time.monotonic() - rec.spawned:.0f} s ago and not serving "
+                              f"(run.recovery.join_timeout_s={self.recovery.join_timeout_s:g})")
 
     # ------------------------------------------------------------------ elastic size
 

@@ -244,8 +244,10 @@ class RolloutEngine(ABC):
     other requests of the call untouched; only engine-wide failures raise.
 
     The base keeps what every backend shares: the sparse `layout` its schedules must fit, the policy
-    and schedule versions, the refusal of new weights while samples are in flight, and the rule of one
-    `generate` / `stream` call at a time (`_serving_call`). Backends implement the hooks below.
+    and schedule versions, the refusal of new weights while samples are in flight, the rule of one
+    `generate` / `stream` call at a time (`_serving_call`), and one weight or schedule change at a time
+    (`_changing`): a backend may restart itself to take new weights (vLLM on CPU), and a schedule change
+    sent to the engine it is stopping would wait for an answer forever. Backends implement the hooks below.
     """
 
     def __init__(self, layout: SparseAttentionConfig):
@@ -253,6 +255,7 @@ class RolloutEngine(ABC):
         self._policy_version = 0
         self._schedule: SparsitySchedule | None = None
         self._serving = threading.Lock()
+        self._changing = threading.Lock()
 
     # ------------------------------------------------------------------ requests
 
@@ -276,13 +279,15 @@ class RolloutEngine(ABC):
 
     def load_weights(self, weights: WeightsSource, version: int) -> None:
         """Replace the policy weights (a state dict or an HF directory) and set their version; refused while
-        samples are in flight. On any error the old weights and version stay."""
+        samples are in flight. On any error the old weights and version stay. A `set_schedule` from another
+        thread meanwhile waits until the new weights are in place."""
         _check_version(version)
         in_flight = self.counters().samples_running
         if in_flight:
             raise RuntimeError(f"load_weights with {in_flight} samples in flight; call it between generate() calls")
-        self._load_weights(weights, version)
-        self._policy_version = version
+        with self._changing:
+            self._load_weights(weights, version)
+            self._policy_version = version
 
     def check_schedule(self, schedule: SparsitySchedule | None) -> None:
         """Raise `ScheduleError` unless `schedule` counts blocks of this engine's layout."""
@@ -290,9 +295,10 @@ class RolloutEngine(ABC):
 
     def set_schedule(self, schedule: SparsitySchedule | None) -> None:
         """Use `schedule` from the next decode step on (None = dense); from any thread, also while a call runs
-        (`schedule` reports it once it is in force)."""
+        (`schedule` reports it once it is in force), after a weight change in progress."""
         self.check_schedule(schedule)
-        self._set_schedule(schedule)
+        with self._changing:
+            self._set_schedule(schedule)
 
     @property
     def policy_version(self) -> int:

@@ -1,14 +1,16 @@
 """The `RolloutEngine` contract: backends by name without importing them, what every engine answers
-(layout, schedule check, counters, weights), and the one-call-at-a-time rule."""
+(layout, schedule check, counters, weights), the one-call-at-a-time rule, and one weight or schedule
+change at a time."""
 
 import subprocess
 import sys
+import threading
 
 import pytest
 
 from sparrow.layout import SparseAttentionConfig
 from sparrow.rollout_workers import registry
-from sparrow.rollout_workers.api import RolloutEngine, RolloutRequest, SamplingParams
+from sparrow.rollout_workers.api import EngineCounters, RolloutEngine, RolloutRequest, SamplingParams
 from sparrow.rollout_workers.native import NativeEngine, NativeEngineConfig
 from sparrow.rollout_workers.vllm_backend import VllmEngineConfig
 from sparrow.schedule import ScheduleError, SparsitySchedule
@@ -64,3 +66,40 @@ def test_one_generate_or_stream_at_a_time(tiny_qwen3):
         with pytest.raises(RuntimeError, match="already serving a generate/stream call"):
             engine.generate([RolloutRequest("r", (5, 6, 7))])
     assert len(engine.generate([RolloutRequest("r", (5, 6, 7), SamplingParams(max_tokens=2))])) == 1
+
+
+def test_a_schedule_change_waits_for_a_weight_change_in_progress():
+    """vLLM on CPU restarts itself to take new weights: a schedule sent to the engine it is stopping was never
+    answered (a joining worker's `serve` set its schedule while the job's publication restarted it, and hung)."""
+    swapping, release = threading.Event(), threading.Event()
+    calls: list[str] = []
+
+    class Restarting(RolloutEngine):
+        generate = stream = abort = stats = max_concurrent_samples = None
+
+        def counters(self):
+            return EngineCounters(0, 0, 0, 0)
+
+        def _load_weights(self, weights, version):
+            calls.append("restart begins")
+            swapping.set()
+            release.wait(timeout=10)
+            calls.append("restart ends")
+
+        def _set_schedule(self, schedule):
+            calls.append(f"schedule {schedule.name}")
+            self._schedule = schedule
+
+    engine = Restarting(SparseAttentionConfig())
+    loader = threading.Thread(target=engine.load_weights, args=({}, 1))
+    loader.start()
+    assert swapping.wait(timeout=10)
+    setter = threading.Thread(target=engine.set_schedule, args=(SparsitySchedule(name="s", topk_blocks=(2,), edges=()),))
+    setter.start()
+    setter.join(timeout=0.5)
+    assert setter.is_alive() and calls == ["restart begins"]
+    release.set()
+    loader.join(timeout=10)
+    setter.join(timeout=10)
+    assert calls == ["restart begins", "restart ends", "schedule s"]
+    assert (engine.policy_version, engine.schedule_version) == (1, 0)

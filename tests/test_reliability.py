@@ -1,10 +1,12 @@
 """Fault injection on a simulated multi-node Ray cluster (`ray.cluster_utils.Cluster`) with the tiny model
-through real Ray, gRPC and DeepSpeed: rollout workers killed mid-generation, a rollout node removed,
+through real Ray, gRPC and DeepSpeed: rollout workers killed mid-generation, a replacement whose start-up
+hangs, a rollout node removed,
 a trainer rank killed mid-step, the rollout pool resized while it runs, a slow worker. Every job
 completes its steps and the trainer ledger holds every (step, prompt, sample) exactly once — 0 lost,
 0 duplicated — counting retried attempts (`s3-p1.r1#2`) as the sample they replace.
 """
 
+import contextlib
 import os
 import re
 import signal
@@ -245,6 +247,63 @@ def test_a_slow_worker_gives_its_share_to_the_others(cluster, tiny_qwen3, tmp_pa
     for r in records:
         groups.update(r.rollout.groups)
     assert groups["rollout-1"] > groups["rollout-0"], groups
+
+
+def _rollout_worker_pids() -> set[int]:
+    """Processes that host a rollout worker actor (Ray titles a worker process after the actor it runs)."""
+    pids = set()
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if f.read().startswith(b"ray::RolloutWorker"):
+                    pids.add(int(entry))
+        except (OSError, ValueError):
+            continue
+    return pids
+
+
+def test_a_replacement_that_hangs_at_start_is_replaced_in_turn(cluster, tiny_qwen3, tmp_path):
+    """A replacement whose start-up hangs (its process stopped with SIGSTOP as soon as Ray gives it the actor)
+    never serves; after `run.recovery.join_timeout_s` the fleet kills it and starts another, which serves."""
+    join_timeout_s = 20.0
+    config, run_dir = _job(tmp_path, tiny_qwen3, "hung-start", steps=2, prompts=4,
+                           settings={"run.recovery.join_timeout_s": join_timeout_s})
+    lines: list[str] = []
+
+    def log(message: str) -> None:
+        lines.append(message)
+        _log(message)
+
+    with TrainingJob(config, run_dir, progress=False, log=log) as job:
+        job.run(steps=1)
+        known = _rollout_worker_pids()
+        stopped: list[int] = []
+
+        def stop_the_replacement():
+            def started():
+                stopped.extend(_rollout_worker_pids() - known)
+                return bool(stopped)
+            _when(started, timeout_s=60)
+            os.kill(stopped[0], signal.SIGSTOP)
+
+        stopper = threading.Thread(target=stop_the_replacement, daemon=True)
+        ray.kill(job.fleet.pool.slots[1].actor, no_restart=True)
+        stopper.start()
+        try:
+            _recovered(job, {"rollout_worker_lost"})
+        finally:
+            stopper.join()
+            for pid in stopped:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
+        job.run(steps=1)
+        _assert_exactly_once(job, 2)
+        assert job.fleet.pool.slots[1].restarts == 2
+    _print_figures(run_dir)
+    hung = [line for line in lines if "not serving (run.recovery.join_timeout_s=20)" in line]
+    assert len(hung) == 1 and "rollout-1 lost (started" in hung[0] and "restart 2 of 3" in hung[0], lines
+    lost = [e for r in _records(run_dir) for e in r.faults if e.kind == "rollout_worker_lost"]
+    assert len(lost) == 1 and lost[0].subject == "rollout-1" and lost[0].recovery_seconds > join_timeout_s, lost
 
 
 @pytest.mark.vllm
