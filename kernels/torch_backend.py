@@ -13,32 +13,38 @@ import torch
 from sparrow.layout import SparseAttentionConfig
 
 from .backend import AttentionBackend
-from .reference import score_paged_blocks, select_blocks, update_landmarks
+from .reference import KVScales, dequantize, quantize, score_paged_blocks, select_blocks, stored_keys, update_landmarks
 
 
 class TorchBackend(AttentionBackend):
     name = "torch"
 
-    def write_kv(self, k_cache, v_cache, landmarks, slots, k, v, config: SparseAttentionConfig) -> None:
+    def write_kv(self, k_cache, v_cache, landmarks, slots, k, v, config: SparseAttentionConfig,
+                 kv_scales: KVScales | None = None) -> None:
         bs = k_cache.shape[2]
         slots = slots.long()
         live = slots >= 0  # padding rows of a static decode batch carry slot -1, as for the Triton write
         if not bool(live.all()):
             slots, k, v = slots[live], k[live], v[live]
         blocks, offsets = slots // bs, slots % bs
-        k_cache[blocks, :, offsets] = k.to(k_cache.dtype)
-        v_cache[blocks, :, offsets] = v.to(v_cache.dtype)
+        if kv_scales is None:
+            k_cache[blocks, :, offsets] = k.to(k_cache.dtype)
+            v_cache[blocks, :, offsets] = v.to(v_cache.dtype)
+        else:
+            k_cache[blocks, :, offsets], kv_scales.k[blocks, :, offsets] = quantize(k)
+            v_cache[blocks, :, offsets], kv_scales.v[blocks, :, offsets] = quantize(v)
         if landmarks is None:
             return
+        k_scale = None if kv_scales is None else kv_scales.k
         if config.landmark != "mean":
-            update_landmarks(k_cache, landmarks, blocks, offsets, config.landmark)
+            update_landmarks(k_cache, landmarks, blocks, offsets, config.landmark, k_scale)
             return
         # A mean landmark changes only when its block's last slot is written (slots are distinct).
         full = blocks[offsets == bs - 1]
-        acc = torch.promote_types(k_cache.dtype, torch.float32)
-        landmarks[full] = k_cache[full].to(acc).mean(dim=2).to(landmarks.dtype)
+        acc = torch.promote_types(landmarks.dtype, torch.float32)
+        landmarks[full] = stored_keys(k_cache, k_scale, full, acc).mean(dim=2).to(landmarks.dtype)
 
-    def decode(self, q, k_cache, v_cache, landmarks, block_tables, seq_lens, budgets, config, scale):
+    def decode(self, q, k_cache, v_cache, landmarks, block_tables, seq_lens, budgets, config, scale, kv_scales=None):
         bs = k_cache.shape[2]
         seq_lens = seq_lens.long()
         num_blocks = (seq_lens + bs - 1) // bs
@@ -50,11 +56,13 @@ class TorchBackend(AttentionBackend):
         else:
             scores = score_paged_blocks(q, landmarks, tables, num_blocks, config.landmark)
             logical, counts = select_blocks(scores, num_blocks, budgets, config.sink, config.recent)
-        return paged_attention(q, k_cache, v_cache, tables, seq_lens, logical, scale), counts
+        return paged_attention(q, k_cache, v_cache, tables, seq_lens, logical, scale, kv_scales), counts
 
 
-def paged_attention(q, k_cache, v_cache, tables, seq_lens, logical, scale: float) -> torch.Tensor:
-    """`q: [B, H_q, D]` over the logical blocks `logical: [B, H_kv, K]` (-1 = padding) of each row."""
+def paged_attention(q, k_cache, v_cache, tables, seq_lens, logical, scale: float,
+                    kv_scales: KVScales | None = None) -> torch.Tensor:
+    """`q: [B, H_q, D]` over the logical blocks `logical: [B, H_kv, K]` (-1 = padding) of each row (`kv_scales`:
+    FP8 pages, dequantized after the gather)."""
     bsz, num_q_heads, head_dim = q.shape
     num_blocks_total, num_kv_heads, bs, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
@@ -64,6 +72,9 @@ def paged_attention(q, k_cache, v_cache, tables, seq_lens, logical, scale: float
     acc = torch.promote_types(q.dtype, torch.float32)
     keys = k_cache.view(num_blocks_total * num_kv_heads, bs, head_dim).index_select(0, pages)
     values = v_cache.view(num_blocks_total * num_kv_heads, bs, head_dim).index_select(0, pages)
+    if kv_scales is not None:
+        keys = dequantize(keys, kv_scales.k.view(num_blocks_total * num_kv_heads, bs).index_select(0, pages), acc)
+        values = dequantize(values, kv_scales.v.view(num_blocks_total * num_kv_heads, bs).index_select(0, pages), acc)
     keys = keys.view(bsz, num_kv_heads, width * bs, head_dim).to(acc)
     values = values.view(bsz, num_kv_heads, width * bs, head_dim).to(acc)
     tokens = (logical[..., None] * bs + torch.arange(bs, device=q.device)).flatten(2)  # [B, H_kv, K·bs]

@@ -118,6 +118,10 @@ class TeacherForcedOutput:
 class PromptScorer(Protocol):
     """Teacher-forced recomputes of samples that share one prompt (the prompt is encoded once)."""
 
+    quantized_kv: bool
+    """The engine's rollouts read K/V from FP8 pages: a replay (`blocks_attended` given) rounds K/V as they did, so
+    it differs from the dense recompute even where no pass was sparse."""
+
     def logprobs(self, generated: torch.Tensor, blocks_attended: torch.Tensor | None = None) -> TeacherForcedOutput:
         """Full-vocabulary log-probabilities of `generated` after the prompt: dense, or with the sparse
         attention a sample was decoded with replayed from its `blocks_attended`."""

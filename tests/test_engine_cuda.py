@@ -105,11 +105,13 @@ def test_buckets():
     assert [width_bucket(n, 2064) for n in (1, 16, 17, 300, 2049, 2064)] == [16, 16, 32, 512, 2064, 2064]
 
 
-@pytest.mark.parametrize("num_kv_blocks", [256, 30])  # 30 blocks: sequences are preempted and recomputed
-def test_static_decode_step_equals_eager_on_cpu(tiny_qwen3, num_kv_blocks):
-    """The graphs' step body, run eagerly on CPU, against the eager engine: same tokens, blocks, logprobs."""
-    eager = NativeEngine.from_pretrained(tiny_qwen3, num_kv_blocks=num_kv_blocks, max_num_seqs=6)
-    static = NativeEngine.from_pretrained(tiny_qwen3, num_kv_blocks=num_kv_blocks, max_num_seqs=6)
+@pytest.mark.parametrize("num_kv_blocks,kv_cache_dtype", [(256, "auto"), (30, "auto"), (256, "fp8_e4m3")])
+def test_static_decode_step_equals_eager_on_cpu(tiny_qwen3, num_kv_blocks, kv_cache_dtype):
+    """The graphs' step body, run eagerly on CPU, against the eager engine: same tokens, blocks, logprobs (30 blocks:
+    sequences are preempted and recomputed; FP8 pages: their scales are static buffers too)."""
+    config = dict(num_kv_blocks=num_kv_blocks, max_num_seqs=6, kv_cache_dtype=kv_cache_dtype)
+    eager = NativeEngine.from_pretrained(tiny_qwen3, **config)
+    static = NativeEngine.from_pretrained(tiny_qwen3, **config)
     runner = static.runner
     runner.graphs = DecodeGraphs(runner.model, runner.cache, runner.backend, runner.layout, 6,
                                  runner.layout.blocks_for(runner.max_model_len))
@@ -129,6 +131,17 @@ def test_graph_replay_equals_eager_across_bins_and_a_hot_update(tiny_qwen3, num_
     assert_same_samples(drive(eager), drive(graphs), 1e-4)
     stats = graphs.stats()
     assert stats["cuda_graphs"] and stats["cuda_graphs_captured"] >= 2 and not eager.stats()["cuda_graphs"]
+
+
+@gpu
+def test_fp8_kv_graph_replay_equals_the_torch_backend(tiny_qwen3):
+    """FP8 pages on CUDA: the Triton kernels under CUDA graphs decode what the torch backend decodes eagerly."""
+    pytest.importorskip("sparrow.kernels.triton")
+    config = dict(device="cuda", dtype="float32", num_kv_blocks=256, max_num_seqs=6, kv_cache_dtype="fp8_e4m3")
+    graphs = NativeEngine.from_pretrained(tiny_qwen3, attention_backend="triton", cuda_graphs=True, **config)
+    eager = NativeEngine.from_pretrained(tiny_qwen3, attention_backend="torch", **config)
+    assert_same_samples(drive(eager), drive(graphs), 1e-3)
+    assert graphs.stats()["cuda_graphs_captured"] >= 2
 
 
 @gpu

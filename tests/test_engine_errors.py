@@ -116,3 +116,8 @@ def test_bench_rollout_one_mode_per_run_then_merge(tmp_path, capsys):
     assert "gen_len=7" in capsys.readouterr().err
     assert main(["bench", "rollout-merge", str(tmp_path / "dense.json"), str(tmp_path / "dense.json")]) == 2
     assert "mode 'dense' is already" in capsys.readouterr().err
+    assert main([*common, "--mode", "sparse", "--kv-cache-dtype", "fp8_e4m3", "--out", str(tmp_path / "fp8.json")]) == 0
+    assert "FP8 KV pages" in capsys.readouterr().out
+    assert json.loads((tmp_path / "fp8.json").read_text())["kv_cache_dtype"] == "fp8_e4m3"
+    assert main(["bench", "rollout-merge", str(tmp_path / "dense.json"), str(tmp_path / "fp8.json")]) == 2
+    assert "kv_cache_dtype='fp8_e4m3' but" in capsys.readouterr().err

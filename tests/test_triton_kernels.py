@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sparrow.kernels import SparseAttentionConfig
+from sparrow.kernels import ReferenceBackend, SparseAttentionConfig
 from sparrow.kernels import reference as ref
 from sparrow.schedule import DENSE_BUDGET
 
@@ -261,6 +261,53 @@ def test_interp_padding_rows_give_zeros(tk):
     assert torch.equal(out[1], torch.zeros(4, 32)) and torch.isfinite(out).all()
 
 
+def fp8_pages(p: Paged):
+    """Zeroed FP8 pages and scales of `p`'s cache shape (on its device), and fresh landmarks."""
+    device = p.k_cache.device
+    k8 = torch.zeros(p.k_cache.shape, dtype=ref.FP8_KV_DTYPE, device=device)
+    zeros = torch.zeros(p.k_cache.shape[:3], device=device)
+    return k8, k8.clone(), ref.KVScales(zeros, zeros.clone()), torch.zeros_like(p.landmarks)
+
+
+@interp
+@pytest.mark.parametrize("mode", ["mean", "minmax"])
+def test_interp_fp8_write_kv_matches_reference(tk, mode):
+    """FP8 pages: the kernel quantizes bit for bit as the reference, and its landmarks are the stored keys'."""
+    p = Paged([1, 15, 16, 17, 47], 2, 32, torch.float32, "cpu", mode, seed=11)
+    expect, got = fp8_pages(p), fp8_pages(p)
+    for k, v, slots in zip(p.keys, p.values, p.slots):
+        k_cache, v_cache, scales, landmarks = expect
+        ref.write_kv(k_cache, v_cache, landmarks, slots, k, v, mode, scales)
+        k_cache, v_cache, scales, landmarks = got
+        cut = min(k.shape[0], 9)
+        tk.write_kv(k_cache, v_cache, landmarks, slots[:cut], k[:cut], v[:cut], mode, scales)
+        for t in range(cut, k.shape[0]):
+            tk.write_kv(k_cache, v_cache, landmarks, slots[t : t + 1], k[t : t + 1], v[t : t + 1], mode, scales)
+    for name, want, have in zip(("k", "v"), expect[:2], got[:2]):
+        assert torch.equal(have.view(torch.uint8), want.view(torch.uint8)), name
+    assert torch.equal(got[2].k, expect[2].k) and torch.equal(got[2].v, expect[2].v)
+    torch.testing.assert_close(got[3], expect[3], rtol=1e-6, atol=1e-6)
+
+
+@interp
+@pytest.mark.parametrize("budgets", [None, [3, 3, 3, 3, 5, 6]])
+def test_interp_fp8_decode_matches_reference(tk, budgets):
+    lengths = [1, 16, 17, 63, 95, 160]
+    p = Paged(lengths, 2, 32, torch.float32, "cpu", "mean", seed=12)
+    k_cache, v_cache, scales, landmarks = fp8_pages(p)
+    for k, v, slots in zip(p.keys, p.values, p.slots):
+        ref.write_kv(k_cache, v_cache, landmarks, slots, k, v, "mean", scales)
+    q = torch.randn(len(lengths), 4, 32)
+    cfg = SparseAttentionConfig()
+    budgets = None if budgets is None else torch.tensor(budgets)
+    out, counts = tk.TritonBackend(splits=3).decode(q, k_cache, v_cache, landmarks, p.tables, p.seq_lens, budgets, cfg,
+                                                    0.2, scales)
+    expect, expect_counts = ReferenceBackend().decode(q.double(), k_cache, v_cache, landmarks.double(), p.tables,
+                                                      p.seq_lens, budgets, cfg, 0.2, scales)
+    assert counts.tolist() == expect_counts.tolist()
+    assert relative_error(out, expect) <= 1e-5
+
+
 def interleaved(k_cache, v_cache):
     """Copies of the caches as K/V views into one `[blocks, 2, H_kv, 16, D]` buffer, the layout of a vLLM page:
     block stride 2·H_kv·16·D instead of H_kv·16·D."""
@@ -494,6 +541,32 @@ def test_gpu_decode_matches_reference_bf16(tk, mode, group):
         _assert_attention_close(out, _reference_decode(p, q, budget_arg, cfg, 128**-0.5))
         n = (p.seq_lens.long() + BS - 1) // BS
         assert counts.tolist() == (n if budget_arg is None else expect_counts).tolist()
+
+
+@gpu
+@pytest.mark.parametrize("mode", ["mean", "minmax"])
+def test_gpu_fp8_pages_write_and_decode_match_reference(tk, mode):
+    """e4m3 pages on the GPU: the write kernel stores what the reference stores, bit for bit (the hardware cast
+    and the kernel's own rounding agree), and bf16 decode over them matches the reference to bf16 accuracy."""
+    p, q, budgets = _gpu_case(mode, 4, seed=30)
+    expect, got = fp8_pages(p), fp8_pages(p)
+    for k, v, slots in zip(p.keys, p.values, p.slots):
+        ref.write_kv(expect[0], expect[1], expect[3], slots, k, v, mode, expect[2])
+        cut = min(k.shape[0], 37)
+        tk.write_kv(got[0], got[1], got[3], slots[:cut], k[:cut], v[:cut], mode, got[2])
+        tk.write_kv(got[0], got[1], got[3], slots[cut:], k[cut:], v[cut:], mode, got[2])
+    for want, have in zip(expect[:2], got[:2]):
+        assert torch.equal(have.view(torch.uint8), want.view(torch.uint8))
+    assert torch.equal(got[2].k, expect[2].k) and torch.equal(got[2].v, expect[2].v)
+    torch.testing.assert_close(got[3], expect[3])
+    cfg = SparseAttentionConfig(landmark=mode)
+    k_cache, v_cache, scales, landmarks = expect
+    for budget_arg in (budgets, None):
+        out, _ = tk.TritonBackend().decode(q, k_cache, v_cache, landmarks, p.tables, p.seq_lens, budget_arg, cfg,
+                                           128**-0.5, scales)
+        want, _ = ReferenceBackend().decode(q.double(), k_cache, v_cache, landmarks.double(), p.tables, p.seq_lens,
+                                            budget_arg, cfg, 128**-0.5, scales)
+        _assert_attention_close(out, want)
 
 
 @gpu

@@ -48,6 +48,10 @@ class CalibrationConfig(BaseModel):
     recent: int = Field(2, ge=1, description="last blocks always attended")
     device: str = Field("cpu", description="cpu, cuda or cuda:N")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="auto = float32 on CPU, bfloat16 on CUDA")
+    kv_cache_dtype: Literal["auto", "fp8_e4m3"] = Field(
+        "auto", description="the engine's K/V pages: fp8_e4m3 measures what FP8 KV costs in α (against the dense "
+        "policy with unrounded K/V, at every budget and in the dense baseline)",
+    )
     threads: int | None = Field(None, ge=1, description="torch CPU threads (None = torch's default)")
     seed: int = Field(0, description="prompt choice and sampling seeds; every budget reuses the same seeds")
     out: Path = Field(Path("calibration"), description="output directory")

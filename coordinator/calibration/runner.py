@@ -115,11 +115,13 @@ def make_plan(config: CalibrationConfig, prompt_lens: list[int]) -> Plan:
 def measure_sample(recompute: PromptScorer, sample: RolloutSample, template: SparsitySchedule, run: BudgetRun) -> None:
     """Exact α of every generated token from teacher-forced recomputes over the full vocabulary:
     dense, and sparse with the engine's own blocks replayed. A sample none of whose passes was
-    sparse was drawn from the dense policy itself, so its dense recompute serves as both."""
+    sparse was drawn from the dense policy itself, so its dense recompute serves as both (unless the
+    engine reads FP8 K/V: then the replay rounds them and differs)."""
     prompt_len = len(sample.prompt_token_ids)
     sparse_mask = sparse_token_mask(sample.blocks_attended, prompt_len, template.block_size)
     dense = recompute.logprobs(sample.token_ids)
-    sparse = recompute.logprobs(sample.token_ids, sample.blocks_attended) if sparse_mask.any() else dense
+    replay = sparse_mask.any() or recompute.quantized_kv
+    sparse = recompute.logprobs(sample.token_ids, sample.blocks_attended) if replay else dense
     alpha = sample_alpha(dense.full_logprobs, sparse.full_logprobs, sample.top_ids, sample.top_logprobs)
     run.add_sample(
         alpha,
@@ -184,7 +186,7 @@ def run_calibration(config: CalibrationConfig, command: str = "sparrow calibrate
         model=str(model_dir), device=config.device, dtype=config.dtype, sink=config.sink, recent=config.recent,
         max_num_seqs=max(config.samples, min(len(prompts) * config.samples, 256)),
         max_model_len=min(plan.longest_context, spec.max_position_embeddings), default_logprobs=config.logprobs,
-        seed=config.seed,
+        seed=config.seed, kv_cache_dtype=config.kv_cache_dtype,
     ))
     requests = [
         RolloutRequest(f"p{i}", tuple(ids), SamplingParams(
@@ -243,7 +245,8 @@ def run_calibration(config: CalibrationConfig, command: str = "sparrow calibrate
         "temperature": config.temperature, "prompt_tokens": f"{min(prompt_lens)}-{max(prompt_lens)}",
         "budgets": plan.budgets, "reserved_blocks": reserved, "edges": list(plan.template.edges),
         "percentile": config.percentile, "statistic": config.statistic, "target": config.target, "logprobs": config.logprobs, "hardware": config.hardware,
-        "device": config.device, "dtype": engine.stats()["dtype"], "seed": config.seed,
+        "device": config.device, "dtype": engine.stats()["dtype"], "kv_cache_dtype": config.kv_cache_dtype,
+        "seed": config.seed,
         "generate_s": round(sum(r.generate_seconds for r in runs.values()), 1),
         "recompute_s": round(recompute_seconds, 1), "elapsed_s": round(elapsed, 1),
     }

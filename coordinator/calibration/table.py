@@ -100,7 +100,8 @@ class CalibrationResult:
             if run.tokens and run.replay_tokens_off > 0.005 * run.tokens:
                 cause = ("other blocks chosen on near-tied scores" if run.replay_block_mismatches else
                          "the same blocks attended: numeric differences between the engine's kernels and the recompute, "
-                         "large in bfloat16/float16")
+                         "large in bfloat16/float16 and with FP8 pages, where a last-bit difference moves a value to the "
+                         "next e4m3 step")
                 out.append(f"budget {run.label}: {run.replay_tokens_off} of {run.tokens} tokens have |Δlog q| > "
                            f"{REPLAY_TOLERANCE:g} between the engine and the sparse recompute ({cause}); their α is the "
                            "recompute's")

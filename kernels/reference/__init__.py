@@ -14,12 +14,16 @@ from .causal import (
     sparse_causal_mask,
     sparse_rows_mask,
 )
-from .landmarks import landmarks_from_keys, update_landmarks, write_kv
+from .kv_quant import FP8_KV_DTYPE, KV_CACHE_DTYPES, KVScales, dequantize, quantize, round_trip
+from .landmarks import landmarks_from_keys, stored_keys, update_landmarks, write_kv
 from .scoring import group_mean_queries, score_landmarks, score_paged_blocks
 from .selection import select_blocks, selected_blocks_mask
 from .sparse_decode import block_sparse_decode
 
 __all__ = [
+    "FP8_KV_DTYPE",
+    "KVScales",
+    "KV_CACHE_DTYPES",
     "SparseRows",
     "block_sparse_causal_attention",
     "block_sparse_causal_sdpa",
@@ -27,9 +31,12 @@ __all__ = [
     "first_sparse_query",
     "block_sparse_decode",
     "dense_block_ids",
+    "dequantize",
     "group_mean_queries",
     "landmarks_from_keys",
     "paged_decode_attention",
+    "quantize",
+    "round_trip",
     "score_landmarks",
     "score_paged_blocks",
     "sdpa",
@@ -37,6 +44,7 @@ __all__ = [
     "selected_blocks_mask",
     "sparse_causal_mask",
     "sparse_rows_mask",
+    "stored_keys",
     "update_landmarks",
     "write_kv",
 ]

@@ -2,6 +2,8 @@
 
 import torch
 
+from .kv_quant import KVScales, dequantize
+
 
 def dense_block_ids(num_blocks: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     """All blocks of every sequence, `[B, H_kv, max n]`, padded with -1."""
@@ -19,13 +21,15 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,
     block_ids: torch.Tensor | None = None,
     scale: float | None = None,
+    kv_scales: KVScales | None = None,
 ) -> torch.Tensor:
     """One query token per sequence attends to the tokens of its listed blocks.
 
     `q: [B, H_q, D]`; caches `[num_physical_blocks, H_kv, block_size, D]`; `block_tables: [B, M]`
     logical → physical; `seq_lens: [B]` tokens in the cache, the current one included;
     `block_ids: [B, H_kv, K]` logical blocks per row, -1 padded (None = all blocks, i.e. dense).
-    Tokens at positions ≥ seq_len are masked. Softmax and products run in float32 or wider.
+    Tokens at positions ≥ seq_len are masked. Softmax and products run in float32 or wider. `kv_scales`:
+    the caches are FP8 pages, dequantized as they are read.
     Returns `[B, H_q, D]` in q's dtype.
     """
     bsz, num_q_heads, head_dim = q.shape
@@ -41,8 +45,12 @@ def paged_decode_attention(
     logical = block_ids.clamp(min=0)
     physical = torch.gather(block_tables.long(), 1, logical.flatten(1)).view_as(logical)
     heads = torch.arange(num_kv_heads, device=q.device)[None, :, None]
-    keys = k_cache[physical, heads].to(acc)  # [B, H_kv, K, bs, D]
-    values = v_cache[physical, heads].to(acc)
+    if kv_scales is None:
+        keys = k_cache[physical, heads].to(acc)  # [B, H_kv, K, bs, D]
+        values = v_cache[physical, heads].to(acc)
+    else:
+        keys = dequantize(k_cache[physical, heads], kv_scales.k[physical, heads], acc)
+        values = dequantize(v_cache[physical, heads], kv_scales.v[physical, heads], acc)
     tokens = logical[..., None] * block_size + torch.arange(block_size, device=q.device)
     valid = valid_block[..., None] & (tokens < seq_lens[:, None, None, None])
 

@@ -8,9 +8,14 @@ highest offset written into a block tells how many of its slots are valid.
 Mean landmarks are written only when a block fills (the written token has offset block_size-1),
 from the block's stored keys accumulated in float32 or wider, as Sparrow does. Min/max landmarks are
 exact for any prefix of the block, so they are kept current on every write.
+
+An FP8 cache (`KVScales` given) stores each key and value quantized with its own scale; landmarks stay in
+the model's dtype and are computed from the keys as stored (dequantized), which is what attention reads.
 """
 
 import torch
+
+from .kv_quant import KVScales, dequantize, quantize
 
 
 def write_kv(
@@ -21,15 +26,27 @@ def write_kv(
     k: torch.Tensor,
     v: torch.Tensor,
     mode: str = "mean",
+    scales: KVScales | None = None,
 ) -> None:
     """Store `k, v: [T, H_kv, D]` at `slots: [T]` and refresh the landmarks of the touched blocks."""
     block_size = k_cache.shape[2]
     slots = slots.long()
     blocks, offsets = slots // block_size, slots % block_size
-    k_cache[blocks, :, offsets] = k.to(k_cache.dtype)
-    v_cache[blocks, :, offsets] = v.to(v_cache.dtype)
+    if scales is None:
+        k_cache[blocks, :, offsets] = k.to(k_cache.dtype)
+        v_cache[blocks, :, offsets] = v.to(v_cache.dtype)
+    else:
+        k_cache[blocks, :, offsets], scales.k[blocks, :, offsets] = quantize(k)
+        v_cache[blocks, :, offsets], scales.v[blocks, :, offsets] = quantize(v)
     if landmarks is not None:
-        update_landmarks(k_cache, landmarks, blocks, offsets, mode)
+        update_landmarks(k_cache, landmarks, blocks, offsets, mode, None if scales is None else scales.k)
+
+
+def stored_keys(k_cache: torch.Tensor, k_scale: torch.Tensor | None, blocks: torch.Tensor,
+                dtype: torch.dtype) -> torch.Tensor:
+    """The keys of `blocks` as attention reads them, in `dtype`: `[n, H_kv, block_size, D]`."""
+    keys = k_cache[blocks]
+    return keys.to(dtype) if k_scale is None else dequantize(keys, k_scale[blocks], dtype)
 
 
 def update_landmarks(
@@ -38,20 +55,21 @@ def update_landmarks(
     blocks: torch.Tensor,
     offsets: torch.Tensor,
     mode: str,
+    k_scale: torch.Tensor | None = None,
 ) -> None:
-    """Recompute the landmark of every block touched by a write at (blocks, offsets)."""
+    """Recompute the landmark of every block touched by a write at (blocks, offsets) (`k_scale`: an FP8 cache's)."""
     block_size = k_cache.shape[2]
     touched, inverse = torch.unique(blocks, return_inverse=True)
     last = torch.full_like(touched, -1).scatter_reduce(0, inverse, offsets, "amax")
     if mode == "mean":
         full = touched[last == block_size - 1]
         if full.numel():
-            acc = torch.promote_types(k_cache.dtype, torch.float32)
-            landmarks[full] = k_cache[full].to(acc).mean(dim=2).to(landmarks.dtype)
+            acc = torch.promote_types(landmarks.dtype, torch.float32)
+            landmarks[full] = stored_keys(k_cache, k_scale, full, acc).mean(dim=2).to(landmarks.dtype)
         return
     if mode != "minmax":
         raise ValueError(f"landmark mode {mode!r}: use 'mean' or 'minmax'")
-    keys = k_cache[touched]  # [n, H, bs, D]
+    keys = stored_keys(k_cache, k_scale, touched, landmarks.dtype)  # [n, H, bs, D]
     valid = (torch.arange(block_size, device=keys.device)[None, :] <= last[:, None])[:, None, :, None]
     kmax = keys.masked_fill(~valid, float("-inf")).amax(dim=2)
     kmin = keys.masked_fill(~valid, float("inf")).amin(dim=2)

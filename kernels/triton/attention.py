@@ -8,6 +8,10 @@ runs the base-2 online softmax in float32. A row's list is its block table when 
 budget (dense row, or the whole batch in DENSE mode) and the selection kernel's physical ids otherwise;
 either way the last entry is the partial current block, whose tokens ≥ seq_len are masked.
 
+FP8 pages (`FP8`): each stored vector has its float32 scale (`sparrow.kernels.reference.kv_quant`). The e4m3
+tiles are widened to the query's dtype (exact) and the scales applied outside the dots: a key's scale
+multiplies its logit, a value's scale its softmax weight. e4m3 needs sm_89+ (Ada, Hopper).
+
 Each split writes its normalized partial output and log2-sum-exp; `merge_splits` combines them. With
 one split the program writes the final output directly. Grids depend only on (B, splits), never on
 lengths or budgets, so the launches are CUDA-graph capturable with budgets that change every step.
@@ -19,6 +23,8 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+
+from ..reference import KVScales
 
 
 class AttentionTiling(NamedTuple):
@@ -39,13 +45,14 @@ def attention_tiling(head_dim: int) -> AttentionTiling:
 
 @triton.jit
 def _decode_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, sel_ptr, seq_len_ptr, budget_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table_ptr, sel_ptr, seq_len_ptr, budget_ptr,
     out_ptr, o_part_ptr, lse_part_ptr, count_ptr,
     stride_qb, stride_qh, stride_bt, stride_sel, stride_ob, stride_oh, stride_cb, stride_ch, stride_ct,
+    stride_sb, stride_sh,
     sm_scale_log2, sink, recent, num_splits,
     H: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BS: tl.constexpr, PPI: tl.constexpr, DENSE: tl.constexpr, DIRECT_OUT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, ALIGNED: tl.constexpr, WRITE_COUNT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, ALIGNED: tl.constexpr, WRITE_COUNT: tl.constexpr, FP8: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
@@ -73,7 +80,9 @@ def _decode_attention_kernel(
     q = tl.load(
         q_ptr + b * stride_qb + (h * G + g[:, None]) * stride_qh + d[None, :],
         mask=g_mask[:, None] & (d[None, :] < D), other=0.0,
-    ).to(k_cache_ptr.dtype.element_ty)
+    )
+    if not FP8:
+        q = q.to(k_cache_ptr.dtype.element_ty)
 
     tok = tl.arange(0, PPI * BS)
     tok_block = tok // BS
@@ -100,14 +109,24 @@ def _decode_attention_kernel(
         # V is issued with K: a sparse split is often one iteration, where a load after the dot waits out a
         # second memory round trip.
         v = tl.load(v_cache_ptr + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2
+        if FP8:
+            scale_offs = ids * stride_sb + h * stride_sh + tok_off
+            k_scale = tl.load(k_scale_ptr + scale_offs, mask=valid, other=0.0)
+            v_scale = tl.load(v_scale_ptr + scale_offs, mask=valid, other=0.0)
+            s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * (k_scale * sm_scale_log2)[None, :]
+        else:
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        if FP8:
+            pv = tl.dot((p * v_scale[None, :]).to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
+        else:
+            pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + pv
         m_i = m_new
 
     has = l_i > 0
@@ -168,20 +187,23 @@ def decode_attention(
     recent: int = 1,
     tiling: AttentionTiling | None = None,
     counts: torch.Tensor | None = None,
+    kv_scales: KVScales | None = None,
 ) -> None:
     """Attention of `q: [B, H_q, D]` into `out`. Dense when `budgets` is None; otherwise rows with more
     blocks than their budget attend to `selected` (physical ids from `select_blocks`). Dense attention
-    also writes each sequence's block count into `counts: [B]` when given.
+    also writes each sequence's block count into `counts: [B]` when given. `kv_scales`: the caches are FP8 pages.
     `o_part: [≥B·H_kv·splits·G·D]` and `lse_part: [≥B·H_kv·splits·G]` float32 scratch (unused if splits == 1)."""
     attention_partials(q, k_cache, v_cache, block_tables, seq_lens, out, o_part, lse_part, scale=scale, splits=splits,
-                       budgets=budgets, selected=selected, sink=sink, recent=recent, tiling=tiling, counts=counts)
+                       budgets=budgets, selected=selected, sink=sink, recent=recent, tiling=tiling, counts=counts,
+                       kv_scales=kv_scales)
     if splits > 1:
         merge_splits(o_part, lse_part, out, num_kv_heads=k_cache.shape[1], splits=splits)
 
 
 def attention_partials(q, k_cache, v_cache, block_tables, seq_lens, out, o_part, lse_part, *, scale: float,
                        splits: int, budgets=None, selected=None, sink: int = 0, recent: int = 1,
-                       tiling: AttentionTiling | None = None, counts: torch.Tensor | None = None) -> None:
+                       tiling: AttentionTiling | None = None, counts: torch.Tensor | None = None,
+                       kv_scales: KVScales | None = None) -> None:
     """The split-K kernel alone: per-split partials (or `out` directly when splits == 1)."""
     bsz, num_q_heads, head_dim = q.shape
     _, num_kv_heads, block_size, _ = k_cache.shape
@@ -191,17 +213,20 @@ def attention_partials(q, k_cache, v_cache, block_tables, seq_lens, out, o_part,
     if not dense and selected is None:
         raise ValueError("sparse attention (budgets given) needs `selected` from select_blocks")
     write_count = dense and counts is not None
+    fp8 = kv_scales is not None
+    k_scale, v_scale = (kv_scales.k, kv_scales.v) if fp8 else (lse_part, lse_part)  # placeholders, never read
     _decode_attention_kernel[(bsz * num_kv_heads, splits)](
-        q, k_cache, v_cache, block_tables, block_tables if dense else selected, seq_lens,
+        q, k_cache, v_cache, k_scale, v_scale, block_tables, block_tables if dense else selected, seq_lens,
         seq_lens if dense else budgets,
         out, o_part, lse_part, counts if write_count else seq_lens,
         q.stride(0), q.stride(1), block_tables.stride(0), 0 if dense else selected.stride(0), out.stride(0), out.stride(1),
-        *cache_strides(k_cache, v_cache),
+        *cache_strides(k_cache, v_cache), *scale_strides(kv_scales, k_cache),
         scale * math.log2(math.e), sink, recent, splits,
         H=num_kv_heads, G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim), BS=block_size, PPI=tiling.blocks_per_iter,
-        DENSE=dense, DIRECT_OUT=splits == 1, DOT_PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
-        ALIGNED=all(st % 8 == 0 for st in k_cache.stride()[:3]), WRITE_COUNT=write_count,
+        DENSE=dense, DIRECT_OUT=splits == 1,
+        DOT_PRECISION="ieee" if (q if fp8 else k_cache).dtype == torch.float32 else "tf32",
+        ALIGNED=all(st % 8 == 0 for st in k_cache.stride()[:3]), WRITE_COUNT=write_count, FP8=fp8,
         num_warps=tiling.num_warps, num_stages=tiling.num_stages,
     )
 
@@ -216,6 +241,20 @@ def cache_strides(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, in
     if k_cache.stride(3) != 1:
         raise ValueError(f"k_cache strides {k_cache.stride()}: the head_dim dimension must be contiguous (stride 1)")
     return k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)
+
+
+def scale_strides(kv_scales: KVScales | None, k_cache: torch.Tensor) -> tuple[int, int]:
+    """(block, head) strides of FP8 scales `[num_blocks, H_kv, block_size]` with contiguous tokens; (0, 0) without."""
+    if kv_scales is None:
+        return 0, 0
+    want = k_cache.shape[:3]
+    for name, t in (("k", kv_scales.k), ("v", kv_scales.v)):
+        if t.shape != want or t.dtype != torch.float32 or t.stride(2) != 1 or t.stride() != kv_scales.k.stride():
+            raise ValueError(f"kv_scales.{name} {tuple(t.shape)} {t.dtype} strides {t.stride()}: expected float32 "
+                             f"{tuple(want)} with contiguous tokens, k and v alike")
+    if k_cache.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"kv_scales given with a {k_cache.dtype} cache: FP8 pages are torch.float8_e4m3fn")
+    return kv_scales.k.stride(0), kv_scales.k.stride(1)
 
 
 def merge_splits(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor, *, num_kv_heads: int, splits: int) -> None:

@@ -125,12 +125,12 @@ class TritonBackend(AttentionBackend):
         grow_blocks = max(max_blocks, ws.max_blocks if ws else 0)
         return self.prepare(grow_batch, grow_blocks, num_q_heads, num_kv_heads, head_dim, device)
 
-    def write_kv(self, k_cache, v_cache, landmarks, slots, k, v, config: SparseAttentionConfig) -> None:
+    def write_kv(self, k_cache, v_cache, landmarks, slots, k, v, config: SparseAttentionConfig, kv_scales=None) -> None:
         _check_block_size(k_cache, config)
-        triton_write_kv(k_cache, v_cache, landmarks, slots, k, v, config.landmark)
+        triton_write_kv(k_cache, v_cache, landmarks, slots, k, v, config.landmark, kv_scales)
 
     def decode(self, q, k_cache, v_cache, landmarks, block_tables, seq_lens, budgets, config: SparseAttentionConfig,
-               scale):
+               scale, kv_scales=None):
         _check_block_size(k_cache, config)
         _check_decode_inputs(q, k_cache, v_cache, landmarks, block_tables, seq_lens, budgets, config)
         bsz, num_q_heads, head_dim = q.shape
@@ -141,7 +141,7 @@ class TritonBackend(AttentionBackend):
         max_blocks = block_tables.shape[1]
         ws = self._workspace(bsz, max_blocks, num_q_heads, num_kv_heads, head_dim, q.device)
         splits = self.splits_for(bsz, num_kv_heads, q.device)
-        common = dict(scale=float(scale), splits=splits, tiling=self.tiling)
+        common = dict(scale=float(scale), splits=splits, tiling=self.tiling, kv_scales=kv_scales)
         counts = torch.empty(bsz, dtype=torch.long, device=q.device)
         if budgets is None:
             decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out, ws.o_part, ws.lse_part, counts=counts,

@@ -8,23 +8,39 @@ call and from the cache otherwise, so no program waits for another program's sto
 
 Contract (true for decode, prefill and chunked prefill): tokens written into the same block by one call
 are consecutive in `slots`, in increasing offset order. Slots < 0 are skipped (CUDA-graph padding).
+
+FP8 pages (`FP8`): each key and value is stored in e4m3 with its float32 scale, the largest element mapped
+to 448 (`sparrow.kernels.reference.kv_quant`, bit for bit); landmarks come from the keys as stored.
 """
 
 import torch
 import triton
 import triton.language as tl
 
-from .attention import cache_strides
+from ..reference import KVScales
+from .attention import cache_strides, scale_strides
 
 MODE_NONE, MODE_MEAN, MODE_MINMAX = 0, 1, 2
 
 
 @triton.jit
+def _e4m3_grid(y):
+    """float32 `y` (|y| <= 448) rounded to the nearest e4m3 value, ties to even, still float32, so its cast to e4m3
+    is exact. The cast alone would do on a GPU; Triton 3.9's interpreter (the CPU tests) drops the carry of a cast
+    that rounds up into the next power of two (1.97 -> 1.0, 31.5 -> 16.0)."""
+    bits = y.to(tl.int32, bitcast=True)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)  # 3 mantissa bits
+    magnitude = (tl.abs(y) + 24576.0) - 24576.0  # 1.5 * 2^14: rounds to a multiple of 2^-9, e4m3's subnormal step
+    subnormal = tl.where(bits < 0, -magnitude, magnitude)  # the sign kept, -0.0 included
+    return tl.where(tl.abs(y) < 0.015625, subnormal, normal)
+
+
+@triton.jit
 def _write_kv_kernel(
-    k_ptr, v_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, lm_ptr,
+    k_ptr, v_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, lm_ptr,
     num_tokens,
-    stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_ch, stride_ct,
-    H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BS: tl.constexpr, MODE: tl.constexpr,
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_ch, stride_ct, stride_sb, stride_sh,
+    H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BS: tl.constexpr, MODE: tl.constexpr, FP8: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
@@ -36,8 +52,19 @@ def _write_kv_kernel(
     dm = d < tl.where(live, D, 0)  # (scalar conditions are folded into bounds: portable to the interpreter)
     cache_dtype = k_cache_ptr.dtype.element_ty
 
-    key = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=dm, other=0.0).to(cache_dtype)
-    val = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=dm, other=0.0).to(v_cache_ptr.dtype.element_ty)
+    key = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=dm, other=0.0)
+    val = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=dm, other=0.0)
+    if FP8:
+        # IEEE divisions (div_rn; `/` is approximate on GPUs), so the bits equal the reference's
+        key_scale = tl.math.div_rn(tl.max(tl.abs(key.to(tl.float32)), axis=0), 448.0)
+        val_scale = tl.math.div_rn(tl.max(tl.abs(val.to(tl.float32)), axis=0), 448.0)
+        key = _e4m3_grid(tl.math.div_rn(key.to(tl.float32), tl.where(key_scale > 0, key_scale, 1.0)))
+        val = _e4m3_grid(tl.math.div_rn(val.to(tl.float32), tl.where(val_scale > 0, val_scale, 1.0)))
+        scale_at = blk * stride_sb + h * stride_sh + off
+        tl.store(k_scale_ptr + scale_at, key_scale, mask=live)
+        tl.store(v_scale_ptr + scale_at, val_scale, mask=live)
+    key = key.to(cache_dtype)
+    val = val.to(v_cache_ptr.dtype.element_ty)
     block_base = blk * stride_cb + h * stride_ch
     tl.store(k_cache_ptr + block_base + off * stride_ct + d, key, mask=dm)
     tl.store(v_cache_ptr + block_base + off * stride_ct + d, val, mask=dm)
@@ -59,7 +86,15 @@ def _write_kv_kernel(
             m_cache = from_cache[:, None] & (d[None, :] < D)
             k_in = tl.load(k_ptr + src[:, None] * stride_kt + h * stride_kh + d[None, :], mask=m_in, other=0.0)
             k_old = tl.load(k_cache_ptr + block_base + j[:, None] * stride_ct + d[None, :], mask=m_cache, other=0.0)
-            keys = tl.where(from_input[:, None], k_in.to(cache_dtype), k_old).to(tl.float32)
+            if FP8:  # the keys as stored: this call's rounded through e4m3, the cache's dequantized
+                k_in = k_in.to(tl.float32)
+                in_scale = tl.math.div_rn(tl.max(tl.abs(k_in), axis=1), 448.0)
+                in_safe = tl.where(in_scale > 0, in_scale, 1.0)
+                k_in = _e4m3_grid(tl.math.div_rn(k_in, in_safe[:, None])) * in_scale[:, None]
+                old_scale = tl.load(k_scale_ptr + blk * stride_sb + h * stride_sh + j, mask=from_cache, other=0.0)
+                keys = tl.where(from_input[:, None], k_in, k_old.to(tl.float32) * old_scale[:, None])
+            else:
+                keys = tl.where(from_input[:, None], k_in.to(cache_dtype), k_old).to(tl.float32)
             lm_dtype = lm_ptr.dtype.element_ty
             if MODE == 1:
                 mean = tl.sum(keys, axis=0) / BS
@@ -80,8 +115,10 @@ def write_kv(
     k: torch.Tensor,
     v: torch.Tensor,
     mode: str = "mean",
+    kv_scales: KVScales | None = None,
 ) -> None:
-    """Store `k, v: [T, H_kv, D]` at `slots: [T]`; refresh landmarks (None: dense layer, no landmarks)."""
+    """Store `k, v: [T, H_kv, D]` at `slots: [T]`; refresh landmarks (None: dense layer, no landmarks). `kv_scales`:
+    the caches are FP8 pages."""
     num_tokens, num_heads, head_dim = k.shape
     _, cache_heads, block_size, cache_dim = k_cache.shape
     if (num_heads, head_dim) != (cache_heads, cache_dim) or v.shape != k.shape:
@@ -104,12 +141,15 @@ def write_kv(
                 f"for mode {mode!r}"
             )
         lm = landmarks
+    scale_offsets = scale_strides(kv_scales, k_cache)
     if num_tokens == 0:
         return
+    fp8 = kv_scales is not None
+    k_scale, v_scale = (kv_scales.k, kv_scales.v) if fp8 else (slots, slots)  # placeholders, never dereferenced
     _write_kv_kernel[(num_tokens, num_heads)](
-        k, v, slots, k_cache, v_cache, lm,
+        k, v, slots, k_cache, v_cache, k_scale, v_scale, lm,
         num_tokens,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1), *strides,
-        H=num_heads, D=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BS=block_size, MODE=mode_id,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), *strides, *scale_offsets,
+        H=num_heads, D=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BS=block_size, MODE=mode_id, FP8=fp8,
         num_warps=1 if mode_id == MODE_NONE else 2,
     )

@@ -11,7 +11,14 @@ from dataclasses import dataclass
 import torch
 
 from sparrow.kernels import AttentionBackend, SparseAttentionConfig
-from sparrow.kernels.reference import SparseRows, block_sparse_causal_sdpa, sdpa, sparse_rows_mask
+from sparrow.kernels.reference import (
+    SparseRows,
+    block_sparse_causal_sdpa,
+    dequantize,
+    round_trip,
+    sdpa,
+    sparse_rows_mask,
+)
 
 from .kv_cache import KVCache
 
@@ -39,7 +46,8 @@ class PrefillChunkMeta:
 
 class PagedPrefill:
     """Writes the chunk's K/V into the cache, then attends: a chunk starting at 0 with dense rows
-    uses its own K/V under a causal mask; others read their context back from the cache."""
+    uses its own K/V under a causal mask; others read their context back from the cache. With FP8 pages every
+    query reads K/V as stored (the first chunk its own K/V rounded through e4m3), as decode does."""
 
     def __init__(self, cache: KVCache, backend: AttentionBackend, config: SparseAttentionConfig,
                  slots: torch.Tensor, chunks: list[PrefillChunkMeta]):
@@ -48,17 +56,23 @@ class PagedPrefill:
 
     def __call__(self, layer: int, q, k, v):
         k_cache, v_cache, landmarks = self.cache.layer(layer)
-        self.backend.write_kv(k_cache, v_cache, landmarks, self.slots, k, v, self.config)
+        kv_scales = self.cache.scales(layer)
+        self.backend.write_kv(k_cache, v_cache, landmarks, self.slots, k, v, self.config, kv_scales)
         sparse_layer = not self.config.is_dense_layer(layer)
         out = torch.empty_like(q)
         for c in self.chunks:
             qc = q[c.rows]
             budgets = c.budgets if sparse_layer else None
             if c.start == 0 and budgets is None:
-                out[c.rows] = sdpa(qc, k[c.rows], v[c.rows], causal=True)
+                kc, vc = (k[c.rows], v[c.rows]) if kv_scales is None else (round_trip(k[c.rows]), round_trip(v[c.rows]))
+                out[c.rows] = sdpa(qc, kc, vc, causal=True)
                 continue
-            keys = k_cache[c.block_table].transpose(1, 2).flatten(0, 1)[: c.end]  # [end, H_kv, D]
-            values = v_cache[c.block_table].transpose(1, 2).flatten(0, 1)[: c.end]
+            keys, values = k_cache[c.block_table], v_cache[c.block_table]
+            if kv_scales is not None:
+                keys = dequantize(keys, kv_scales.k[c.block_table], q.dtype)
+                values = dequantize(values, kv_scales.v[c.block_table], q.dtype)
+            keys = keys.transpose(1, 2).flatten(0, 1)[: c.end]  # [end, H_kv, D]
+            values = values.transpose(1, 2).flatten(0, 1)[: c.end]
             if budgets is None:
                 causal = torch.arange(c.end, device=q.device)[None, :] <= c.positions[:, None]
                 mask = causal[None]
@@ -80,11 +94,12 @@ class PagedDecode:
 
     def __call__(self, layer: int, q, k, v):
         k_cache, v_cache, landmarks = self.cache.layer(layer)
-        self.backend.write_kv(k_cache, v_cache, landmarks, self.slots, k, v, self.config)
+        kv_scales = self.cache.scales(layer)
+        self.backend.write_kv(k_cache, v_cache, landmarks, self.slots, k, v, self.config, kv_scales)
         sparse = landmarks is not None and self.budgets is not None
         out, counts = self.backend.decode(
             q, k_cache, v_cache, landmarks if sparse else None, self.block_tables, self.seq_lens,
-            self.budgets if sparse else None, self.config, self.scale,
+            self.budgets if sparse else None, self.config, self.scale, kv_scales,
         )
         if sparse and self.blocks_attended is None:
             self.blocks_attended = counts

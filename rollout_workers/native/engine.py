@@ -121,7 +121,8 @@ class NativeEngine(RolloutEngine):
         return self.runner.parameters(list(names))
 
     def prompt_scorer(self, prompt_token_ids: Seq[int], temperature: float = 1.0) -> PromptRecompute:
-        return PromptRecompute(self.runner.model, prompt_token_ids, self.layout, temperature)
+        return PromptRecompute(self.runner.model, prompt_token_ids, self.layout, temperature,
+                               quantized_kv=self.runner.cache.kv_cache_dtype != "auto")
 
     def counters(self) -> EngineCounters:
         c = self._counters

@@ -1,29 +1,51 @@
 """The paged KV cache: per layer `[num_blocks, H_kv, 16, D]` keys and values (HND pages), plus one
-landmark per (block, KV head) in the sparse layers only — dense layers never score blocks."""
+landmark per (block, KV head) in the sparse layers only — dense layers never score blocks.
+
+With `kv_cache_dtype="fp8_e4m3"` the pages hold e4m3 values with one float32 scale per stored vector
+(`sparrow.kernels.reference.kv_quant`); landmarks stay in the model's dtype."""
 
 import torch
 
 from sparrow.kernels import SparseAttentionConfig
+from sparrow.kernels.reference import FP8_KV_DTYPE, KV_CACHE_DTYPES, KVScales
 
 from .model_spec import ModelSpec
 from .transfer import to_device
 
 
-def bytes_per_block(spec: ModelSpec, attention: SparseAttentionConfig, dtype: torch.dtype) -> int:
+def page_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype K/V pages are stored in: the model's (`auto`) or e4m3."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}: use one of {KV_CACHE_DTYPES}")
+    return dtype if kv_cache_dtype == "auto" else FP8_KV_DTYPE
+
+
+def bytes_per_block(spec: ModelSpec, attention: SparseAttentionConfig, dtype: torch.dtype,
+                    kv_cache_dtype: str = "auto") -> int:
+    """Bytes of one block in every layer: K/V pages (and FP8 scales), plus the sparse layers' landmarks."""
     size = torch.empty((), dtype=dtype).element_size()
-    kv = 2 * spec.num_layers * spec.num_kv_heads * attention.block_size * spec.head_dim
+    vectors = 2 * spec.num_layers * spec.num_kv_heads * attention.block_size
+    pages = vectors * spec.head_dim * torch.empty((), dtype=page_dtype(kv_cache_dtype, dtype)).element_size()
+    scales = 0 if kv_cache_dtype == "auto" else vectors * 4
     sparse_layers = sum(1 for i in range(spec.num_layers) if not attention.is_dense_layer(i))
-    landmarks = sparse_layers * spec.num_kv_heads * attention.landmark_width(spec.head_dim)
-    return (kv + landmarks) * size
+    landmarks = sparse_layers * spec.num_kv_heads * attention.landmark_width(spec.head_dim) * size
+    return pages + scales + landmarks
 
 
 class KVCache:
-    def __init__(self, spec: ModelSpec, attention: SparseAttentionConfig, num_blocks: int, dtype, device):
+    def __init__(self, spec: ModelSpec, attention: SparseAttentionConfig, num_blocks: int, dtype, device,
+                 kv_cache_dtype: str = "auto"):
         shape = (spec.num_layers, num_blocks, spec.num_kv_heads, attention.block_size, spec.head_dim)
         # Left uninitialised so a large CPU pool costs nothing until used; blocks are zeroed when
         # allocated (`zero_blocks`): unwritten slots are masked out of softmax, but 0 · NaN would not be.
-        self.k = torch.empty(shape, dtype=dtype, device=device)
-        self.v = torch.empty(shape, dtype=dtype, device=device)
+        pages = page_dtype(kv_cache_dtype, dtype)
+        self.kv_cache_dtype = kv_cache_dtype
+        self.k = torch.empty(shape, dtype=pages, device=device)
+        self.v = torch.empty(shape, dtype=pages, device=device)
+        self.k_scale = self.v_scale = None
+        if kv_cache_dtype != "auto":
+            self.k_scale = torch.empty(shape[:-1], dtype=torch.float32, device=device)
+            self.v_scale = torch.empty(shape[:-1], dtype=torch.float32, device=device)
         self.sparse_layers = [i for i in range(spec.num_layers) if not attention.is_dense_layer(i)]
         self._landmark_index = {layer: j for j, layer in enumerate(self.sparse_layers)}
         width = attention.landmark_width(spec.head_dim)
@@ -37,15 +59,26 @@ class KVCache:
         j = self._landmark_index.get(i)
         return self.k[i], self.v[i], None if j is None else self.landmarks[j]
 
+    def scales(self, i: int) -> KVScales | None:
+        """Layer i's FP8 scales (None: pages in the model's dtype)."""
+        return None if self.k_scale is None else KVScales(self.k_scale[i], self.v_scale[i])
+
+    @property
+    def _tensors(self) -> list[torch.Tensor]:
+        scales = [] if self.k_scale is None else [self.k_scale, self.v_scale]
+        return [self.k, self.v, self.landmarks, *scales]
+
     def zero_blocks(self, blocks: list[int]) -> None:
         index = to_device(blocks, self.k.device)
-        for t in (self.k, self.v, self.landmarks):
-            t.index_fill_(1, index, 0)
+        for t in self._tensors:
+            if t.dtype == FP8_KV_DTYPE:  # index_fill_ has no float8 kernel; the bytes of +0.0 are 0
+                t.view(torch.uint8).index_fill_(1, index, 0)
+            else:
+                t.index_fill_(1, index, 0)
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
         """Copy whole blocks (all layers) — the copy-on-fork of a partial prompt block."""
         s = torch.tensor(src, device=self.k.device)
         d = torch.tensor(dst, device=self.k.device)
-        self.k[:, d] = self.k[:, s]
-        self.v[:, d] = self.v[:, s]
-        self.landmarks[:, d] = self.landmarks[:, s]
+        for t in self._tensors:
+            t[:, d] = t[:, s]

@@ -62,8 +62,14 @@ class ModelRunner:
         self.layout = config.layout()
         self.layout.check_layers(self.spec.num_layers)
         self.backend = make_backend(config.attention_backend, self.device)
+        fp8_on_cuda = config.kv_cache_dtype != "auto" and self.device.type == "cuda"
+        if fp8_on_cuda and torch.cuda.get_device_capability(self.device) < (8, 9):
+            raise ValueError(
+                f"kv_cache_dtype={config.kv_cache_dtype!r}: e4m3 needs a GPU of compute capability 8.9 or newer (Ada, "
+                f"Hopper); this one is {torch.cuda.get_device_capability(self.device)}. Use kv_cache_dtype='auto'"
+            )
         self.num_kv_blocks = self._num_kv_blocks()
-        self.cache = KVCache(self.spec, self.layout, self.num_kv_blocks, model.dtype, self.device)
+        self.cache = KVCache(self.spec, self.layout, self.num_kv_blocks, model.dtype, self.device, config.kv_cache_dtype)
         self._unzeroed: list[int] = []
         """Blocks allocated since the last forward; zeroed together, once, before it (`_zero_new_blocks`)."""
         self.graphs = self._decode_graphs()
@@ -78,7 +84,7 @@ class ModelRunner:
     def _num_kv_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
-        per_block = bytes_per_block(self.spec, self.layout, self.model.dtype)
+        per_block = bytes_per_block(self.spec, self.layout, self.model.dtype, self.config.kv_cache_dtype)
         ceiling = self.config.max_num_seqs * self.layout.blocks_for(self.max_model_len)
         budget = int(self.config.kv_memory_fraction * free_memory_bytes(self.device)) // per_block
         if self.tensor_parallel is not None:  # every rank must run the same pool, or their schedulers diverge
@@ -157,6 +163,7 @@ class ModelRunner:
         return {
             "kv_blocks_total": self.num_kv_blocks,
             "dtype": str(self.model.dtype).removeprefix("torch."),
+            "kv_cache_dtype": self.config.kv_cache_dtype,
             "attention_backend": self.backend.name,
             "cuda_graphs": self.graphs is not None,
             "cuda_graphs_captured": 0 if self.graphs is None else self.graphs.num_captured,

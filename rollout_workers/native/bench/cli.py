@@ -22,6 +22,8 @@ def register_rollout(actions) -> None:
     r.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     r.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     r.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "reference", "triton"])
+    r.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3"],
+                   help="K/V pages: auto = the model's dtype; fp8_e4m3 halves them (and doubles --batch auto)")
     r.add_argument("--no-cuda-graphs", action="store_true", help="decode with eager launches on CUDA (default: graphs)")
     r.add_argument("--overlap-decode", action="store_true",
                    help="launch each decode step before reading the previous one's tokens (NativeEngineConfig.overlap_decode)")
@@ -54,6 +56,7 @@ def register_decode_step(actions) -> None:
     d.add_argument("--contexts", type=int, nargs="+", default=[16384, 24576, 32768], help="past KV tokens per sequence")
     d.add_argument("--budget-tokens", type=int, default=1024, help="sparse budget incl. sink + recent (default 1024)")
     d.add_argument("--replays", type=int, default=50, help="graph replays per point (median reported)")
+    d.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3"], help="K/V pages (default: bf16)")
     d.add_argument("--out", type=Path, help="JSON path (default benchmarks/results/decode-step-<gpu>-<time>.json)")
     d.set_defaults(handler=run_decode_step)
 
@@ -124,7 +127,7 @@ def run_decode_step(args) -> int:
     if args.batch < 1 or args.replays < 1 or any(c < BLOCK_SIZE for c in args.contexts):
         raise ValueError(f"--batch and --replays must be >= 1 and --contexts >= {BLOCK_SIZE} tokens")
     run(args.model, args.batch, tuple(args.contexts), args.budget_tokens, args.replays,
-        args.out, "sparrow " + " ".join(sys.argv[1:]))
+        args.out, "sparrow " + " ".join(sys.argv[1:]), kv_cache_dtype=args.kv_cache_dtype)
     return 0
 
 

@@ -15,7 +15,7 @@ from .floor import step_bytes, weight_bytes
 
 def run_decode_step(model_name: str = "qwen3-1.7b", batch: int = 8, contexts=(16384, 24576, 32768),
                     budget_tokens: int = 1024, replays: int = 50, out_path: Path | None = None, command: str = "",
-                    log=print) -> dict:
+                    log=print, kv_cache_dtype: str = "auto") -> dict:
     from sparrow.kernels.triton.bench import copy_bandwidth
 
     require_cuda("decode-step")
@@ -31,17 +31,19 @@ def run_decode_step(model_name: str = "qwen3-1.7b", batch: int = 8, contexts=(16
     spec = spec_for_shape(model_name)
     model = DecoderModel(spec, max_len + bs, device=DEVICE, dtype=DTYPE).init_random(0)
     log(f"{report['device']}: copy {copy_gbps:.0f} GB/s; {model_name} ({spec.num_layers} layers), batch {batch}, "
-        f"budget {budget} blocks ({budget_tokens} tokens incl. sink + recent), weights {weight_bytes(model) / 1e9:.2f} GB")
-    filled = FilledDecode(model, attention, batch, max_len)
+        f"budget {budget} blocks ({budget_tokens} tokens incl. sink + recent), "
+        f"weights {weight_bytes(model) / 1e9:.2f} GB, KV pages {kv_cache_dtype}")
+    filled = FilledDecode(model, attention, batch, max_len, kv_cache_dtype=kv_cache_dtype)
     schedule = SparsitySchedule.fixed_budget(budget, "--budget-tokens / block size")
     filled.graphs.set_schedule(schedule)
-    report.update(model=model_name, batch=batch, budget_blocks=budget, copy_GBps=copy_gbps, replays=replays,
+    report.update(model=model_name, batch=batch, budget_blocks=budget, kv_cache_dtype=kv_cache_dtype,
+                  copy_GBps=copy_gbps, replays=replays,
                   weights_bytes=weight_bytes(model), results=[], profiles={})
     points = [(bs, False)] + [(c, s) for c in contexts for s in (False, True)]
     for past, sparse in points:
         context = past + 1
         t = filled.time(context, sparse, replays)
-        nbytes = step_bytes(model, attention, batch, context, budget if sparse else None)
+        nbytes = step_bytes(model, attention, batch, context, budget if sparse else None, kv_cache_dtype)
         floor_ms = nbytes["total"] / copy_gbps / 1e6
         row = {"past_kv": past, "mode": "sparse" if sparse else "dense", **t, "bytes": nbytes, "floor_ms": floor_ms,
                "pct_copy": 100 * floor_ms / t["step_ms"], "paper_ms": PAPER_STEP_MS.get(past) if sparse else None}

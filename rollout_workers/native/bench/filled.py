@@ -5,6 +5,7 @@ import gc
 import torch
 
 from sparrow.kernels import SparseAttentionConfig
+from sparrow.kernels.reference import FP8_KV_DTYPE
 from sparrow.rollout_workers.api import SamplingParams
 
 from ..cuda_graphs import DecodeGraphs, DecodeStep
@@ -25,19 +26,26 @@ class FilledDecode:
     tokens; each block table is a random slice of the pool, as in a long-running engine. Decode steps at
     any context ≤ max_len replay from the engine's `DecodeGraphs`, then sample (T = 1, top-20 logprobs)."""
 
-    def __init__(self, model: DecoderModel, attention: SparseAttentionConfig, batch: int, max_len: int, seed: int = 0):
+    def __init__(self, model: DecoderModel, attention: SparseAttentionConfig, batch: int, max_len: int, seed: int = 0,
+                 kv_cache_dtype: str = "auto"):
         self.attention, self.batch = attention, batch
         self.max_blocks = attention.blocks_for(max_len)
         num_blocks = batch * self.max_blocks + 1
-        need = num_blocks * bytes_per_block(model.spec, attention, model.dtype)
+        need = num_blocks * bytes_per_block(model.spec, attention, model.dtype, kv_cache_dtype)
         free = free_gpu_memory()
         if need > 0.97 * free:
             raise ValueError(f"{batch} sequences of {max_len} tokens need {need / 1e9:.1f} GB of KV cache, "
                              f"{free / 1e9:.1f} GB are free; lower the batch or the length")
-        self.cache = KVCache(model.spec, attention, num_blocks, model.dtype, model.device)
+        self.cache = KVCache(model.spec, attention, num_blocks, model.dtype, model.device, kv_cache_dtype)
         gen = torch.Generator(device=model.device).manual_seed(seed)
         for t in (self.cache.k, self.cache.v, self.cache.landmarks):
-            t.normal_(generator=gen)
+            if t.dtype == FP8_KV_DTYPE:  # random finite e4m3 bytes (0x7f is NaN), positive up to 448
+                t.view(torch.uint8).random_(0, 0x7F, generator=gen)
+            else:
+                t.normal_(generator=gen)
+        for t in (self.cache.k_scale, self.cache.v_scale):
+            if t is not None:
+                t.uniform_(0.0, 2 / 448, generator=gen)
         cpu = torch.Generator().manual_seed(seed)
         perm = torch.randperm(num_blocks, generator=cpu)
         self.tables = [perm[r * self.max_blocks : (r + 1) * self.max_blocks].tolist() for r in range(batch)]

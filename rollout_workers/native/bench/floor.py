@@ -17,13 +17,15 @@ def weight_bytes(model: DecoderModel) -> int:
 
 
 def step_bytes(model: DecoderModel, attention: SparseAttentionConfig, batch: int, context: int,
-               budget_blocks: int | None) -> dict:
+               budget_blocks: int | None, kv_cache_dtype: str = "auto") -> dict:
     """Bytes one decode step must move at `context` tokens per sequence (the new one included):
     weights, K/V of dense layers, and in sparse layers the attended K/V (partial block by its valid
-    tokens), the candidates' landmarks and their fp32 scores (written once, read once)."""
+    tokens; FP8 pages: one byte an element and a 4-byte scale a vector), the candidates' landmarks and
+    their fp32 scores (written once, read once)."""
     spec, item = model.spec, model.dtype.itemsize
     bs = attention.block_size
-    kv_tok = spec.num_kv_heads * spec.head_dim * 2 * item  # K and V of one token in one layer
+    per_vector = spec.head_dim * item if kv_cache_dtype == "auto" else spec.head_dim + 4
+    kv_tok = spec.num_kv_heads * 2 * per_vector  # K and V of one token in one layer
     n = attention.blocks_for(context)
     dense_layers = sum(1 for i in range(spec.num_layers) if attention.is_dense_layer(i))
     sparse_layers = spec.num_layers - dense_layers

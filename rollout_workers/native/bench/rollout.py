@@ -35,8 +35,8 @@ from sparrow.tables import format_table
 from .real_run import protocol_requests, real_rollout
 
 MODES = ("dense", "sparse")
-RUN_KEYS = ("model", "device", "device_name", "dtype", "backend", "cuda_graphs", "overlap_decode", "tensor_parallel",
-            "prompt_len", "gen_len", "batch", "samples", "seed", "schedule")
+RUN_KEYS = ("model", "device", "device_name", "dtype", "backend", "cuda_graphs", "overlap_decode", "kv_cache_dtype",
+            "tensor_parallel", "prompt_len", "gen_len", "batch", "samples", "seed", "schedule")
 """What two single-mode results must share to be merged into one comparison."""
 SPARE_BLOCKS = 16
 TEARDOWN_GRACE_S = 15.0
@@ -51,13 +51,13 @@ def bench_schedule(schedule_name: str, budget: int | None) -> SparsitySchedule:
     return load_schedule(schedule_name) if budget is None else SparsitySchedule.fixed_budget(budget, "--budget")
 
 
-def largest_batch(model, total: int, samples: int, memory_fraction: float) -> int:
+def largest_batch(model, total: int, samples: int, memory_fraction: float, kv_cache_dtype: str = "auto") -> int:
     """`--batch auto`: the most whole groups of `samples` whose `total`-token KV fits the free GPU memory."""
     from .rollout_paper import protocol_batch
 
     if model.device.type != "cuda":
         raise ValueError("--batch auto sizes the batch from free GPU memory; give a number on the CPU")
-    return protocol_batch(model, DEFAULT_LAYOUT, total, samples, memory_fraction)
+    return protocol_batch(model, DEFAULT_LAYOUT, total, samples, memory_fraction, kv_cache_dtype)
 
 
 def build_engine(args, model, batch: int):
@@ -69,7 +69,7 @@ def build_engine(args, model, batch: int):
     config = NativeEngineConfig(
         device=str(model.device), dtype=args.dtype, attention_backend=args.attention_backend, max_num_seqs=batch,
         cuda_graphs=False if args.no_cuda_graphs else graphs, tensor_parallel_size=args.tensor_parallel,
-        overlap_decode=args.overlap_decode,
+        overlap_decode=args.overlap_decode, kv_cache_dtype=args.kv_cache_dtype,
         num_kv_blocks=batch * DEFAULT_LAYOUT.blocks_for(total + 1) + SPARE_BLOCKS,
         max_model_len=min(total + DEFAULT_LAYOUT.block_size, model.rope.cos.shape[0]),
         prefill_chunk_size=max(2048, args.prompt_len),
@@ -81,7 +81,7 @@ def build_engine(args, model, batch: int):
 
 
 def replayed_steps(model, batch: int, total: int, schedule: SparsitySchedule | None, profile: list[dict],
-                   points: int, replays: int = 20) -> list[dict]:
+                   points: int, replays: int = 20, kv_cache_dtype: str = "auto") -> list[dict]:
     """The real run's median step in `points` windows of its profile next to the graph-replayed step (model +
     sampler) at the window's middle context on a filled cache of the same batch."""
     from .filled import FilledDecode, free_gpu_memory
@@ -90,7 +90,7 @@ def replayed_steps(model, batch: int, total: int, schedule: SparsitySchedule | N
     picks = [profile[round(i * (len(profile) - 1) / max(points - 1, 1))] for i in range(min(points, len(profile)))]
     contexts = [(w["first_context"] + w["last_context"]) // 2 for w in picks]
     free_gpu_memory()
-    filled = FilledDecode(model, DEFAULT_LAYOUT, batch, total + 1)
+    filled = FilledDecode(model, DEFAULT_LAYOUT, batch, total + 1, kv_cache_dtype=kv_cache_dtype)
     times = measure_step_times(filled, schedule, [(c, c) for c in contexts], replays)
     filled.release()
     return [{"context": c, "real_ms": w["median_ms"], "replayed_ms": times[c], "real_over_replayed": w["median_ms"] / times[c]}
@@ -197,7 +197,8 @@ def measure(args, device: torch.device) -> dict:
     except ValueError as exc:
         raise ValueError(f"{exc} (--prompt-len + --gen-len = {total}, --tensor-parallel {args.tensor_parallel})") from None
     tp = model.tensor_parallel
-    batch = largest_batch(model, total, args.samples, args.memory_fraction) if args.batch == "auto" else int(args.batch)
+    batch = (largest_batch(model, total, args.samples, args.memory_fraction, args.kv_cache_dtype) if args.batch == "auto"
+             else int(args.batch))
     if tp is not None:  # every rank must run the same batch: the smallest any rank's memory holds
         batch = tp.smallest(batch, device)
     if batch % args.samples:
@@ -227,13 +228,14 @@ def measure(args, device: torch.device) -> dict:
     if args.replayed:
         for mode, sched in modes:
             results[mode]["replayed"] = replayed_steps(model, batch, total, sched, results[mode]["step_profile"],
-                                                       args.replayed)
+                                                       args.replayed, kv_cache_dtype=args.kv_cache_dtype)
     report = {
         "command": "sparrow bench " + " ".join(sys.argv[sys.argv.index("rollout"):] if "rollout" in sys.argv else sys.argv[1:]), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "model": args.model, "device": device.type,
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads() if device.type == "cpu" else None,
         "backend": stats["attention_backend"], "cuda_graphs": stats["cuda_graphs"],
+        "kv_cache_dtype": stats["kv_cache_dtype"],
         "overlap_decode": args.overlap_decode, "tensor_parallel": args.tensor_parallel,
         "prompt_len": args.prompt_len, "gen_len": args.gen_len, "batch": batch, "samples": args.samples, "seed": args.seed,
         "schedule": schedule.name, "modes": results,
@@ -285,6 +287,7 @@ def render(report: dict) -> str:
     ranks = f" x{tp} (tensor parallel)" if tp > 1 else ""
     lines = [f"{report['model']} on {report['device_name']}{ranks}{threads} ({report['dtype']}, {report['backend']} attention"
              f"{', CUDA graphs' if report['cuda_graphs'] else ''}"
+             f"{', FP8 KV pages' if report.get('kv_cache_dtype', 'auto') != 'auto' else ''}"
              f"{', overlapped decode' if report.get('overlap_decode') else ''}), batch {report['batch']} "
              f"({report['batch'] // report['samples']} prompts x {report['samples']}), prompt {report['prompt_len']} "
              f"+ gen {report['gen_len']} tokens",

@@ -19,10 +19,10 @@ from .real_run import protocol_requests, real_rollout
 
 
 def protocol_batch(model: DecoderModel, attention: SparseAttentionConfig, max_len: int, samples: int,
-                   memory_fraction: float) -> int:
+                   memory_fraction: float, kv_cache_dtype: str = "auto") -> int:
     """The most sequences, in whole groups of `samples`, whose `max_len`-token KV fits in
     `memory_fraction` of the free memory (what a continuous-batching engine would keep running)."""
-    per_seq = attention.blocks_for(max_len) * bytes_per_block(model.spec, attention, model.dtype)
+    per_seq = attention.blocks_for(max_len) * bytes_per_block(model.spec, attention, model.dtype, kv_cache_dtype)
     fits = int(memory_fraction * free_gpu_memory() // per_seq)
     if fits < samples:
         raise ValueError(f"one group of {samples} sequences of {max_len} tokens does not fit ({fits} sequences do)")

@@ -1,0 +1,42 @@
+"""FP8 (e4m3) KV pages: each stored key and value vector (one token, one KV head) with its own float32 scale.
+
+A scale per vector needs no calibration pass and no model-specific range: the vector's largest element maps to
+e4m3's largest finite value (448), so nothing overflows, and rounding moves each element by at most 2^-4 of its
+magnitude. The scales add 4 bytes per stored vector (3 % of a 128-dim fp8 vector): pages and scales take 0.52 of
+bfloat16's bytes per token (0.53 with the landmarks, at Qwen3-1.7B's shape), so one GPU holds ~1.9x the sequences.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+FP8_KV_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
+"""`kv_cache_dtype` values: auto = the model's dtype."""
+
+
+@dataclass(frozen=True)
+class KVScales:
+    """The scales of one layer's FP8 pages, `[num_blocks, H_kv, block_size]` float32 each."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+
+def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`x: [..., D]` → (e4m3 `[..., D]`, float32 scales `[...]`); an all-zero vector gets scale 0."""
+    amax = x.float().abs().amax(dim=-1)
+    scale = amax / FP8_MAX
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return (x.float() / safe[..., None]).to(FP8_KV_DTYPE), scale
+
+
+def dequantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """e4m3 `[..., D]` and its scales `[...]` → `dtype` (float32 or wider for attention's accumulation)."""
+    return (x.float() * scale[..., None]).to(dtype)
+
+
+def round_trip(x: torch.Tensor) -> torch.Tensor:
+    """What attention reads back after `x` was stored in FP8 pages (the teacher-forced replay of an FP8 rollout)."""
+    return dequantize(*quantize(x), x.dtype)
