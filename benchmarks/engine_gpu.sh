@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU session for the native engine: GPU tests (engine + Triton kernels), the block-selection sweep (stage
-# `select`, opt-in), `bench decode-step`, `bench rollout-paper`.
+# `select`, opt-in), `bench decode-step` (and over FP8 KV pages: stage `decode-fp8`, opt-in), `bench rollout-paper`.
 # Usage (repo root, CUDA machine): benchmarks/engine_gpu.sh [rollout-paper options]; logs and JSON go to $OUT.
 # Each stage has a time cap, so one that hangs or runs long leaves the others their time; STAGES picks stages.
 set -uo pipefail
@@ -18,5 +18,7 @@ mkdir -p "$OUT"
   | tee "$OUT/select-sweep.log"
 [[ " $STAGES " == *" decode "* ]] && timeout "$DECODE_S" python3 -m sparrow.rollout_workers.native.bench decode-step --out "$OUT/decode-step.json" 2>&1 \
   | tee "$OUT/decode-step.log"
+[[ " $STAGES " == *" decode-fp8 "* ]] && timeout "$DECODE_S" python3 -m sparrow.rollout_workers.native.bench decode-step \
+  --kv-cache-dtype fp8_e4m3 --out "$OUT/decode-step-fp8.json" 2>&1 | tee "$OUT/decode-step-fp8.log"
 [[ " $STAGES " == *" rollout "* ]] && timeout "$ROLLOUT_S" python3 -m sparrow.rollout_workers.native.bench rollout-paper --out "$OUT/rollout-paper.json" "$@" 2>&1 \
   | tee "$OUT/rollout-paper.log"
