@@ -13,7 +13,15 @@ import torch
 from sparrow.layout import SparseAttentionConfig
 
 from .backend import AttentionBackend
-from .reference import KVScales, dequantize, quantize, score_paged_blocks, select_blocks, stored_keys, update_landmarks
+from .reference import (
+    KVScales,
+    dequantize,
+    read_pages,
+    score_paged_blocks,
+    select_blocks,
+    store_pages,
+    update_landmarks,
+)
 
 
 class TorchBackend(AttentionBackend):
@@ -27,12 +35,7 @@ class TorchBackend(AttentionBackend):
         if not bool(live.all()):
             slots, k, v = slots[live], k[live], v[live]
         blocks, offsets = slots // bs, slots % bs
-        if kv_scales is None:
-            k_cache[blocks, :, offsets] = k.to(k_cache.dtype)
-            v_cache[blocks, :, offsets] = v.to(v_cache.dtype)
-        else:
-            k_cache[blocks, :, offsets], kv_scales.k[blocks, :, offsets] = quantize(k)
-            v_cache[blocks, :, offsets], kv_scales.v[blocks, :, offsets] = quantize(v)
+        store_pages(k_cache, v_cache, blocks, offsets, k, v, kv_scales)
         if landmarks is None:
             return
         k_scale = None if kv_scales is None else kv_scales.k
@@ -42,7 +45,7 @@ class TorchBackend(AttentionBackend):
         # A mean landmark changes only when its block's last slot is written (slots are distinct).
         full = blocks[offsets == bs - 1]
         acc = torch.promote_types(landmarks.dtype, torch.float32)
-        landmarks[full] = stored_keys(k_cache, k_scale, full, acc).mean(dim=2).to(landmarks.dtype)
+        landmarks[full] = read_pages(k_cache, k_scale, full, acc).mean(dim=2).to(landmarks.dtype)
 
     def decode(self, q, k_cache, v_cache, landmarks, block_tables, seq_lens, budgets, config, scale, kv_scales=None):
         bs = k_cache.shape[2]

@@ -14,8 +14,8 @@ from .causal import (
     sparse_causal_mask,
     sparse_rows_mask,
 )
-from .kv_quant import FP8_KV_DTYPE, KV_CACHE_DTYPES, KVScales, dequantize, quantize, round_trip
-from .landmarks import landmarks_from_keys, stored_keys, update_landmarks, write_kv
+from .kv_quant import FP8_KV_DTYPE, KV_CACHE_DTYPES, KVScales, dequantize, quantize, read_pages, round_trip
+from .landmarks import landmarks_from_keys, store_pages, update_landmarks, write_kv
 from .scoring import group_mean_queries, score_landmarks, score_paged_blocks
 from .selection import select_blocks, selected_blocks_mask
 from .sparse_decode import block_sparse_decode
@@ -36,6 +36,7 @@ __all__ = [
     "landmarks_from_keys",
     "paged_decode_attention",
     "quantize",
+    "read_pages",
     "round_trip",
     "score_landmarks",
     "score_paged_blocks",
@@ -44,7 +45,7 @@ __all__ = [
     "selected_blocks_mask",
     "sparse_causal_mask",
     "sparse_rows_mask",
-    "stored_keys",
+    "store_pages",
     "update_landmarks",
     "write_kv",
 ]

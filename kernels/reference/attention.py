@@ -2,7 +2,7 @@
 
 import torch
 
-from .kv_quant import KVScales, dequantize
+from .kv_quant import KVScales, read_pages
 
 
 def dense_block_ids(num_blocks: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
@@ -45,12 +45,9 @@ def paged_decode_attention(
     logical = block_ids.clamp(min=0)
     physical = torch.gather(block_tables.long(), 1, logical.flatten(1)).view_as(logical)
     heads = torch.arange(num_kv_heads, device=q.device)[None, :, None]
-    if kv_scales is None:
-        keys = k_cache[physical, heads].to(acc)  # [B, H_kv, K, bs, D]
-        values = v_cache[physical, heads].to(acc)
-    else:
-        keys = dequantize(k_cache[physical, heads], kv_scales.k[physical, heads], acc)
-        values = dequantize(v_cache[physical, heads], kv_scales.v[physical, heads], acc)
+    k_scale, v_scale = (None, None) if kv_scales is None else (kv_scales.k, kv_scales.v)
+    keys = read_pages(k_cache, k_scale, (physical, heads), acc)  # [B, H_kv, K, bs, D]
+    values = read_pages(v_cache, v_scale, (physical, heads), acc)
     tokens = logical[..., None] * block_size + torch.arange(block_size, device=q.device)
     valid = valid_block[..., None] & (tokens < seq_lens[:, None, None, None])
 

@@ -37,6 +37,12 @@ def dequantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torc
     return (x.float() * scale[..., None]).to(dtype)
 
 
+def read_pages(cache: torch.Tensor, scale: torch.Tensor | None, index, dtype: torch.dtype) -> torch.Tensor:
+    """`cache[index]` as attention reads it, in `dtype`; FP8 pages (`scale` given) dequantized with `scale[index]`."""
+    pages = cache[index]
+    return pages.to(dtype) if scale is None else dequantize(pages, scale[index], dtype)
+
+
 def round_trip(x: torch.Tensor) -> torch.Tensor:
     """What attention reads back after `x` was stored in FP8 pages (the teacher-forced replay of an FP8 rollout)."""
     return dequantize(*quantize(x), x.dtype)

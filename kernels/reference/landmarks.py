@@ -15,7 +15,7 @@ the model's dtype and are computed from the keys as stored (dequantized), which 
 
 import torch
 
-from .kv_quant import KVScales, dequantize, quantize
+from .kv_quant import KVScales, quantize, read_pages
 
 
 def write_kv(
@@ -26,27 +26,25 @@ def write_kv(
     k: torch.Tensor,
     v: torch.Tensor,
     mode: str = "mean",
-    scales: KVScales | None = None,
+    kv_scales: KVScales | None = None,
 ) -> None:
     """Store `k, v: [T, H_kv, D]` at `slots: [T]` and refresh the landmarks of the touched blocks."""
     block_size = k_cache.shape[2]
     slots = slots.long()
     blocks, offsets = slots // block_size, slots % block_size
-    if scales is None:
+    store_pages(k_cache, v_cache, blocks, offsets, k, v, kv_scales)
+    if landmarks is not None:
+        update_landmarks(k_cache, landmarks, blocks, offsets, mode, None if kv_scales is None else kv_scales.k)
+
+
+def store_pages(k_cache, v_cache, blocks, offsets, k, v, kv_scales: KVScales | None) -> None:
+    """Put `k, v: [T, H_kv, D]` at (blocks, offsets): cast to the cache's dtype, or quantized with their scales."""
+    if kv_scales is None:
         k_cache[blocks, :, offsets] = k.to(k_cache.dtype)
         v_cache[blocks, :, offsets] = v.to(v_cache.dtype)
     else:
-        k_cache[blocks, :, offsets], scales.k[blocks, :, offsets] = quantize(k)
-        v_cache[blocks, :, offsets], scales.v[blocks, :, offsets] = quantize(v)
-    if landmarks is not None:
-        update_landmarks(k_cache, landmarks, blocks, offsets, mode, None if scales is None else scales.k)
-
-
-def stored_keys(k_cache: torch.Tensor, k_scale: torch.Tensor | None, blocks: torch.Tensor,
-                dtype: torch.dtype) -> torch.Tensor:
-    """The keys of `blocks` as attention reads them, in `dtype`: `[n, H_kv, block_size, D]`."""
-    keys = k_cache[blocks]
-    return keys.to(dtype) if k_scale is None else dequantize(keys, k_scale[blocks], dtype)
+        k_cache[blocks, :, offsets], kv_scales.k[blocks, :, offsets] = quantize(k)
+        v_cache[blocks, :, offsets], kv_scales.v[blocks, :, offsets] = quantize(v)
 
 
 def update_landmarks(
@@ -65,11 +63,11 @@ def update_landmarks(
         full = touched[last == block_size - 1]
         if full.numel():
             acc = torch.promote_types(landmarks.dtype, torch.float32)
-            landmarks[full] = stored_keys(k_cache, k_scale, full, acc).mean(dim=2).to(landmarks.dtype)
+            landmarks[full] = read_pages(k_cache, k_scale, full, acc).mean(dim=2).to(landmarks.dtype)
         return
     if mode != "minmax":
         raise ValueError(f"landmark mode {mode!r}: use 'mean' or 'minmax'")
-    keys = stored_keys(k_cache, k_scale, touched, landmarks.dtype)  # [n, H, bs, D]
+    keys = read_pages(k_cache, k_scale, touched, landmarks.dtype)  # [n, H, bs, D]
     valid = (torch.arange(block_size, device=keys.device)[None, :] <= last[:, None])[:, None, :, None]
     kmax = keys.masked_fill(~valid, float("-inf")).amax(dim=2)
     kmin = keys.masked_fill(~valid, float("inf")).amin(dim=2)

@@ -14,7 +14,7 @@ from sparrow.kernels import AttentionBackend, SparseAttentionConfig
 from sparrow.kernels.reference import (
     SparseRows,
     block_sparse_causal_sdpa,
-    dequantize,
+    read_pages,
     round_trip,
     sdpa,
     sparse_rows_mask,
@@ -67,12 +67,9 @@ class PagedPrefill:
                 kc, vc = (k[c.rows], v[c.rows]) if kv_scales is None else (round_trip(k[c.rows]), round_trip(v[c.rows]))
                 out[c.rows] = sdpa(qc, kc, vc, causal=True)
                 continue
-            keys, values = k_cache[c.block_table], v_cache[c.block_table]
-            if kv_scales is not None:
-                keys = dequantize(keys, kv_scales.k[c.block_table], q.dtype)
-                values = dequantize(values, kv_scales.v[c.block_table], q.dtype)
-            keys = keys.transpose(1, 2).flatten(0, 1)[: c.end]  # [end, H_kv, D]
-            values = values.transpose(1, 2).flatten(0, 1)[: c.end]
+            k_scale, v_scale = (None, None) if kv_scales is None else (kv_scales.k, kv_scales.v)
+            keys = read_pages(k_cache, k_scale, c.block_table, q.dtype).transpose(1, 2).flatten(0, 1)[: c.end]
+            values = read_pages(v_cache, v_scale, c.block_table, q.dtype).transpose(1, 2).flatten(0, 1)[: c.end]
             if budgets is None:
                 causal = torch.arange(c.end, device=q.device)[None, :] <= c.positions[:, None]
                 mask = causal[None]

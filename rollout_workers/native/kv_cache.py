@@ -20,16 +20,18 @@ def page_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
     return dtype if kv_cache_dtype == "auto" else FP8_KV_DTYPE
 
 
+def vector_bytes(head_dim: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+    """Bytes of one stored key or value vector (one token, one KV head): FP8 pages add its float32 scale."""
+    return head_dim * page_dtype(kv_cache_dtype, dtype).itemsize + (0 if kv_cache_dtype == "auto" else 4)
+
+
 def bytes_per_block(spec: ModelSpec, attention: SparseAttentionConfig, dtype: torch.dtype,
                     kv_cache_dtype: str = "auto") -> int:
     """Bytes of one block in every layer: K/V pages (and FP8 scales), plus the sparse layers' landmarks."""
-    size = torch.empty((), dtype=dtype).element_size()
     vectors = 2 * spec.num_layers * spec.num_kv_heads * attention.block_size
-    pages = vectors * spec.head_dim * torch.empty((), dtype=page_dtype(kv_cache_dtype, dtype)).element_size()
-    scales = 0 if kv_cache_dtype == "auto" else vectors * 4
     sparse_layers = sum(1 for i in range(spec.num_layers) if not attention.is_dense_layer(i))
-    landmarks = sparse_layers * spec.num_kv_heads * attention.landmark_width(spec.head_dim) * size
-    return pages + scales + landmarks
+    landmarks = sparse_layers * spec.num_kv_heads * attention.landmark_width(spec.head_dim) * dtype.itemsize
+    return vectors * vector_bytes(spec.head_dim, dtype, kv_cache_dtype) + landmarks
 
 
 class KVCache:

@@ -3,6 +3,7 @@
 from sparrow.kernels import SparseAttentionConfig
 from sparrow.schedule import SparsitySchedule
 
+from ..kv_cache import vector_bytes
 from ..model import DecoderModel
 from ..shapes import spec_for_shape
 from .common import DTYPE
@@ -24,8 +25,7 @@ def step_bytes(model: DecoderModel, attention: SparseAttentionConfig, batch: int
     their fp32 scores (written once, read once)."""
     spec, item = model.spec, model.dtype.itemsize
     bs = attention.block_size
-    per_vector = spec.head_dim * item if kv_cache_dtype == "auto" else spec.head_dim + 4
-    kv_tok = spec.num_kv_heads * 2 * per_vector  # K and V of one token in one layer
+    kv_tok = 2 * spec.num_kv_heads * vector_bytes(spec.head_dim, model.dtype, kv_cache_dtype)  # K, V: a token, a layer
     n = attention.blocks_for(context)
     dense_layers = sum(1 for i in range(spec.num_layers) if attention.is_dense_layer(i))
     sparse_layers = spec.num_layers - dense_layers
