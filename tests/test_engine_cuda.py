@@ -135,12 +135,18 @@ def test_graph_replay_equals_eager_across_bins_and_a_hot_update(tiny_qwen3, num_
 
 @gpu
 def test_fp8_kv_graph_replay_equals_the_torch_backend(tiny_qwen3):
-    """FP8 pages on CUDA: the Triton kernels under CUDA graphs decode what the torch backend decodes eagerly."""
+    """FP8 pages on CUDA: the Triton kernels under CUDA graphs decode what the torch backend decodes eagerly: the
+    same tokens and blocks, and the same log-probs except where FP8 amplifies float32's last bits. The two backends'
+    keys differ in their last bits (fused vs plain kernels; < 1e-3 in log-prob without FP8), and an element on an
+    e4m3 rounding boundary then lands one step (1/16–1/8 of its size) apart: measured on an H100, max 0.148."""
     pytest.importorskip("sparrow.kernels.triton")
     config = dict(device="cuda", dtype="float32", num_kv_blocks=256, max_num_seqs=6, kv_cache_dtype="fp8_e4m3")
     graphs = NativeEngine.from_pretrained(tiny_qwen3, attention_backend="triton", cuda_graphs=True, **config)
     eager = NativeEngine.from_pretrained(tiny_qwen3, attention_backend="torch", **config)
-    assert_same_samples(drive(eager), drive(graphs), 1e-3)
+    eager_samples, graph_samples = drive(eager), drive(graphs)
+    assert_same_samples(eager_samples, graph_samples, 0.25)
+    gaps = torch.cat([(a.logprobs - b.logprobs).abs() for a, b in zip(eager_samples, graph_samples)])
+    assert gaps.median().item() <= 1e-3, f"median log-prob gap {gaps.median().item():.2e}: more than boundary flips"
     assert graphs.stats()["cuda_graphs_captured"] >= 2
 
 

@@ -7,6 +7,7 @@ from test_engine_backend import random_paged_batch
 
 from sparrow.kernels import ReferenceBackend, SparseAttentionConfig, TorchBackend
 from sparrow.kernels.reference import FP8_KV_DTYPE, KVScales, landmarks_from_keys, quantize, round_trip
+from sparrow.kernels.reference.kv_quant import FP8_MAX, INV_FP8_MAX
 from sparrow.rollout_workers.api import RolloutRequest, SamplingParams
 from sparrow.rollout_workers.native import NativeEngine, NativeEngineConfig
 from sparrow.rollout_workers.native.kv_cache import bytes_per_block
@@ -27,6 +28,19 @@ def test_rounding_is_within_e4m3s_step_of_each_element():
     # 3 mantissa bits: half a step is 2^-4 of the value for normals, 2^-10 (half the subnormal step) below 2^-6.
     assert bool((scaled_error <= torch.maximum(scaled * 2**-4, torch.full_like(scaled, 2**-10)) + 1e-6).all())
     assert float(scaled.amax(dim=1)[1:].min()) == pytest.approx(448.0)
+
+
+def test_scale_is_the_same_float32_product_on_every_device():
+    """amax * float32(1/448), not amax / 448: torch on CUDA divides by a Python scalar through its reciprocal and
+    the CPU divides, so a quotient would differ in the last bit between the devices (and from the Triton kernel),
+    and a one-ulp scale moves elements on e4m3 rounding boundaries by a whole step (seen on an H100)."""
+    assert torch.tensor(INV_FP8_MAX, dtype=torch.float32).item() == INV_FP8_MAX  # exact in float32
+    x = torch.randn(4096, 64, generator=torch.Generator().manual_seed(1))
+    _, scale = quantize(x)
+    product = x.abs().amax(dim=1) * torch.tensor(INV_FP8_MAX, dtype=torch.float32)
+    assert torch.equal(scale, product)
+    quotient = x.abs().amax(dim=1) / FP8_MAX
+    assert not torch.equal(product, quotient)  # the two definitions do differ on some vectors
 
 
 @pytest.mark.parametrize("landmark", ["mean", "minmax"])

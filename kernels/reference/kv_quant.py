@@ -12,6 +12,10 @@ import torch
 
 FP8_KV_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
+INV_FP8_MAX = float(torch.tensor(1.0 / FP8_MAX, dtype=torch.float32))
+"""A scale is `amax * INV_FP8_MAX` (float32-exact), not `amax / FP8_MAX`: torch on CUDA divides by a Python scalar
+as a multiplication by its reciprocal, on the CPU it divides, so only the product is the same number everywhere
+(this reference, the torch backend on either device, the Triton kernel)."""
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 """`kv_cache_dtype` values: auto = the model's dtype."""
 
@@ -27,7 +31,7 @@ class KVScales:
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`x: [..., D]` → (e4m3 `[..., D]`, float32 scales `[...]`); an all-zero vector gets scale 0."""
     amax = x.float().abs().amax(dim=-1)
-    scale = amax / FP8_MAX
+    scale = amax * INV_FP8_MAX
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     return (x.float() / safe[..., None]).to(FP8_KV_DTYPE), scale
 

@@ -18,9 +18,11 @@ import triton
 import triton.language as tl
 
 from ..reference import KVScales
+from ..reference.kv_quant import INV_FP8_MAX
 from .attention import cache_strides, scale_strides
 
 MODE_NONE, MODE_MEAN, MODE_MINMAX = 0, 1, 2
+_INV_FP8_MAX = tl.constexpr(INV_FP8_MAX)
 
 
 @triton.jit
@@ -31,7 +33,8 @@ def _e4m3_grid(y):
     bits = y.to(tl.int32, bitcast=True)
     normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)  # 3 mantissa bits
     magnitude = (tl.abs(y) + 24576.0) - 24576.0  # 1.5 * 2^14: rounds to a multiple of 2^-9, e4m3's subnormal step
-    subnormal = tl.where(bits < 0, -magnitude, magnitude)  # the sign kept, -0.0 included
+    # the sign put back by its bit: a negation compiles to 0 - x on the GPU, which turns -0.0 into +0.0
+    subnormal = (magnitude.to(tl.int32, bitcast=True) | ((bits >> 31) << 31)).to(tl.float32, bitcast=True)
     return tl.where(tl.abs(y) < 0.015625, subnormal, normal)
 
 
@@ -55,9 +58,9 @@ def _write_kv_kernel(
     key = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=dm, other=0.0)
     val = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=dm, other=0.0)
     if FP8:
-        # IEEE divisions (div_rn; `/` is approximate on GPUs), so the bits equal the reference's
-        key_scale = tl.math.div_rn(tl.max(tl.abs(key.to(tl.float32)), axis=0), 448.0)
-        val_scale = tl.math.div_rn(tl.max(tl.abs(val.to(tl.float32)), axis=0), 448.0)
+        # the reference's scale (a product, see INV_FP8_MAX) and IEEE divisions (`/` is approximate on GPUs)
+        key_scale = tl.max(tl.abs(key.to(tl.float32)), axis=0) * _INV_FP8_MAX
+        val_scale = tl.max(tl.abs(val.to(tl.float32)), axis=0) * _INV_FP8_MAX
         key = _e4m3_grid(tl.math.div_rn(key.to(tl.float32), tl.where(key_scale > 0, key_scale, 1.0)))
         val = _e4m3_grid(tl.math.div_rn(val.to(tl.float32), tl.where(val_scale > 0, val_scale, 1.0)))
         scale_at = blk * stride_sb + h * stride_sh + off
@@ -88,7 +91,7 @@ def _write_kv_kernel(
             k_old = tl.load(k_cache_ptr + block_base + j[:, None] * stride_ct + d[None, :], mask=m_cache, other=0.0)
             if FP8:  # the keys as stored: this call's rounded through e4m3, the cache's dequantized
                 k_in = k_in.to(tl.float32)
-                in_scale = tl.math.div_rn(tl.max(tl.abs(k_in), axis=1), 448.0)
+                in_scale = tl.max(tl.abs(k_in), axis=1) * _INV_FP8_MAX
                 in_safe = tl.where(in_scale > 0, in_scale, 1.0)
                 k_in = _e4m3_grid(tl.math.div_rn(k_in, in_safe[:, None])) * in_scale[:, None]
                 old_scale = tl.load(k_scale_ptr + blk * stride_sb + h * stride_sh + j, mask=from_cache, other=0.0)
