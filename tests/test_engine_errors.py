@@ -121,3 +121,36 @@ def test_bench_rollout_one_mode_per_run_then_merge(tmp_path, capsys):
     assert json.loads((tmp_path / "fp8.json").read_text())["kv_cache_dtype"] == "fp8_e4m3"
     assert main(["bench", "rollout-merge", str(tmp_path / "dense.json"), str(tmp_path / "fp8.json")]) == 2
     assert "kv_cache_dtype='fp8_e4m3' but" in capsys.readouterr().err
+
+
+def test_a_truncated_run_is_compared_over_the_steps_both_modes_made(tmp_path, capsys):
+    """A dense run stopped at its time cap misses its slowest steps: the merge also reports sparse / dense over the
+    whole step windows both runs have, and a run with no finished sample shows no blocks per token."""
+    from sparrow.rollout_workers.native.bench.real_run import STEP_WINDOW, common_steps_speedup
+
+    def profile(ms_per_window, last_steps=STEP_WINDOW):
+        windows = [{"first_context": 257 + i * STEP_WINDOW, "last_context": 256 + (i + 1) * STEP_WINDOW,
+                    "median_ms": ms, "mean_ms": ms} for i, ms in enumerate(ms_per_window)]
+        windows[-1]["last_context"] = windows[-1]["first_context"] + last_steps - 1
+        return windows
+
+    dense, sparse = profile([10.0, 20.0, 30.0], last_steps=100), profile([5.0, 8.0, 8.0, 9.0])
+    common = common_steps_speedup(dense, sparse)
+    assert common["steps"] == 2 * STEP_WINDOW  # dense's partial third window is left out
+    assert common["dense_s"] == pytest.approx(30.0 * STEP_WINDOW / 1e3)
+    assert common["speedup"] == pytest.approx(30.0 / 13.0)
+    assert common_steps_speedup(profile([1.0], last_steps=3), sparse)["speedup"] is None
+    args = ["bench", "rollout", "--model", "tiny", "--prompt-len", "40", "--gen-len", "6", "--batch", "2", "--budget", "3"]
+    for mode in ("dense", "sparse"):
+        assert main([*args, "--mode", mode, "--out", str(tmp_path / f"{mode}.json")]) == 0
+    report = json.loads((tmp_path / "dense.json").read_text())
+    report["modes"]["dense"] |= {"truncated": True, "mean_blocks": None, "step_profile": dense}
+    (tmp_path / "dense.json").write_text(json.dumps(report))
+    report = json.loads((tmp_path / "sparse.json").read_text())
+    report["modes"]["sparse"]["step_profile"] = sparse
+    (tmp_path / "sparse.json").write_text(json.dumps(report))
+    capsys.readouterr()
+    assert main(["bench", "rollout-merge", str(tmp_path / "dense.json"), str(tmp_path / "sparse.json")]) == 0
+    out = capsys.readouterr().out
+    assert f"over the first {2 * STEP_WINDOW} decode steps both made, sparse / dense 2.31x" in out
+    assert out.splitlines()[3].split()[-2:] == ["-", "yes"]

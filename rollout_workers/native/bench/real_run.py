@@ -30,6 +30,23 @@ def step_profile(contexts: list[int], step_s: list[float], window: int = STEP_WI
     return out
 
 
+def common_steps_speedup(dense: list[dict], sparse: list[dict]) -> dict:
+    """sparse / dense over the decode steps both runs made, from their step profiles' whole windows. A run stopped
+    at its time cap lacks its longest-context (slowest) steps, so whole-run tok/s would flatter it."""
+    def window_steps(w):
+        return w["last_context"] - w["first_context"] + 1
+
+    whole = 0
+    for d, s in zip(dense, sparse):
+        if not (d["first_context"] == s["first_context"] and window_steps(d) == window_steps(s) == STEP_WINDOW):
+            break
+        whole += 1
+    seconds = {name: sum(w["mean_ms"] * window_steps(w) for w in profile[:whole]) / 1e3
+               for name, profile in (("dense", dense), ("sparse", sparse))}
+    return {"steps": whole * STEP_WINDOW, "dense_s": seconds["dense"], "sparse_s": seconds["sparse"],
+            "speedup": seconds["dense"] / seconds["sparse"] if whole else None}
+
+
 def real_rollout(engine, requests: list[RolloutRequest], time_cap_s: float | None = None, progress=None,
                  agree=None) -> dict:
     """Generate `requests` step by step; stopped (and marked truncated) once `time_cap_s` has passed.
@@ -82,5 +99,5 @@ def real_rollout(engine, requests: list[RolloutRequest], time_cap_s: float | Non
             "last_step_ms": 1e3 * (step_s[-1] if step_s else 0.0),  # the step that finishes the samples
             "decode_tok_s": d["decode_tokens"] / max(d["decode_seconds"], 1e-9),
             "total_tok_s": d["tokens_generated"] / max(d["prefill_seconds"] + d["decode_seconds"], 1e-9),
-            "errors": errors, "mean_blocks": blocks / max(tokens, 1),
+            "errors": errors, "mean_blocks": blocks / tokens if tokens else None,  # None: no sample finished
             "step_profile": step_profile(contexts, step_s)}

@@ -32,7 +32,7 @@ from sparrow.layout import DEFAULT_LAYOUT
 from sparrow.schedule import SparsitySchedule, load_schedule
 from sparrow.tables import format_table
 
-from .real_run import protocol_requests, real_rollout
+from .real_run import common_steps_speedup, protocol_requests, real_rollout
 
 MODES = ("dense", "sparse")
 RUN_KEYS = ("model", "device", "device_name", "dtype", "backend", "cuda_graphs", "overlap_decode", "kv_cache_dtype",
@@ -255,7 +255,11 @@ def with_speedup(report: dict) -> dict:
     if all(m in modes for m in MODES):
         report["decode_speedup"] = modes["sparse"]["decode_tok_s"] / modes["dense"]["decode_tok_s"]
         report["total_speedup"] = modes["sparse"]["total_tok_s"] / modes["dense"]["total_tok_s"]
+        if any(modes[m]["truncated"] for m in MODES):
+            report["common_steps_speedup"] = common_steps_speedup(modes["dense"]["step_profile"],
+                                                                  modes["sparse"]["step_profile"])
     return report
+
 
 
 def merge(reports: list[dict], names: list[str]) -> dict:
@@ -280,7 +284,8 @@ def render(report: dict) -> str:
     modes = report["modes"]
     rows = [[mode if mode == "dense" else f"sparse ({report['schedule']})", f"{r['prefill_seconds']:.2f}",
              f"{r['decode_seconds']:.2f}", f"{r['decode_tok_s']:.1f}", f"{r['total_tok_s']:.1f}",
-             f"{r['median_step_ms']:.2f}", f"{r['mean_blocks']:.1f}", "yes" if r["truncated"] else "no"]
+             f"{r['median_step_ms']:.2f}", "-" if r["mean_blocks"] is None else f"{r['mean_blocks']:.1f}",
+             "yes" if r["truncated"] else "no"]
             for mode, r in modes.items()]
     threads = f", {report['threads']} threads" if report.get("threads") else ""
     tp = report.get("tensor_parallel", 1)
@@ -295,6 +300,10 @@ def render(report: dict) -> str:
                            "blocks/token", "truncated"], rows)]
     if "decode_speedup" in report:
         lines.append(f"sparse / dense: decode {report['decode_speedup']:.2f}x, total {report['total_speedup']:.2f}x")
+    common = report.get("common_steps_speedup")
+    if common and common["speedup"]:
+        lines.append(f"a run was truncated: over the first {common['steps']} decode steps both made, sparse / dense "
+                     f"{common['speedup']:.2f}x ({common['dense_s']:.1f} s dense, {common['sparse_s']:.1f} s sparse)")
     replay_rows = [[mode, p["context"], f"{p['real_ms']:.3f}", f"{p['replayed_ms']:.3f}", f"{p['real_over_replayed']:.3f}"]
                    for mode, r in modes.items() for p in r.get("replayed", [])]
     if replay_rows:
