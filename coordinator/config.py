@@ -394,6 +394,14 @@ class SparrowConfig(_Section):
                 "the trainer scores log-probs at the rollout temperature, so set only rollout.sampling.temperature"
             )
         self.trainer.temperature = s.temperature
+        pages = getattr(self.rollout.engine_config(), "kv_cache_dtype", "auto")
+        if "kv_cache_dtype" in self.trainer.model_fields_set and self.trainer.kv_cache_dtype != pages:
+            raise ValueError(
+                f"trainer.kv_cache_dtype={self.trainer.kv_cache_dtype!r} differs from the rollout engines' K/V pages "
+                f"({pages!r}); the trainer's sparse forward reads K/V as the engines store them, so set only "
+                "rollout.native.kv_cache_dtype"
+            )
+        self.trainer.kv_cache_dtype = pages
         for where, value in (("rollout.native.schedule", self.rollout.native.schedule),
                              ("rollout.vllm.schedule", self.rollout.vllm.schedule),
                              ("trainer.schedule", self.trainer.schedule)):

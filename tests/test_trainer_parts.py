@@ -188,6 +188,44 @@ def test_sparse_forward_matches_native_engine_teacher_forcing(tiny_qwen3):
     assert (sparse.logprobs - dense.logprobs).abs().max() > 1e-3  # the schedule really is sparse here
 
 
+def test_fp8_sparse_forward_reproduces_what_an_fp8_engine_sampled(tiny_qwen3):
+    """With FP8 KV pages the rollout policy reads rounded K/V: the trainer's sparse forward with the engines'
+    kv_cache_dtype reproduces the FP8 engine's sampled log-probs, the same forward without it does not (it would
+    measure exact α against a q the engine never sampled from); the rounding passes gradients straight through."""
+    from transformers import AutoModelForCausalLM
+
+    from sparrow.kernels import SparseAttentionConfig
+    from sparrow.rollout_workers.api import RolloutRequest, SamplingParams
+    from sparrow.rollout_workers.native import NativeEngine
+    from sparrow.schedule import SparsitySchedule
+    from sparrow.trainer import sparse_attention
+    from sparrow.trainer.forward import PolicyModule, PolicyRunner
+
+    schedule = SparsitySchedule(name="s", topk_blocks=(4,), edges=())
+    engine = NativeEngine.from_pretrained(tiny_qwen3, num_kv_blocks=128, kv_cache_dtype="fp8_e4m3", prefill_chunk_size=64)
+    engine.set_schedule(schedule)
+    prompt = tuple(range(5, 105))
+    samples = engine.generate([RolloutRequest("r", prompt, SamplingParams(max_tokens=40, ignore_eos=True, n=2, seed=1))])
+    trajs = [_traj(len(prompt), 40, k=0) for _ in samples]
+    for t, s in zip(trajs, samples):
+        t.prompt_ids, t.response_ids = torch.tensor(prompt), s.token_ids.clone()
+    mb = collate(trajs, [0, 1], pad_id=0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen3, dtype=torch.float32, attn_implementation=sparse_attention.register())
+    module = PolicyModule(model, temperature=1.0, topk=5, chunk_tokens=64)
+    fwd = PolicyRunner(module, module, torch.device("cpu"))
+    budgets = sparse_attention.query_budgets(mb.prompt_lens, 140, schedule)
+    cfg = SparseAttentionConfig(dense_layers=(0, 1))
+    with torch.no_grad():
+        gaps = {}
+        for pages in ("fp8_e4m3", "auto"):
+            logq = fwd.stats(mb, sparse_attention.SparseForward.of(cfg, budgets, [140, 140], kv_cache_dtype=pages)).logprobs
+            gaps[pages] = (logq - torch.cat([s.logprobs.float() for s in samples])).abs()
+    assert gaps["fp8_e4m3"].max() < 1e-4
+    assert gaps["auto"].max() > 1e-3
+    x = torch.randn(3, 2, 5, 16, requires_grad=True)
+    sparse_attention.as_stored(x).pow(2).sum().backward()
+    assert torch.equal(x.grad, 2 * sparse_attention.as_stored(x).detach())
+
 def test_group_refuses_a_batch_with_only_some_advantages(tiny_qwen3):
     from sparrow.trainer.group import TrainerGroup
 

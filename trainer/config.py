@@ -4,6 +4,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from sparrow.kernels.reference import KVCacheDType
 from sparrow.layout_settings import SparseLayerSettings
 
 
@@ -103,6 +104,12 @@ class TrainerConfig(BaseModel):
     logprob_chunk_tokens: int = Field(2048, ge=1, description="positions per chunk of the fp32 vocabulary log-softmax")
     gradient_checkpointing: bool = True
     temperature: float = Field(1.0, gt=0, description="rollout temperature; logprobs are of logits / temperature")
+    kv_cache_dtype: KVCacheDType = Field(
+        "auto",
+        description="the rollout engines' K/V pages: with fp8_e4m3 the sparse forward (exact α, DistillSparse) reads "
+        "K/V rounded as the engines store them (the dense policy never does); a job sets it from "
+        "rollout.native.kv_cache_dtype",
+    )
     recompute_topk: int = Field(20, ge=1, description="top-k of the dense recompute (α against the rollout's top-k)")
     exact_alpha: bool = Field(
         False,

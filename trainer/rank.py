@@ -384,7 +384,8 @@ class TrainerRank:
         """The sparse forward of a micro-batch under the schedule in force, or one schedule per row."""
         budgets = sparse_attention.query_budgets(mb.prompt_lens, mb.input_ids.shape[1], schedules or self.schedule)
         lengths = [p + r for p, r in zip(mb.prompt_lens, mb.response_lens)]
-        return sparse_attention.SparseForward.of(self.config.distill_sparse.layout_for(self.schedule), budgets, lengths, self.device)
+        return sparse_attention.SparseForward.of(self.config.distill_sparse.layout_for(self.schedule), budgets, lengths,
+                                                 self.device, self.config.kv_cache_dtype)
 
     def distill_step(self, batch: TrajectoryBatch, dense_logprobs: list[torch.Tensor]) -> dict[str, float]:
         """One LoRA update through the sparse forward (adapter on, base frozen).

@@ -6,6 +6,10 @@
 each query with the budget of its own context; any other forward (no such argument, or a dense
 layer) is plain sdpa, so one loaded model serves both the dense policy and the sparse forward.
 
+With FP8 KV pages (`kv_cache_dtype`) the engines' attention reads every K/V rounded through e4m3, so the sparse
+forward (the rollout policy q) rounds them too, in every layer, dense layers included; the gradient passes the
+rounding straight through (DistillSparse trains the adapter through it).
+
 Budgets per query position are those of the rollout engines (`SparsitySchedule.query_budgets`): dense
 at the prompt positions, the schedule's at context L = i + 1 after them. The prompts run SDPA's causal kernel,
 only the response rows run under their mask (`[B, H, R, T]`, SDPA's memory-efficient kernel on a GPU): one call
@@ -18,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from sparrow.kernels import SparseAttentionConfig
-from sparrow.kernels.reference import SparseRows, block_sparse_causal_sdpa_batch
+from sparrow.kernels.reference import KVCacheDType, SparseRows, block_sparse_causal_sdpa_batch, round_trip
 from sparrow.schedule import SparsitySchedule
 
 ATTENTION_NAME = "sparrow_block_sparse"
@@ -27,19 +31,26 @@ ATTENTION_NAME = "sparrow_block_sparse"
 @dataclass(frozen=True)
 class SparseForward:
     """What one sparse forward needs: the selection rule, `[B, T]` total blocks per query and the rows' sparse
-    queries (`SparseRows`), both on the model's device; `of` builds one from host budgets."""
+    queries (`SparseRows`), both on the model's device, and the engines' K/V pages; `of` builds one from host
+    budgets."""
 
     config: SparseAttentionConfig
     budgets: torch.Tensor
     rows: SparseRows
+    kv_cache_dtype: KVCacheDType = "auto"
 
     @classmethod
     def of(cls, config: SparseAttentionConfig, budgets: torch.Tensor, lengths: list[int],
-           device: torch.device | str = "cpu") -> "SparseForward":
+           device: torch.device | str = "cpu", kv_cache_dtype: KVCacheDType = "auto") -> "SparseForward":
         """From host budgets `[B, T]` and each row's length before its right padding (prompt + response): the
         rows' sparse queries found here and everything moved to `device` once per forward, not once per layer,
         and without stalling the GPU to read anything back."""
-        return cls(config, budgets.to(device), SparseRows.of(budgets, list(lengths), config, device))
+        return cls(config, budgets.to(device), SparseRows.of(budgets, list(lengths), config, device), kv_cache_dtype)
+
+
+def as_stored(x: torch.Tensor) -> torch.Tensor:
+    """`x` as FP8 pages give it back (`round_trip`), with the gradient of `x` itself (straight through)."""
+    return x + (round_trip(x) - x).detach()
 
 
 def query_budgets(prompt_lens: list[int], seq_len: int, schedule: SparsitySchedule | list[SparsitySchedule]) -> torch.Tensor:
@@ -54,6 +65,8 @@ def sparrow_attention(module, query, key, value, attention_mask, scaling=None, d
     """HF attention function: `query [B, H_q, T, D]`, `key/value [B, H_kv, T, D]` → `[B, T, H_q, D]`."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    if sparrow_sparse is not None and sparrow_sparse.kv_cache_dtype != "auto":
+        key, value = as_stored(key), as_stored(value)
     if sparrow_sparse is None or sparrow_sparse.config.is_dense_layer(module.layer_idx):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     budgets = sparrow_sparse.budgets

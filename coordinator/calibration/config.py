@@ -7,6 +7,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from sparrow.coordinator.tasks import TASKS
 from sparrow.cost import HARDWARE
+from sparrow.kernels.reference import KVCacheDType
 
 
 class CalibrationConfig(BaseModel):
@@ -48,7 +49,7 @@ class CalibrationConfig(BaseModel):
     recent: int = Field(2, ge=1, description="last blocks always attended")
     device: str = Field("cpu", description="cpu, cuda or cuda:N")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="auto = float32 on CPU, bfloat16 on CUDA")
-    kv_cache_dtype: Literal["auto", "fp8_e4m3"] = Field(
+    kv_cache_dtype: KVCacheDType = Field(
         "auto", description="the engine's K/V pages: fp8_e4m3 measures what FP8 KV costs in α (against the dense "
         "policy with unrounded K/V, at every budget and in the dense baseline)",
     )

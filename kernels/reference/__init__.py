@@ -14,7 +14,7 @@ from .causal import (
     sparse_causal_mask,
     sparse_rows_mask,
 )
-from .kv_quant import FP8_KV_DTYPE, KV_CACHE_DTYPES, KVScales, dequantize, quantize, read_pages, round_trip
+from .kv_quant import FP8_KV_DTYPE, KV_CACHE_DTYPES, KVCacheDType, KVScales, dequantize, quantize, read_pages, round_trip
 from .landmarks import landmarks_from_keys, store_pages, update_landmarks, write_kv
 from .scoring import group_mean_queries, score_landmarks, score_paged_blocks
 from .selection import select_blocks, selected_blocks_mask
@@ -24,6 +24,7 @@ __all__ = [
     "FP8_KV_DTYPE",
     "KVScales",
     "KV_CACHE_DTYPES",
+    "KVCacheDType",
     "SparseRows",
     "block_sparse_causal_attention",
     "block_sparse_causal_sdpa",

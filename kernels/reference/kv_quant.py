@@ -7,6 +7,7 @@ bfloat16's bytes per token (0.53 with the landmarks, at Qwen3-1.7B's shape), so 
 """
 
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import torch
 
@@ -16,8 +17,9 @@ INV_FP8_MAX = float(torch.tensor(1.0 / FP8_MAX, dtype=torch.float32))
 """A scale is `amax * INV_FP8_MAX` (float32-exact), not `amax / FP8_MAX`: torch on CUDA divides by a Python scalar
 as a multiplication by its reciprocal, on the CPU it divides, so only the product is the same number everywhere
 (this reference, the torch backend on either device, the Triton kernel)."""
-KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
+KVCacheDType = Literal["auto", "fp8_e4m3"]
 """`kv_cache_dtype` values: auto = the model's dtype."""
+KV_CACHE_DTYPES = get_args(KVCacheDType)
 
 
 @dataclass(frozen=True)

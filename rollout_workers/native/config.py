@@ -4,6 +4,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
+from sparrow.kernels.reference import KVCacheDType
 from sparrow.schedule import SparsitySchedule
 
 from ..api import SamplingParams
@@ -33,7 +34,7 @@ class NativeEngineConfig(EngineSettings):
         description="replay the decode step from CUDA graphs (one per batch-size and block-table-width bucket); "
         "None = on for CUDA with the triton backend (off under tensor parallelism: untested there), False = eager launches",
     )
-    kv_cache_dtype: Literal["auto", "fp8_e4m3"] = Field(
+    kv_cache_dtype: KVCacheDType = Field(
         "auto",
         description="K/V pages: auto = the model's dtype; fp8_e4m3 = e4m3 with one float32 scale per stored vector "
         "(0.53x bfloat16's bytes per token with the landmarks at Qwen3-1.7B's shape: ~1.9x the sequences per GPU), "
