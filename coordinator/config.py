@@ -394,7 +394,7 @@ class SparrowConfig(_Section):
                 "the trainer scores log-probs at the rollout temperature, so set only rollout.sampling.temperature"
             )
         self.trainer.temperature = s.temperature
-        pages = getattr(self.rollout.engine_config(), "kv_cache_dtype", "auto")
+        pages = self.rollout.native.kv_cache_dtype if self.rollout.engine == "native" else "auto"  # our vLLM backend: auto only
         if "kv_cache_dtype" in self.trainer.model_fields_set and self.trainer.kv_cache_dtype != pages:
             raise ValueError(
                 f"trainer.kv_cache_dtype={self.trainer.kv_cache_dtype!r} differs from the rollout engines' K/V pages "
