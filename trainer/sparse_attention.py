@@ -50,7 +50,8 @@ class SparseForward:
 
 def as_stored(x: torch.Tensor) -> torch.Tensor:
     """`x` as FP8 pages give it back (`round_trip`), with the gradient of `x` itself (straight through)."""
-    return x + (round_trip(x) - x).detach()
+    plain = x.detach()
+    return x + (round_trip(plain) - plain)  # no autograd graph through the rounding
 
 
 def query_budgets(prompt_lens: list[int], seq_len: int, schedule: SparsitySchedule | list[SparsitySchedule]) -> torch.Tensor:

@@ -261,7 +261,6 @@ def with_speedup(report: dict) -> dict:
     return report
 
 
-
 def merge(reports: list[dict], names: list[str]) -> dict:
     """Single-mode reports of the same run settings joined into one comparison; a mismatch names the key."""
     first = reports[0]
