@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from sparrow.layout import BLOCK_SIZE
+from sparrow.layout import BLOCK_SIZE, KV_CACHE_DTYPES
 
 
 def register(actions) -> None:
@@ -19,6 +19,8 @@ def register(actions) -> None:
                    help=f"KV budgets in tokens, multiples of {BLOCK_SIZE} (default 1024 2048 4096)")
     k.add_argument("--groups", type=int, nargs="+", help="query heads per KV head (default 2 4)")
     k.add_argument("--minmax-contexts", type=int, nargs="*", help="contexts also timed with min/max landmarks (default 32768)")
+    k.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES,
+                   help="K/V pages: auto = bfloat16 (default); fp8_e4m3 = e4m3 with a float32 scale per vector (ours only)")
     k.add_argument("--no-sweep", action="store_true", help="skip the attention tiling / split-K sweep")
     k.add_argument("--rep-ms", type=int, help="do_bench time per measurement in ms (default 60)")
     k.add_argument("--out", type=Path, help="JSON path (default benchmarks/results/kernels-<gpu>-<time>.json)")

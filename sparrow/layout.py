@@ -10,12 +10,17 @@ so the kernels import it on a bare GPU machine).
 """
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, get_args
 
 BLOCK_SIZE = 16
 """Tokens per KV block, Sparrow's sparsity unit. The Triton kernels and the vLLM page layout are built for it."""
 
 LandmarkMode = Literal["mean", "minmax"]
+
+KVCacheDType = Literal["auto", "fp8_e4m3"]
+"""How K/V pages store values: auto = the model's dtype; fp8_e4m3 = e4m3 with a float32 scale per stored vector
+(`sparrow.kernels.reference.kv_quant`). Here, beside the page geometry, so option parsers need no torch."""
+KV_CACHE_DTYPES = get_args(KVCacheDType)
 
 SCHEDULE_FIELDS = ("block_size", "sink", "recent")
 """The layout fields a sparsity schedule records, because its budgets depend on them."""

@@ -4,7 +4,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from sparrow.kernels.reference import KVCacheDType
+from sparrow.layout import KVCacheDType
 from sparrow.layout_settings import SparseLayerSettings
 
 

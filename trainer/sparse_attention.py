@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import torch
 
 from sparrow.kernels import SparseAttentionConfig
-from sparrow.kernels.reference import KVCacheDType, SparseRows, block_sparse_causal_sdpa_batch, round_trip
+from sparrow.kernels.reference import SparseRows, block_sparse_causal_sdpa_batch, round_trip
+from sparrow.layout import KVCacheDType
 from sparrow.schedule import SparsitySchedule
 
 ATTENTION_NAME = "sparrow_block_sparse"

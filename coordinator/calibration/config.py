@@ -7,7 +7,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from sparrow.coordinator.tasks import TASKS
 from sparrow.cost import HARDWARE
-from sparrow.kernels.reference import KVCacheDType
+from sparrow.layout import KVCacheDType
 
 
 class CalibrationConfig(BaseModel):

@@ -14,7 +14,16 @@ from .causal import (
     sparse_causal_mask,
     sparse_rows_mask,
 )
-from .kv_quant import FP8_KV_DTYPE, KV_CACHE_DTYPES, KVCacheDType, KVScales, dequantize, quantize, read_pages, round_trip
+from .kv_quant import (
+    FP8_KV_DTYPE,
+    KVScales,
+    dequantize,
+    page_dtype,
+    quantize,
+    read_pages,
+    round_trip,
+    vector_bytes,
+)
 from .landmarks import landmarks_from_keys, store_pages, update_landmarks, write_kv
 from .scoring import group_mean_queries, score_landmarks, score_paged_blocks
 from .selection import select_blocks, selected_blocks_mask
@@ -23,8 +32,6 @@ from .sparse_decode import block_sparse_decode
 __all__ = [
     "FP8_KV_DTYPE",
     "KVScales",
-    "KV_CACHE_DTYPES",
-    "KVCacheDType",
     "SparseRows",
     "block_sparse_causal_attention",
     "block_sparse_causal_sdpa",
@@ -35,6 +42,7 @@ __all__ = [
     "dequantize",
     "group_mean_queries",
     "landmarks_from_keys",
+    "page_dtype",
     "paged_decode_attention",
     "quantize",
     "read_pages",
@@ -46,6 +54,7 @@ __all__ = [
     "selected_blocks_mask",
     "sparse_causal_mask",
     "sparse_rows_mask",
+    "vector_bytes",
     "store_pages",
     "update_landmarks",
     "write_kv",

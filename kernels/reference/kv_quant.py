@@ -7,9 +7,10 @@ bfloat16's bytes per token (0.53 with the landmarks, at Qwen3-1.7B's shape), so 
 """
 
 from dataclasses import dataclass
-from typing import Literal, get_args
 
 import torch
+
+from sparrow.layout import KV_CACHE_DTYPES
 
 FP8_KV_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -17,9 +18,6 @@ INV_FP8_MAX = float(torch.tensor(1.0 / FP8_MAX, dtype=torch.float32))
 """A scale is `amax * INV_FP8_MAX` (float32-exact), not `amax / FP8_MAX`: torch on CUDA divides by a Python scalar
 as a multiplication by its reciprocal, on the CPU it divides, so only the product is the same number everywhere
 (this reference, the torch backend on either device, the Triton kernel)."""
-KVCacheDType = Literal["auto", "fp8_e4m3"]
-"""`kv_cache_dtype` values: auto = the model's dtype."""
-KV_CACHE_DTYPES = get_args(KVCacheDType)
 
 
 @dataclass(frozen=True)
@@ -52,3 +50,15 @@ def read_pages(cache: torch.Tensor, scale: torch.Tensor | None, index, dtype: to
 def round_trip(x: torch.Tensor) -> torch.Tensor:
     """What attention reads back after `x` was stored in FP8 pages (the teacher-forced replay of an FP8 rollout)."""
     return dequantize(*quantize(x), x.dtype)
+
+
+def page_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype K/V pages are stored in: the model's (`auto`) or e4m3."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}: use one of {KV_CACHE_DTYPES}")
+    return dtype if kv_cache_dtype == "auto" else FP8_KV_DTYPE
+
+
+def vector_bytes(head_dim: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+    """Bytes of one stored key or value vector (one token, one KV head): FP8 pages add its float32 scale."""
+    return head_dim * page_dtype(kv_cache_dtype, dtype).itemsize + (0 if kv_cache_dtype == "auto" else 4)

@@ -9,8 +9,12 @@ budget (dense row, or the whole batch in DENSE mode) and the selection kernel's 
 either way the last entry is the partial current block, whose tokens ≥ seq_len are masked.
 
 FP8 pages (`FP8`): each stored vector has its float32 scale (`sparrow.kernels.reference.kv_quant`). The e4m3
-tiles are widened to the query's dtype (exact) and the scales applied outside the dots: a key's scale
-multiplies its logit, a value's scale its softmax weight. e4m3 needs sm_89+ (Ada, Hopper).
+tiles are widened to float16 (exact, one hardware conversion per pair; bfloat16 would take three) and the scales
+applied outside the dots: a key's scale multiplies its logit, a value's scale its softmax weight. The query enters
+the dot pre-scaled by softmax's scale (|q| · 0.13 stays far inside float16's range), the weights divided by the
+tile's largest value scale (≤ 1, so float16 keeps their precision), which multiplies the tile's product back.
+An iteration covers twice the blocks of a bfloat16 one (`attention_tiling`), so as many bytes are in flight.
+e4m3 needs sm_89+ (Ada, Hopper).
 
 Each split writes its normalized partial output and log2-sum-exp; `merge_splits` combines them. With
 one split the program writes the final output directly. Grids depend only on (B, splits), never on
@@ -35,12 +39,16 @@ class AttentionTiling(NamedTuple):
     num_stages: int
 
 
-def attention_tiling(head_dim: int) -> AttentionTiling:
+def attention_tiling(head_dim: int, fp8: bool = False) -> AttentionTiling:
+    """The best of a sweep on an H200 at head_dim 128 (benchmarks/results, docs/performance.md): FP8 pages take twice
+    the blocks per iteration (the same bytes per load) and one more stage."""
     if head_dim <= 64:
-        return AttentionTiling(blocks_per_iter=8, num_warps=4, num_stages=3)
-    if head_dim <= 128:  # best of a sweep on an H200 (benchmarks/results, docs/performance.md)
-        return AttentionTiling(blocks_per_iter=4, num_warps=4, num_stages=2)
-    return AttentionTiling(blocks_per_iter=2, num_warps=8, num_stages=2)
+        tiling = AttentionTiling(blocks_per_iter=8, num_warps=4, num_stages=3)
+    elif head_dim <= 128:
+        tiling = AttentionTiling(blocks_per_iter=4, num_warps=4, num_stages=2)
+    else:
+        tiling = AttentionTiling(blocks_per_iter=2, num_warps=8, num_stages=2)
+    return tiling._replace(blocks_per_iter=2 * tiling.blocks_per_iter, num_stages=tiling.num_stages + 1) if fp8 else tiling
 
 
 @triton.jit
@@ -52,7 +60,8 @@ def _decode_attention_kernel(
     sm_scale_log2, sink, recent, num_splits,
     H: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BS: tl.constexpr, PPI: tl.constexpr, DENSE: tl.constexpr, DIRECT_OUT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, ALIGNED: tl.constexpr, WRITE_COUNT: tl.constexpr, FP8: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, VEC: tl.constexpr, WRITE_COUNT: tl.constexpr, FP8: tl.constexpr,
+    FP8_DOT: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
@@ -81,7 +90,9 @@ def _decode_attention_kernel(
         q_ptr + b * stride_qb + (h * G + g[:, None]) * stride_qh + d[None, :],
         mask=g_mask[:, None] & (d[None, :] < D), other=0.0,
     )
-    if not FP8:
+    if FP8:
+        q = (q.to(tl.float32) * sm_scale_log2).to(FP8_DOT)
+    else:
         q = q.to(k_cache_ptr.dtype.element_ty)
 
     tok = tl.arange(0, PPI * BS)
@@ -102,8 +113,8 @@ def _decode_attention_kernel(
             ids = tl.where(dense_row, from_table.to(tl.int64), from_sel.to(tl.int64))
         valid = in_range & ((entry != count - 1) | (tok_off < last_len))
         offs = ids * stride_cb + head_base + tok_off * stride_ct
-        if ALIGNED:
-            offs = tl.multiple_of(offs, 8)
+        if VEC > 1:  # rows start on 16-byte boundaries: one vector load per thread and row
+            offs = tl.multiple_of(offs, VEC)
         kv_mask = valid[:, None] & (d[None, :] < D)
         k = tl.load(k_cache_ptr + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
         # V is issued with K: a sparse split is often one iteration, where a load after the dot waits out a
@@ -113,7 +124,7 @@ def _decode_attention_kernel(
             scale_offs = ids * stride_sb + h * stride_sh + tok_off
             k_scale = tl.load(k_scale_ptr + scale_offs, mask=valid, other=0.0)
             v_scale = tl.load(v_scale_ptr + scale_offs, mask=valid, other=0.0)
-            s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * (k_scale * sm_scale_log2)[None, :]
+            s = tl.dot(q, tl.trans(k.to(FP8_DOT)), input_precision=DOT_PRECISION) * k_scale[None, :]
         else:
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2
         s = tl.where(valid[None, :], s, float("-inf"))
@@ -123,7 +134,9 @@ def _decode_attention_kernel(
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if FP8:
-            pv = tl.dot((p * v_scale[None, :]).to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
+            v_top = tl.max(v_scale, axis=0)
+            v_top = tl.where(v_top > 0, v_top, 1.0)
+            pv = tl.dot((p * (v_scale / v_top)[None, :]).to(FP8_DOT), v.to(FP8_DOT), input_precision=DOT_PRECISION) * v_top
         else:
             pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         acc = acc * alpha[:, None] + pv
@@ -208,12 +221,12 @@ def attention_partials(q, k_cache, v_cache, block_tables, seq_lens, out, o_part,
     bsz, num_q_heads, head_dim = q.shape
     _, num_kv_heads, block_size, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
-    tiling = tiling or attention_tiling(head_dim)
+    fp8 = kv_scales is not None
+    tiling = tiling or attention_tiling(head_dim, fp8)
     dense = budgets is None
     if not dense and selected is None:
         raise ValueError("sparse attention (budgets given) needs `selected` from select_blocks")
     write_count = dense and counts is not None
-    fp8 = kv_scales is not None
     k_scale, v_scale = (kv_scales.k, kv_scales.v) if fp8 else (lse_part, lse_part)  # placeholders, never read
     _decode_attention_kernel[(bsz * num_kv_heads, splits)](
         q, k_cache, v_cache, k_scale, v_scale, block_tables, block_tables if dense else selected, seq_lens,
@@ -226,9 +239,17 @@ def attention_partials(q, k_cache, v_cache, block_tables, seq_lens, out, o_part,
         BLOCK_D=triton.next_power_of_2(head_dim), BS=block_size, PPI=tiling.blocks_per_iter,
         DENSE=dense, DIRECT_OUT=splits == 1,
         DOT_PRECISION="ieee" if (q if fp8 else k_cache).dtype == torch.float32 else "tf32",
-        ALIGNED=all(st % 8 == 0 for st in k_cache.stride()[:3]), WRITE_COUNT=write_count, FP8=fp8,
+        VEC=vector_elements(k_cache), WRITE_COUNT=write_count, FP8=fp8,
+        FP8_DOT=tl.float32 if q.dtype == torch.float32 else tl.float16,
         num_warps=tiling.num_warps, num_stages=tiling.num_stages,
     )
+
+
+def vector_elements(k_cache: torch.Tensor) -> int:
+    """Elements per 16-byte vector when every page row starts on a 16-byte boundary, else 1 (no alignment hint)."""
+    vec = 16 // k_cache.element_size()
+    aligned = k_cache.data_ptr() % 16 == 0 and all(st % vec == 0 for st in k_cache.stride()[:3])
+    return vec if aligned else 1
 
 
 def cache_strides(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int]:

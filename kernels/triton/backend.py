@@ -34,6 +34,7 @@ MAX_SPLITS = 16
 
 
 SPLIT_WAVES = 4  # best of {2, 4, 8, 16} in the H200 sweep (docs/performance.md)
+SPLIT_WAVES_FP8 = 2  # FP8 pages: best of {2, 4, 8} in the H200 sweep of their tiling (docs/performance.md)
 
 
 def choose_splits(rows: int, num_sms: int, waves: int = SPLIT_WAVES) -> int:
@@ -86,10 +87,11 @@ class TritonBackend(AttentionBackend):
             self._num_sms[device] = torch.cuda.get_device_properties(device).multi_processor_count if is_cuda else 2
         return self._num_sms[device]
 
-    def splits_for(self, batch: int, num_kv_heads: int, device) -> int:
+    def splits_for(self, batch: int, num_kv_heads: int, device, fp8: bool = False) -> int:
+        """Splits of one decode call; FP8 pages aim at fewer waves, so never need more workspace than bfloat16."""
         if self.fixed_splits is not None:
             return self.fixed_splits
-        return choose_splits(batch * num_kv_heads, self.num_sms(torch.device(device)))
+        return choose_splits(batch * num_kv_heads, self.num_sms(torch.device(device)), SPLIT_WAVES_FP8 if fp8 else SPLIT_WAVES)
 
     def prepare(self, max_batch: int, max_blocks_per_seq: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
                 device) -> DecodeWorkspace:
@@ -140,7 +142,7 @@ class TritonBackend(AttentionBackend):
             return out, torch.zeros(0, dtype=torch.long, device=q.device)
         max_blocks = block_tables.shape[1]
         ws = self._workspace(bsz, max_blocks, num_q_heads, num_kv_heads, head_dim, q.device)
-        splits = self.splits_for(bsz, num_kv_heads, q.device)
+        splits = self.splits_for(bsz, num_kv_heads, q.device, fp8=kv_scales is not None)
         common = dict(scale=float(scale), splits=splits, tiling=self.tiling, kv_scales=kv_scales)
         counts = torch.empty(bsz, dtype=torch.long, device=q.device)
         if budgets is None:

@@ -4,10 +4,13 @@ For each (batch, context, group size, budget) it times, as CUDA-graph replays wi
 (median over CUDA events, see `_bench`): the dense Triton decode, torch SDPA (flash) on a contiguous cache, and the
 sparse layer — score, select, split-K attention and merge, each alone and together. It reports the
 bytes each must move and the achieved fraction of the device-to-device copy bandwidth measured in the
-same run (bytes read + written):
+same run (bytes read + written), with V = bytes of one stored key or value vector (D · 2 B in bfloat16 pages,
+D + 4 B in FP8 pages with their scales, `--kv-cache-dtype fp8_e4m3`):
 
-    dense   = Σ_b L_b · H_kv · D · 2 (K and V) · 2 B
-    sparse  = selected K/V tokens · H_kv · D · 4 B + candidate landmarks · H_kv · W · 2 B + scores (fp32, written + read)
+    dense   = Σ_b L_b · H_kv · 2 (K and V) · V
+    sparse  = selected K/V tokens · H_kv · 2 · V + candidate landmarks · H_kv · W · 2 B + scores (fp32, written + read)
+
+The peers (SDPA, FlashInfer) read bfloat16 pages only: FP8 runs time ours alone.
 
 Run: `sparrow bench kernels` or `python -m sparrow.kernels.bench_cli` (CUDA only).
 """
@@ -20,13 +23,14 @@ from pathlib import Path
 
 import torch
 
-from sparrow.layout import BLOCK_SIZE, SparseAttentionConfig
+from sparrow.layout import BLOCK_SIZE, KVCacheDType, SparseAttentionConfig
 from sparrow.tables import format_table
 
 from .. import flashinfer_baseline as flashinfer
+from ..reference import KVScales, quantize, vector_bytes
 
 from .attention import AttentionTiling, attention_partials, attention_tiling, merge_splits
-from .backend import SPLIT_WAVES, TritonBackend, choose_splits
+from .backend import SPLIT_WAVES, SPLIT_WAVES_FP8, TritonBackend, choose_splits
 from .scoring import score_blocks
 from .selection import select_blocks
 
@@ -43,6 +47,7 @@ class BenchSpec:
     minmax_contexts: list[int] = field(default_factory=lambda: [32768])  # also time Quest min/max landmarks here
     num_kv_heads: int = 8
     head_dim: int = 128
+    kv_cache_dtype: KVCacheDType = "auto"
     sweep: bool = True
     rep_ms: int = 60
 
@@ -104,12 +109,18 @@ def copy_bandwidth(nbytes: int = 2 << 30, rep_ms: int = 200) -> float:
 
 class Pool:
     """One paged K/V pool with landmarks (both widths), shared by all cases; block tables are random
-    permutations of its blocks, as in a long-running engine."""
+    permutations of its blocks, as in a long-running engine. FP8 pages hold the e4m3 values and scales of the
+    same random normals."""
 
-    def __init__(self, num_blocks: int, num_kv_heads: int, head_dim: int):
+    def __init__(self, num_blocks: int, num_kv_heads: int, head_dim: int, kv_cache_dtype: KVCacheDType = "auto"):
         shape = (num_blocks, num_kv_heads, BLOCK_SIZE, head_dim)
         self.k = torch.empty(shape, dtype=torch.bfloat16, device=DEVICE).normal_()
         self.v = torch.empty(shape, dtype=torch.bfloat16, device=DEVICE).normal_()
+        self.scales: KVScales | None = None
+        if kv_cache_dtype != "auto":
+            (self.k, k_scale), (self.v, v_scale) = quantize(self.k), quantize(self.v)
+            self.scales = KVScales(k_scale, v_scale)
+        self.vector_bytes = vector_bytes(head_dim, torch.bfloat16, kv_cache_dtype)
         self.mean = torch.empty(num_blocks, num_kv_heads, head_dim, dtype=torch.bfloat16, device=DEVICE).normal_()
         mid = torch.empty(num_blocks, num_kv_heads, head_dim, dtype=torch.bfloat16, device=DEVICE).normal_()
         spread = torch.rand_like(mid) * 2
@@ -141,12 +152,12 @@ def make_case(pool: Pool, batch: int, context: int, group: int, num_kv_heads: in
                 perm.view(batch, width).int().contiguous(), q)
 
 
-def dense_bytes(case: Case, num_kv_heads: int, head_dim: int) -> int:
-    return sum(case.lengths) * num_kv_heads * head_dim * 2 * 2
+def dense_bytes(case: Case, num_kv_heads: int, vec_bytes: int) -> int:
+    return sum(case.lengths) * num_kv_heads * 2 * vec_bytes
 
 
 def sparse_bytes(case: Case, budget_blocks: int, config: SparseAttentionConfig, num_kv_heads: int,
-                 head_dim: int) -> dict[str, int]:
+                 head_dim: int, vec_bytes: int) -> dict[str, int]:
     kv = scan = scores = 0
     for length in case.lengths:
         n = math.ceil(length / BLOCK_SIZE)
@@ -158,7 +169,7 @@ def sparse_bytes(case: Case, budget_blocks: int, config: SparseAttentionConfig, 
         candidates = n - config.reserved_blocks
         scan += candidates * config.landmark_width(head_dim) * 2
         scores += candidates * 4 * 2
-    kv *= num_kv_heads * head_dim * 2 * 2
+    kv *= num_kv_heads * 2 * vec_bytes
     return {"kv": kv, "landmarks": scan * num_kv_heads, "scores": scores * num_kv_heads,
             "total": kv + (scan + scores) * num_kv_heads}
 
@@ -206,7 +217,7 @@ def time_attention(pool: Pool, case: Case, tiling: AttentionTiling, splits: int,
                       block_size=BLOCK_SIZE, sink=config.sink, recent=config.recent)
         kwargs = dict(budgets=budgets, selected=selected, sink=config.sink, recent=config.recent)
     fn = lambda: attention_partials(case.q, pool.k, pool.v, case.tables, case.seq_lens, out, o_part, lse,  # noqa: E731
-                                    scale=d**-0.5, splits=splits, tiling=tiling, **kwargs)
+                                    scale=d**-0.5, splits=splits, tiling=tiling, kv_scales=pool.scales, **kwargs)
     return _bench(_graph(fn), rep_ms)
 
 
@@ -214,14 +225,16 @@ def sweep_attention(pool: Pool, spec: BenchSpec, num_sms: int, log) -> tuple[Att
     """Pick the attention tiling and the split-K target (waves of programs per SM) on two probe shapes."""
     config = SparseAttentionConfig()
     probes = [(8, 32768, 4, None), (64, 32768, 4, 128), (8, 32768, 4, 128)]
-    tilings = [attention_tiling(spec.head_dim), AttentionTiling(4, 4, 3), AttentionTiling(2, 4, 5),
-               AttentionTiling(8, 4, 3), AttentionTiling(4, 8, 3)]
+    tilings = [attention_tiling(spec.head_dim, pool.scales is not None), AttentionTiling(4, 4, 2),
+               AttentionTiling(4, 4, 3), AttentionTiling(2, 4, 5), AttentionTiling(8, 4, 3), AttentionTiling(4, 8, 3)]
+    if pool.scales is not None:
+        tilings += [AttentionTiling(8, 4, 2), AttentionTiling(16, 4, 2), AttentionTiling(8, 8, 2), AttentionTiling(16, 8, 2)]
     waves = [2, 4, 8]
     rows, totals = [], {}
     for i, (batch, context, group, budget) in enumerate(probes):
         case = make_case(pool, batch, context, group, spec.num_kv_heads, spec.head_dim, seed=1000 + i)
-        nbytes = (dense_bytes(case, spec.num_kv_heads, spec.head_dim) if budget is None
-                  else sparse_bytes(case, budget, config, spec.num_kv_heads, spec.head_dim)["kv"])
+        nbytes = (dense_bytes(case, spec.num_kv_heads, pool.vector_bytes) if budget is None
+                  else sparse_bytes(case, budget, config, spec.num_kv_heads, spec.head_dim, pool.vector_bytes)["kv"])
         for tiling in dict.fromkeys(tilings):
             for w in waves:
                 splits = choose_splits(batch * spec.num_kv_heads, num_sms, waves=w)
@@ -269,13 +282,16 @@ def run(spec: BenchSpec, out_path: Path | None, command: str, log=print) -> dict
     launch_us = _bench(_graph(lambda: tiny.add_(1)), spec.rep_ms)
     log(f"{props.name}: {num_sms} SMs, device-to-device copy {copy_gbps:.0f} GB/s (read + write); "
         f"a one-element kernel in a graph times {launch_us:.1f} us (the per-measurement floor)")
-    flashinfer_missing = flashinfer.available()
+    fp8 = spec.kv_cache_dtype != "auto"
+    flashinfer_missing = ("the FP8 pages' per-vector scales: FlashInfer's FP8 decode takes one scale per tensor" if fp8
+                          else flashinfer.available())
     log(f"peer kernel: FlashInfer {flashinfer.version()} paged decode (HND, pages of {BLOCK_SIZE})" if flashinfer_missing
         is None else f"peer kernel: FlashInfer not timed: {flashinfer_missing}")
     max_tokens = max(spec.batches) * max(spec.contexts)
-    pool = Pool(math.ceil(max_tokens / BLOCK_SIZE) + max(spec.batches), h, d)
+    pool = Pool(math.ceil(max_tokens / BLOCK_SIZE) + max(spec.batches), h, d, spec.kv_cache_dtype)
+    log(f"K/V pages: {'FP8 (e4m3, a float32 scale per vector)' if fp8 else 'bfloat16'}, {pool.vector_bytes} B per vector")
 
-    tiling, waves, sweep_rows = attention_tiling(d), SPLIT_WAVES, []
+    tiling, waves, sweep_rows = attention_tiling(d, fp8), SPLIT_WAVES_FP8 if fp8 else SPLIT_WAVES, []
     if spec.sweep:
         tiling, waves, sweep_rows = sweep_attention(pool, spec, num_sms, log)
         log(f"attention tiling {tuple(tiling)} (blocks/iter, warps, stages), split-K target {waves} waves")
@@ -291,14 +307,16 @@ def run(spec: BenchSpec, out_path: Path | None, command: str, log=print) -> dict
         scale = d**-0.5
 
         dense_fn = lambda: backend.decode(case.q, pool.k, pool.v, None, case.tables, case.seq_lens, None,  # noqa: E731
-                                          mean_cfg, scale)
+                                          mean_cfg, scale, pool.scales)
         dense_graph = _graph(dense_fn)
         dense_us = _bench(dense_graph, spec.rep_ms)
         dense_zero_flush_us = _bench(dense_graph, spec.rep_ms, flush="zero")
-        nbytes = dense_bytes(case, h, d)
-        uniform = torch.full_like(case.seq_lens, context)
-        check = backend.decode(case.q, pool.k, pool.v, None, case.tables, uniform, None, mean_cfg, scale)[0]
-        sdpa_us, sdpa_name, sdpa_err = sdpa_dense_us(pool, case, h, d, spec.rep_ms, check)
+        nbytes = dense_bytes(case, h, pool.vector_bytes)
+        sdpa_us, sdpa_name, sdpa_err = None, "-", None
+        if not fp8:
+            uniform = torch.full_like(case.seq_lens, context)
+            check = backend.decode(case.q, pool.k, pool.v, None, case.tables, uniform, None, mean_cfg, scale)[0]
+            sdpa_us, sdpa_name, sdpa_err = sdpa_dense_us(pool, case, h, d, spec.rep_ms, check)
         peer = {"flashinfer_us": None}
         if flashinfer_missing is None:
             peer = time_flashinfer(flashinfer.dense_page_table(case.tables, case.seq_lens, BLOCK_SIZE), case.q,
@@ -337,6 +355,7 @@ def run(spec: BenchSpec, out_path: Path | None, command: str, log=print) -> dict
         "command": command, "torch": torch.__version__, "triton": triton.__version__,
         "flashinfer": flashinfer.version() if flashinfer_missing is None else None,
         "flashinfer_missing": flashinfer_missing,
+        "kv_cache_dtype": spec.kv_cache_dtype, "vector_bytes": pool.vector_bytes,
         "copy_GBps": copy_gbps, "launch_floor_us": launch_us, "tiling": list(tiling), "split_waves": waves, "spec": asdict(spec),
         "sweep": sweep_rows, "results": results,
     }
@@ -364,10 +383,11 @@ def time_sparse(backend: TritonBackend, pool: Pool, case: Case, landmarks: torch
                                    num_kv_heads=h, block_size=BLOCK_SIZE, sink=cfg.sink, recent=cfg.recent)
     attend = lambda: attention_partials(case.q, pool.k, pool.v, case.tables, case.seq_lens, out, ws.o_part,  # noqa: E731
                                         ws.lse_part, scale=d**-0.5, splits=splits, budgets=budgets,
-                                        selected=ws.selected, sink=cfg.sink, recent=cfg.recent, tiling=tiling)
+                                        selected=ws.selected, sink=cfg.sink, recent=cfg.recent, tiling=tiling,
+                                        kv_scales=pool.scales)
     merge = lambda: merge_splits(ws.o_part, ws.lse_part, out, num_kv_heads=h, splits=splits)  # noqa: E731
     layer = lambda: backend.decode(case.q, pool.k, pool.v, landmarks, case.tables, case.seq_lens, budgets, cfg,  # noqa: E731
-                                   d**-0.5)
+                                   d**-0.5, pool.scales)
     times = {"score_us": _bench(_graph(score), rep_ms), "select_us": _bench(_graph(select), rep_ms),
              "attn_us": _bench(_graph(attend), rep_ms),
              "merge_us": _bench(_graph(merge), rep_ms) if splits > 1 else 0.0,
@@ -378,13 +398,15 @@ def time_sparse(backend: TritonBackend, pool: Pool, case: Case, landmarks: torch
         group_q = case.q.view(case.batch * h, case.group, d)
         times.update(time_flashinfer(table, group_q, flashinfer.per_head_pages(pool.k), flashinfer.per_head_pages(pool.v),
                                      1, layer()[0], rep_ms))
-    return {**times, "budget_blocks": budget_blocks, "bytes": sparse_bytes(case, budget_blocks, cfg, h, d)}
+    return {**times, "budget_blocks": budget_blocks,
+            "bytes": sparse_bytes(case, budget_blocks, cfg, h, d, pool.vector_bytes)}
 
 
 def render_tables(report: dict) -> str:
     dense = [r for r in report["results"] if r["kind"] == "dense"]
     sparse = [r for r in report["results"] if r["kind"] == "sparse"]
-    lines = [f"{report['device']}, copy bandwidth {report['copy_GBps']:.0f} GB/s; times are medians of CUDA-graph "
+    pages = "FP8 (e4m3 + scales)" if report.get("kv_cache_dtype", "auto") != "auto" else "bfloat16"
+    lines = [f"{report['device']}, {pages} K/V pages, copy bandwidth {report['copy_GBps']:.0f} GB/s; times are medians of CUDA-graph "
              f"replays after a read-only L2 flush (us; a one-element kernel times {report['launch_floor_us']:.1f} us); "
              f"% = achieved bandwidth on the bytes that must move / copy bandwidth; 'zero-flush' = the same "
              f"graph after do_bench's zeroing flush", ""]
@@ -430,7 +452,8 @@ def run_from_args(args, command: str) -> dict:
     defaults = BenchSpec()
     pick = lambda name: getattr(defaults, name) if getattr(args, name, None) is None else getattr(args, name)  # noqa: E731
     spec = BenchSpec(batches=pick("batches"), contexts=pick("contexts"), budgets=pick("budgets"), groups=pick("groups"),
-                     minmax_contexts=pick("minmax_contexts"), sweep=not args.no_sweep, rep_ms=pick("rep_ms"))
+                     minmax_contexts=pick("minmax_contexts"), kv_cache_dtype=pick("kv_cache_dtype"),
+                     sweep=not args.no_sweep, rep_ms=pick("rep_ms"))
     for budget in spec.budgets:
         if budget <= 0 or budget % BLOCK_SIZE:
             raise ValueError(f"--budgets {budget}: use positive multiples of the block size {BLOCK_SIZE}")

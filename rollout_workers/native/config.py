@@ -4,7 +4,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from sparrow.kernels.reference import KVCacheDType
+from sparrow.layout import KVCacheDType
 from sparrow.schedule import SparsitySchedule
 
 from ..api import SamplingParams

@@ -7,22 +7,10 @@ With `kv_cache_dtype="fp8_e4m3"` the pages hold e4m3 values with one float32 sca
 import torch
 
 from sparrow.kernels import SparseAttentionConfig
-from sparrow.kernels.reference import FP8_KV_DTYPE, KV_CACHE_DTYPES, KVScales
+from sparrow.kernels.reference import FP8_KV_DTYPE, KVScales, page_dtype, vector_bytes
 
 from .model_spec import ModelSpec
 from .transfer import to_device
-
-
-def page_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
-    """The dtype K/V pages are stored in: the model's (`auto`) or e4m3."""
-    if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}: use one of {KV_CACHE_DTYPES}")
-    return dtype if kv_cache_dtype == "auto" else FP8_KV_DTYPE
-
-
-def vector_bytes(head_dim: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
-    """Bytes of one stored key or value vector (one token, one KV head): FP8 pages add its float32 scale."""
-    return head_dim * page_dtype(kv_cache_dtype, dtype).itemsize + (0 if kv_cache_dtype == "auto" else 4)
 
 
 def bytes_per_block(spec: ModelSpec, attention: SparseAttentionConfig, dtype: torch.dtype,

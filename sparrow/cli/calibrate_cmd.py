@@ -6,6 +6,8 @@ import shlex
 import sys
 from pathlib import Path
 
+from sparrow.layout import KV_CACHE_DTYPES
+
 
 def _ints(text: str) -> list[int]:
     try:
@@ -45,7 +47,7 @@ def configure(p) -> None:
     p.add_argument("--hardware", default="h200", help="cost-model GPU profile for the bins' cost shares (default h200)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3"],
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="the engine's K/V pages; fp8_e4m3 measures FP8 KV's α cost (default auto = the model's dtype)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (1 is fastest on a busy machine)")
     p.add_argument("--seed", type=int, default=0)

@@ -3,7 +3,7 @@ them; the benches import the engine only when chosen; decode-step and rollout-pa
 
 from pathlib import Path
 
-from sparrow.layout import BLOCK_SIZE
+from sparrow.layout import BLOCK_SIZE, KV_CACHE_DTYPES
 
 
 def register_rollout(actions) -> None:
@@ -22,7 +22,7 @@ def register_rollout(actions) -> None:
     r.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     r.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     r.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "reference", "triton"])
-    r.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3"],
+    r.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="K/V pages: auto = the model's dtype; fp8_e4m3 halves them (and doubles --batch auto)")
     r.add_argument("--no-cuda-graphs", action="store_true", help="decode with eager launches on CUDA (default: graphs)")
     r.add_argument("--overlap-decode", action="store_true",
@@ -56,7 +56,7 @@ def register_decode_step(actions) -> None:
     d.add_argument("--contexts", type=int, nargs="+", default=[16384, 24576, 32768], help="past KV tokens per sequence")
     d.add_argument("--budget-tokens", type=int, default=1024, help="sparse budget incl. sink + recent (default 1024)")
     d.add_argument("--replays", type=int, default=50, help="graph replays per point (median reported)")
-    d.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3"], help="K/V pages (default: bf16)")
+    d.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help="K/V pages (default: bf16)")
     d.add_argument("--out", type=Path, help="JSON path (default benchmarks/results/decode-step-<gpu>-<time>.json)")
     d.set_defaults(handler=run_decode_step)
 

@@ -1,9 +1,9 @@
 """The bytes a decode step must move, and the speedup if dense and sparse both ran at that floor."""
 
 from sparrow.kernels import SparseAttentionConfig
+from sparrow.kernels.reference import vector_bytes
 from sparrow.schedule import SparsitySchedule
 
-from ..kv_cache import vector_bytes
 from ..model import DecoderModel
 from ..shapes import spec_for_shape
 from .common import DTYPE
