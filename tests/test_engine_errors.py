@@ -115,7 +115,7 @@ def test_bench_rollout_one_mode_per_run_then_merge(tmp_path, capsys):
     assert main(["bench", "rollout-merge", str(tmp_path / "dense.json"), str(tmp_path / "other.json")]) == 2
     assert "gen_len=7" in capsys.readouterr().err
     assert main(["bench", "rollout-merge", str(tmp_path / "dense.json"), str(tmp_path / "dense.json")]) == 2
-    assert "mode 'dense' is already" in capsys.readouterr().err
+    assert "mode 'dense' from step 0 is already" in capsys.readouterr().err
     assert main([*common, "--mode", "sparse", "--kv-cache-dtype", "fp8_e4m3", "--out", str(tmp_path / "fp8.json")]) == 0
     assert "FP8 KV pages" in capsys.readouterr().out
     assert json.loads((tmp_path / "fp8.json").read_text())["kv_cache_dtype"] == "fp8_e4m3"
@@ -154,3 +154,45 @@ def test_a_truncated_run_is_compared_over_the_steps_both_modes_made(tmp_path, ca
     out = capsys.readouterr().out
     assert f"over the first {2 * STEP_WINDOW} decode steps both made, sparse / dense 2.31x" in out
     assert out.splitlines()[3].split()[-2:] == ["-", "yes"]
+
+
+def test_a_run_measured_in_segments_is_joined_into_the_whole_run(tmp_path, capsys, monkeypatch):
+    """`--start-step`: a segment's samples start from prompts carrying their first N tokens, so its steps have the
+    contexts of the whole run's from step N; rollout-merge joins segments of a mode and refuses gaps between them."""
+    from sparrow.rollout_workers.native.bench import real_run
+
+    monkeypatch.setattr(real_run, "STEP_WINDOW", 4)
+    args = ["bench", "rollout", "--model", "tiny", "--prompt-len", "40", "--gen-len", "13", "--batch", "4",
+            "--samples", "2", "--budget", "3"]
+
+    def run(mode, start, name):
+        assert main([*args, "--mode", mode, "--start-step", str(start), "--out", str(tmp_path / name)]) == 0
+        return json.loads((tmp_path / name).read_text())
+
+    whole, tail, sparse = run("dense", 0, "dense-0.json"), run("dense", 8, "dense-8.json"), run("sparse", 0, "sparse.json")
+    assert [w["first_context"] for w in whole["modes"]["dense"]["step_profile"]] == [41, 45, 49]
+    assert tail["start_step"] == 8 and tail["modes"]["dense"]["decode_steps"] == 4
+    assert [w["first_context"] for w in tail["modes"]["dense"]["step_profile"]] == [49]
+    assert tail["modes"]["dense"]["decode_tokens"] == 4 * 4 and tail["modes"]["dense"]["errors"] == 0
+    capsys.readouterr()
+    files = [str(tmp_path / n) for n in ("dense-8.json", "sparse.json", "dense-0.json")]
+    assert main(["bench", "rollout-merge", *files, "--out", str(tmp_path / "merged.json")]) == 0
+    assert "dense: joined from 2 segments (decode steps 0-7 from " in capsys.readouterr().out
+    joined = json.loads((tmp_path / "merged.json").read_text())["modes"]["dense"]
+    assert [w["first_context"] for w in joined["step_profile"]] == [41, 45, 49]
+    assert joined["step_profile"][2] == tail["modes"]["dense"]["step_profile"][0]
+    assert joined["decode_steps"] == 12 and joined["decode_tokens"] == 4 * 12 and joined["mean_blocks"] is None
+    seconds = sum(w["mean_ms"] * 4 for w in joined["step_profile"]) / 1e3
+    assert joined["decode_tok_s"] == pytest.approx(4 * 12 / seconds)
+
+    short = whole | {"modes": {"dense": whole["modes"]["dense"] | {
+        "truncated": True, "step_profile": whole["modes"]["dense"]["step_profile"][:1]}}}
+    (tmp_path / "short.json").write_text(json.dumps(short))
+    assert main(["bench", "rollout-merge", str(tmp_path / "short.json"), files[0]]) == 2
+    assert "made steps up to 3 only; run the later segment again with --start-step at a multiple of 4 no greater " \
+           "than 4" in capsys.readouterr().err
+    run("sparse", 8, "sparse-8.json")
+    assert main(["bench", "rollout-merge", files[2], str(tmp_path / "sparse-8.json")]) == 2
+    assert "start at different decode steps" in capsys.readouterr().err
+    assert main([*args, "--start-step", "6"]) == 2
+    assert "--start-step=6: use a multiple of 4" in capsys.readouterr().err

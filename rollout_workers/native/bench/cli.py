@@ -32,6 +32,9 @@ def register_rollout(actions) -> None:
                    help="split the engine over N ranks, one process (and GPU) each, in lockstep (default 1)")
     r.add_argument("--repeats", type=int, default=1, help="run the modes alternately this many times; keep each one's fastest")
     r.add_argument("--time-cap", type=float, default=None, help="seconds after which a run stops (marked truncated)")
+    r.add_argument("--start-step", type=int, default=0, metavar="N",
+                   help="measure from decode step N on (a multiple of 512): each sample's prompt carries N random tokens "
+                        "of its own in place of its first N generated ones; rollout-merge joins such segments")
     r.add_argument("--memory-fraction", type=float, default=0.9, help="share of free GPU memory --batch auto fills")
     r.add_argument("--replayed", type=int, default=0, metavar="POINTS",
                    help="CUDA: time the graph-replayed step at this many contexts of the run (real vs replayed)")
@@ -98,6 +101,11 @@ def run_rollout(args) -> int:
         torch.set_num_threads(args.threads)
     if args.replayed < 0 or (args.time_cap is not None and args.time_cap <= 0):
         raise ValueError("--replayed must be >= 0 and --time-cap > 0")
+    from .real_run import STEP_WINDOW
+
+    if args.start_step % STEP_WINDOW or not 0 <= args.start_step < args.gen_len - 1:
+        raise ValueError(f"--start-step={args.start_step}: use a multiple of {STEP_WINDOW} (the step-profile window) "
+                         f"below --gen-len - 1 = {args.gen_len - 1}, the decode steps of a sample")
     if not 0 < args.memory_fraction <= 0.97:
         raise ValueError(f"--memory-fraction={args.memory_fraction}: use a value in (0, 0.97]")
     rollout.write(rollout.run(args), args.out, args.json)

@@ -3,6 +3,8 @@
 
 import time
 
+import torch
+
 from sparrow.rollout_workers.api import RolloutRequest, SamplingParams
 
 STEP_WINDOW = 512
@@ -19,8 +21,67 @@ def protocol_requests(prompts, samples: int, gen_len: int, seed: int = 0) -> lis
             for i, p in enumerate(prompts)]
 
 
-def step_profile(contexts: list[int], step_s: list[float], window: int = STEP_WINDOW) -> list[dict]:
-    """Decode-step wall times in windows of `window` consecutive steps: first/last context, median, mean."""
+def segment_requests(prompts, samples: int, gen_len: int, start_step: int, vocab_size: int,
+                     seed: int = 0) -> list[RolloutRequest]:
+    """The protocol's requests from decode step `start_step` on (`bench rollout --start-step`): every sample's prompt
+    carries `start_step` random tokens of its own where its generated tokens would be, and decodes the rest. With
+    random weights and EOS ignored no token value changes the work, so these steps time as the whole run's do from
+    there: a run longer than one job is measured in segments. Step 0 is the protocol itself."""
+    if start_step == 0:
+        return protocol_requests(prompts, samples, gen_len, seed)
+    gen = torch.Generator().manual_seed(seed + start_step)
+    requests = []
+    for i, prompt in enumerate(prompts):
+        for j in range(samples):
+            own = torch.randint(0, vocab_size, (start_step,), generator=gen).tolist()
+            requests.append(RolloutRequest(
+                f"p{i}s{j}", tuple(prompt) + tuple(own),
+                SamplingParams(max_tokens=gen_len - start_step, temperature=1.0, seed=seed + i * samples + j,
+                               ignore_eos=True, logprobs=20)))
+    return requests
+
+
+def join_segments(parts: list[tuple[int, dict, str]], batch: int) -> dict:
+    """One mode's results of runs that began at different decode steps, `(start_step, result, name)`, joined into the
+    run they stand for: each segment's whole windows up to where the next one begins, then the next one's. Times come
+    from the step profiles, as `common_steps_speedup`'s do; the median step is the median of the windows' medians;
+    blocks per token is not reported (samples finish in the last segment only)."""
+    parts = sorted(parts, key=lambda part: part[0])
+    profile, segments = [], []
+    for k, (start, result, name) in enumerate(parts):
+        windows = result["step_profile"]
+        if profile and (not windows or windows[0]["first_context"] != profile[-1]["last_context"] + 1):
+            prev_start, _, prev_name = parts[k - 1]
+            made = prev_start + sum(seg["steps"] for seg in segments[-1:])
+            raise ValueError(
+                f"{name}: its segment starts at decode step {start} but {prev_name} (from step {prev_start}) made "
+                f"steps up to {made - 1} only; run the later segment again with --start-step at a multiple of "
+                f"{STEP_WINDOW} no greater than {made}")
+        if k + 1 < len(parts) and parts[k + 1][1]["step_profile"]:
+            next_first = parts[k + 1][1]["step_profile"][0]["first_context"]
+            windows = [w for w in windows if w["first_context"] < next_first]
+        profile += windows
+        segments.append({"start_step": start, "file": name, "truncated": result["truncated"],
+                         "steps": sum(w["last_context"] - w["first_context"] + 1 for w in windows)})
+    steps = sum(seg["steps"] for seg in segments)
+    seconds = sum(w["mean_ms"] * (w["last_context"] - w["first_context"] + 1) for w in profile) / 1e3
+    first, last = parts[0][1], parts[-1][1]
+    generated = first["tokens_generated"] - first["decode_tokens"] + steps * batch
+    medians = sorted(w["median_ms"] for w in profile) or [0.0]
+    return {"prefill_seconds": first["prefill_seconds"], "decode_seconds": seconds, "decode_tokens": steps * batch,
+            "decode_steps": steps, "tokens_generated": generated, "wall_s": sum(p[1]["wall_s"] for p in parts),
+            "truncated": last["truncated"], "median_step_ms": medians[len(medians) // 2],
+            "last_step_ms": last["last_step_ms"], "decode_tok_s": steps * batch / max(seconds, 1e-9),
+            "total_tok_s": generated / max(first["prefill_seconds"] + seconds, 1e-9),
+            "errors": sum(p[1]["errors"] for p in parts), "mean_blocks": None, "step_profile": profile,
+            "segments": segments, **({"replayed": [r for p in parts for r in p[1].get("replayed", [])]}
+                                     if any("replayed" in p[1] for p in parts) else {})}
+
+
+def step_profile(contexts: list[int], step_s: list[float], window: int | None = None) -> list[dict]:
+    """Decode-step wall times in windows of `window` (default STEP_WINDOW) consecutive steps: first/last context,
+    median, mean."""
+    window = window or STEP_WINDOW
     out = []
     for start in range(0, len(step_s), window):
         chunk = step_s[start:start + window]

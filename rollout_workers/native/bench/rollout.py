@@ -13,6 +13,9 @@ captured (`--no-cuda-graphs` decodes eagerly).
 `--model` is an HF directory (real weights) or a shape name (`sparrow cost` shapes such as qwen3-1.7b, plus
 smollm2-135m and tiny) with random weights. Prompts are random token ids and samples ignore EOS, so every
 sample decodes exactly `--gen-len` tokens.
+
+`--start-step N` measures the run from decode step N on (`real_run.segment_requests`): when even one mode outlasts a
+job, its segments run in separate jobs and `rollout-merge` joins them (`real_run.join_segments`).
 """
 
 import datetime
@@ -32,7 +35,7 @@ from sparrow.layout import DEFAULT_LAYOUT
 from sparrow.schedule import SparsitySchedule, load_schedule
 from sparrow.tables import format_table
 
-from .real_run import common_steps_speedup, protocol_requests, real_rollout
+from .real_run import common_steps_speedup, join_segments, protocol_requests, real_rollout, segment_requests
 
 MODES = ("dense", "sparse")
 RUN_KEYS = ("model", "device", "device_name", "dtype", "backend", "cuda_graphs", "overlap_decode", "kv_cache_dtype",
@@ -218,9 +221,10 @@ def measure(args, device: torch.device) -> dict:
     for _ in range(args.repeats):
         for mode, sched in modes:
             engine.set_schedule(sched)
-            progress = partial(_progress, mode, args.gen_len - 1, prints, tp is not None)
-            res = real_rollout(engine, protocol_requests(prompts, args.samples, args.gen_len, args.seed), args.time_cap,
-                               progress, agree)
+            progress = partial(_progress, mode, args.start_step, args.gen_len - 1, prints, tp is not None)
+            requests = segment_requests(prompts, args.samples, args.gen_len, args.start_step, model.spec.vocab_size,
+                                        args.seed)
+            res = real_rollout(engine, requests, args.time_cap, progress, agree)
             if mode not in results or res["decode_tok_s"] > results[mode]["decode_tok_s"]:
                 results[mode] = res
     stats = engine.stats()
@@ -238,14 +242,14 @@ def measure(args, device: torch.device) -> dict:
         "kv_cache_dtype": stats["kv_cache_dtype"],
         "overlap_decode": args.overlap_decode, "tensor_parallel": args.tensor_parallel,
         "prompt_len": args.prompt_len, "gen_len": args.gen_len, "batch": batch, "samples": args.samples, "seed": args.seed,
-        "schedule": schedule.name, "modes": results,
+        "schedule": schedule.name, "start_step": args.start_step, "modes": results,
     }
     return with_speedup(report)
 
 
-def _progress(mode: str, steps: int, prints: bool, watched: bool, done: int, seconds: float) -> None:
+def _progress(mode: str, first: int, steps: int, prints: bool, watched: bool, done: int, seconds: float) -> None:
     if prints:
-        print(f"  {mode}: {done}/{steps} decode steps, {seconds:.1f} s", file=sys.stderr, flush=True)
+        print(f"  {mode}: {first + done}/{steps} decode steps, {seconds:.1f} s", file=sys.stderr, flush=True)
     if watched:
         faulthandler.dump_traceback_later(STALL_DUMP_S, repeat=True)
 
@@ -262,20 +266,30 @@ def with_speedup(report: dict) -> dict:
 
 
 def merge(reports: list[dict], names: list[str]) -> dict:
-    """Single-mode reports of the same run settings joined into one comparison; a mismatch names the key."""
+    """Single-mode reports of the same run settings joined into one comparison; a mismatch names the key. A mode
+    given in several segments (`--start-step`) is joined into one run; every mode must start at the same step."""
     first = reports[0]
-    merged = {**{k: v for k, v in first.items() if k not in ("modes", "command", "date")},
+    merged = {**{k: v for k, v in first.items() if k not in ("modes", "command", "date", "start_step")},
               "commands": [], "modes": {}}
+    parts: dict[str, list[tuple[int, dict, str]]] = {}
     for report, name in zip(reports, names):
         for key in RUN_KEYS:
             if report.get(key) != first.get(key):
                 raise ValueError(f"{name}: {key}={report.get(key)!r} but {names[0]} has {first.get(key)!r}; "
                                  f"merge only runs of the same settings (one mode each)")
+        start = report.get("start_step", 0)
         for mode, result in report["modes"].items():
-            if mode in merged["modes"]:
-                raise ValueError(f"{name}: mode {mode!r} is already in another file; give each mode once")
-            merged["modes"][mode] = result
+            if any(s == start for s, _, _ in parts.get(mode, [])):
+                raise ValueError(f"{name}: mode {mode!r} from step {start} is already in another file; give each mode "
+                                 f"once per segment")
+            parts.setdefault(mode, []).append((start, result, name))
         merged["commands"].append({"command": report["command"], "date": report.get("date")})
+    firsts = {mode: min(s for s, _, _ in segs) for mode, segs in parts.items()}
+    if len(set(firsts.values())) > 1:
+        raise ValueError(f"the modes start at different decode steps ({firsts}); give each mode from the same step")
+    for mode, segs in parts.items():
+        merged["modes"][mode] = segs[0][1] if len(segs) == 1 else join_segments(segs, first["batch"])
+    merged["start_step"] = min(firsts.values())
     return with_speedup(merged)
 
 
@@ -297,6 +311,14 @@ def render(report: dict) -> str:
              f"+ gen {report['gen_len']} tokens",
              format_table(["mode", "prefill s", "decode s", "decode tok/s", "total tok/s", "median step ms",
                            "blocks/token", "truncated"], rows)]
+    if report.get("start_step"):
+        lines.append(f"from decode step {report['start_step']} on (earlier steps not measured here)")
+    for mode, r in modes.items():
+        if "segments" in r:
+            spans = ", ".join(f"{seg['start_step']}-{seg['start_step'] + seg['steps'] - 1} from {seg['file']}"
+                              for seg in r["segments"])
+            lines.append(f"{mode}: joined from {len(r['segments'])} segments (decode steps {spans}); times from their "
+                         f"step profiles")
     if "decode_speedup" in report:
         lines.append(f"sparse / dense: decode {report['decode_speedup']:.2f}x, total {report['total_speedup']:.2f}x")
     common = report.get("common_steps_speedup")
