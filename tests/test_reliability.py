@@ -308,13 +308,16 @@ def test_a_replacement_that_hangs_at_start_is_replaced_in_turn(cluster, tiny_qwe
 
 @pytest.mark.vllm
 def test_a_killed_vllm_worker_is_replaced(cluster, tiny_qwen3, tmp_path, monkeypatch):
+    """The only rollout worker, a vLLM engine, is killed holding a lease: its samples wait for the replacement engine
+    and are trained exactly once. One worker, not two, spares the suite a vLLM load (2-core CPU: 202 s -> 133-152 s); a pool that
+    keeps serving while a member is replaced is the native tests' case."""
     pytest.importorskip("vllm")
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core stays in the worker's process
     config, run_dir = _job(tmp_path, tiny_qwen3, "vllm-kill", steps=2, max_tokens=16)
     config = load_config(None, [
         f"model={tiny_qwen3}", "rollout.engine=vllm", "rollout.vllm.max_model_len=512", "rollout.vllm.max_num_seqs=8",
         "rollout.vllm.kv_cache_memory_bytes=268435456", "rollout.sampling={max_tokens: 16, n: 2, temperature: 1.0}",
-        "rollout.schedule={name: tiny, edges: [80], topk_blocks: [2, 3]}", "rollout.pool={size: 2, cpus: 0.5, node_label: rollout_node}",
+        "rollout.schedule={name: tiny, edges: [80], topk_blocks: [2, 3]}", "rollout.pool={size: 1, cpus: 0.5, node_label: rollout_node}",
         "trainer.pool={size: 1, cpus: 0.5, node_label: trainer_node}", "trainer.micro_batch_tokens=512",
         "trainer.recompute_topk=8", "controller.ladder=[1, 2, 3, 4, 6]", "controller.min_samples=20",
         "metrics.enabled=false", "run.steps=2", "run.prompts_per_step=4", "run.mode=sync",
@@ -322,8 +325,8 @@ def test_a_killed_vllm_worker_is_replaced(cluster, tiny_qwen3, tmp_path, monkeyp
     ])
     with TrainingJob(config, run_dir, progress=False, log=_log) as job:
         def fault():
-            _when(_holding(job, 1))
-            ray.kill(job.fleet.pool.slots[1].actor, no_restart=True)
+            _when(_holding(job, 0))
+            ray.kill(job.fleet.pool.slots[0].actor, no_restart=True)
 
         killer = threading.Thread(target=fault, daemon=True)
         killer.start()
@@ -334,4 +337,4 @@ def test_a_killed_vllm_worker_is_replaced(cluster, tiny_qwen3, tmp_path, monkeyp
         _assert_exactly_once(job, 2)
     _print_figures(run_dir)
     lost = [e for r in _records(run_dir) for e in r.faults if e.kind == "rollout_worker_lost"]
-    assert len(lost) == 1 and lost[0].subject == "rollout-1"
+    assert len(lost) == 1 and lost[0].subject == "rollout-0"
