@@ -309,8 +309,8 @@ def test_a_replacement_that_hangs_at_start_is_replaced_in_turn(cluster, tiny_qwe
 @pytest.mark.vllm
 def test_a_killed_vllm_worker_is_replaced(cluster, tiny_qwen3, tmp_path, monkeypatch):
     """The only rollout worker, a vLLM engine, is killed holding a lease: its samples wait for the replacement engine
-    and are trained exactly once. One worker, not two, spares the suite a vLLM load (2-core CPU: 202 s -> 133-152 s); a pool that
-    keeps serving while a member is replaced is the native tests' case."""
+    and are trained exactly once. One worker, not two, spares the suite a vLLM load (2-core CPU: 202 s -> 133-152 s);
+    a pool that keeps serving while a member is replaced is the native tests' case."""
     pytest.importorskip("vllm")
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core stays in the worker's process
     config, run_dir = _job(tmp_path, tiny_qwen3, "vllm-kill", steps=2, max_tokens=16)

@@ -16,9 +16,12 @@ AGREE_EVERY = 64
 def protocol_requests(prompts, samples: int, gen_len: int, seed: int = 0) -> list[RolloutRequest]:
     """The benchmark protocol: every sample decodes exactly `gen_len` tokens (EOS ignored) at T = 1 with
     top-20 logprobs; request i samples with seed `seed + i`, so separate processes draw the same tokens."""
-    return [RolloutRequest(f"p{i}", p, SamplingParams(max_tokens=gen_len, temperature=1.0, seed=seed + i, n=samples,
-                                                      ignore_eos=True, logprobs=20))
-            for i, p in enumerate(prompts)]
+    return [RolloutRequest(f"p{i}", p, _protocol_sampling(gen_len, seed + i, samples)) for i, p in enumerate(prompts)]
+
+
+def _protocol_sampling(max_tokens: int, seed: int, n: int = 1) -> SamplingParams:
+    """The protocol's sampling, for whole runs and segments alike: T = 1, EOS ignored, top-20 logprobs."""
+    return SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed, n=n, ignore_eos=True, logprobs=20)
 
 
 def segment_requests(prompts, samples: int, gen_len: int, start_step: int, vocab_size: int,
@@ -34,10 +37,8 @@ def segment_requests(prompts, samples: int, gen_len: int, start_step: int, vocab
     for i, prompt in enumerate(prompts):
         for j in range(samples):
             own = torch.randint(0, vocab_size, (start_step,), generator=gen).tolist()
-            requests.append(RolloutRequest(
-                f"p{i}s{j}", tuple(prompt) + tuple(own),
-                SamplingParams(max_tokens=gen_len - start_step, temperature=1.0, seed=seed + i * samples + j,
-                               ignore_eos=True, logprobs=20)))
+            requests.append(RolloutRequest(f"p{i}s{j}", tuple(prompt) + tuple(own),
+                                           _protocol_sampling(gen_len - start_step, seed + i * samples + j)))
     return requests
 
 
@@ -52,7 +53,7 @@ def join_segments(parts: list[tuple[int, dict, str]], batch: int) -> dict:
         windows = result["step_profile"]
         if profile and (not windows or windows[0]["first_context"] != profile[-1]["last_context"] + 1):
             prev_start, _, prev_name = parts[k - 1]
-            made = prev_start + sum(seg["steps"] for seg in segments[-1:])
+            made = prev_start + segments[-1]["steps"]
             raise ValueError(
                 f"{name}: its segment starts at decode step {start} but {prev_name} (from step {prev_start}) made "
                 f"steps up to {made - 1} only; run the later segment again with --start-step at a multiple of "
