@@ -5,8 +5,10 @@
 # of its own and install it into /tmp/site the same way (pip ... --target /tmp/site-ray; cp -a /tmp/site-ray/. /tmp/site/).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1
-if ! python3 -c "import pydantic, ray" 2>/dev/null && [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+# The stamp keeps scripts sourced side by side on a warm machine (one per GPU) from installing into /tmp/site at once.
+if [ -d .whl ] && [ ! -e /tmp/site/.sparrow-wheels ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && touch /tmp/site/.sparrow-wheels
 fi
 [ -d /tmp/site ] && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 # -P: without the current folder on the path, as a script under benchmarks/ sees it (the cwd would hide a

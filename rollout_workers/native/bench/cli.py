@@ -128,21 +128,19 @@ def run_rollout_merge(args) -> int:
 
 
 def run_decode_step(args) -> int:
-    import sys
-
     from . import run_decode_step as run
+    from .common import bench_command
 
     if args.batch < 1 or args.replays < 1 or any(c < BLOCK_SIZE for c in args.contexts):
         raise ValueError(f"--batch and --replays must be >= 1 and --contexts >= {BLOCK_SIZE} tokens")
     run(args.model, args.batch, tuple(args.contexts), args.budget_tokens, args.replays,
-        args.out, "sparrow " + " ".join(sys.argv[1:]), kv_cache_dtype=args.kv_cache_dtype)
+        args.out, bench_command("decode-step"), kv_cache_dtype=args.kv_cache_dtype)
     return 0
 
 
 def run_rollout_paper(args) -> int:
-    import sys
-
     from . import run_rollout_paper as run
+    from .common import bench_command
     from sparrow.schedule import load_schedule
 
     schedules = {}
@@ -160,5 +158,5 @@ def run_rollout_paper(args) -> int:
         raise ValueError(f"--memory-fraction={args.memory_fraction}: use a value in (0, 0.97]")
     run(tuple(args.models), schedules, args.real_prompt, args.real_gen, args.project_prompt, args.project_gen,
         args.samples, args.memory_fraction, args.time_cap, args.replays, args.out,
-        "sparrow " + " ".join(sys.argv[1:]))
+        bench_command("rollout-paper"))
     return 0

@@ -2,6 +2,7 @@
 
 import datetime
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -12,6 +13,12 @@ PAPER_STEP_MS = {16384: 4.59, 24576: 5.13, 32768: 5.41}
 PAPER_ROLLOUT_SPEEDUP = {"qwen3-1.7b": 2.21, "qwen3-4b": 2.41, "qwen3-8b": 2.06}
 """Sparrow: rollout throughput sparse/dense at the 0.86 schedules, 4×H200, 32K generation, AIME × 8."""
 TARGET_OVER_PAPER = 1.25
+
+
+def bench_command(action: str) -> str:
+    """The `sparrow bench ACTION ...` line that repeats this run, whether it came from the CLI or `python -m`."""
+    args = sys.argv[sys.argv.index(action):] if action in sys.argv else [action, *sys.argv[1:]]
+    return "sparrow bench " + " ".join(args)
 
 
 def device_report(command: str) -> dict:

@@ -35,6 +35,7 @@ from sparrow.layout import DEFAULT_LAYOUT
 from sparrow.schedule import SparsitySchedule, load_schedule
 from sparrow.tables import format_table
 
+from .common import bench_command
 from .real_run import common_steps_speedup, join_segments, protocol_requests, real_rollout, segment_requests
 
 MODES = ("dense", "sparse")
@@ -234,7 +235,7 @@ def measure(args, device: torch.device) -> dict:
             results[mode]["replayed"] = replayed_steps(model, batch, total, sched, results[mode]["step_profile"],
                                                        args.replayed, kv_cache_dtype=args.kv_cache_dtype)
     report = {
-        "command": "sparrow bench " + " ".join(sys.argv[sys.argv.index("rollout"):] if "rollout" in sys.argv else sys.argv[1:]), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": bench_command("rollout"), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "model": args.model, "device": device.type,
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads() if device.type == "cpu" else None,
