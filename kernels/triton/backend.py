@@ -35,16 +35,24 @@ MAX_SPLITS = 16
 
 SPLIT_WAVES = 4  # best of {2, 4, 8, 16} in the H200 sweep (docs/performance.md)
 SPLIT_WAVES_FP8 = 2  # FP8 pages: best of {2, 4, 8} in the H200 sweep of their tiling (docs/performance.md)
+RESIDENT_PROGRAMS = 4  # attention programs one SM holds at once: bfloat16 tiling, 122 registers per thread (sm_90)
+RESIDENT_PROGRAMS_FP8 = 2  # FP8 tiling: 182-255 registers per thread
 
 
-def choose_splits(rows: int, num_sms: int, waves: int = SPLIT_WAVES) -> int:
-    """Split-K factor (power of two ≤ MAX_SPLITS): at least `waves` programs per SM, so the tail of the
-    last wave stays small and enough loads are in flight; the merge costs little (partials are
-    G·D floats per split against ≥ 64 KB of K/V each)."""
+def choose_splits(rows: int, num_sms: int, fp8: bool = False, waves: int | None = None) -> int:
+    """Split-K factor (power of two ≤ MAX_SPLITS). At least `waves` programs per SM (default SPLIT_WAVES or
+    SPLIT_WAVES_FP8), so enough loads are in flight; then the count among those left whose last wave is fullest:
+    programs run `RESIDENT_PROGRAMS` per SM at a time and each does 1/splits of a row, so a call takes about
+    ceil(rows·splits / (resident·SMs)) / splits rows' worth of time (ties: fewer splits, less to merge). Without
+    that step a nearly empty last wave costs as much as a full one: FP8 pages at batch 40 (320 rows, 1.2 waves of
+    one split) took 1605 µs per 32K layer against 1157 µs with 4 splits (H200 sweep, docs/performance.md)."""
+    waves = waves or (SPLIT_WAVES_FP8 if fp8 else SPLIT_WAVES)
+    slots = (RESIDENT_PROGRAMS_FP8 if fp8 else RESIDENT_PROGRAMS) * num_sms
     splits = 1
     while rows * splits < waves * num_sms and splits < MAX_SPLITS:
         splits *= 2
-    return splits
+    candidates = [splits << k for k in range(MAX_SPLITS.bit_length()) if splits << k <= MAX_SPLITS]
+    return min(candidates, key=lambda s: (-(-rows * s // slots) / s, s))
 
 
 @dataclass
@@ -88,10 +96,10 @@ class TritonBackend(AttentionBackend):
         return self._num_sms[device]
 
     def splits_for(self, batch: int, num_kv_heads: int, device, fp8: bool = False) -> int:
-        """Splits of one decode call; FP8 pages aim at fewer waves, so never need more workspace than bfloat16."""
+        """Splits of one decode call (the workspace holds the partials of either page format's count)."""
         if self.fixed_splits is not None:
             return self.fixed_splits
-        return choose_splits(batch * num_kv_heads, self.num_sms(torch.device(device)), SPLIT_WAVES_FP8 if fp8 else SPLIT_WAVES)
+        return choose_splits(batch * num_kv_heads, self.num_sms(torch.device(device)), fp8)
 
     def prepare(self, max_batch: int, max_blocks_per_seq: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
                 device) -> DecodeWorkspace:
@@ -101,7 +109,8 @@ class TritonBackend(AttentionBackend):
         device = torch.device(device)
         group = num_q_heads // num_kv_heads
         rows = max_batch * num_kv_heads
-        parts = max(b * num_kv_heads * self.splits_for(b, num_kv_heads, device) for b in range(1, max_batch + 1))
+        parts = max(b * num_kv_heads * self.splits_for(b, num_kv_heads, device, fp8)
+                    for b in range(1, max_batch + 1) for fp8 in (False, True))
         self.workspace = DecodeWorkspace(
             max_batch=max_batch, max_blocks=max_blocks_per_seq, num_kv_heads=num_kv_heads, group=group,
             head_dim=head_dim,

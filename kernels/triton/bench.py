@@ -237,7 +237,7 @@ def sweep_attention(pool: Pool, spec: BenchSpec, num_sms: int, log) -> tuple[Att
                   else sparse_bytes(case, budget, config, spec.num_kv_heads, spec.head_dim, pool.vector_bytes)["kv"])
         for tiling in dict.fromkeys(tilings):
             for w in waves:
-                splits = choose_splits(batch * spec.num_kv_heads, num_sms, waves=w)
+                splits = choose_splits(batch * spec.num_kv_heads, num_sms, pool.scales is not None, waves=w)
                 try:
                     us = time_attention(pool, case, tiling, splits, spec.rep_ms, budget, config)
                 except Exception as exc:  # a tiling that does not compile or fit is skipped, and said so
@@ -301,7 +301,7 @@ def run(spec: BenchSpec, out_path: Path | None, command: str, log=print) -> dict
     cases = [(b, c, g) for b in spec.batches for c in spec.contexts for g in spec.groups]
     for i, (batch, context, group) in enumerate(cases):
         case = make_case(pool, batch, context, group, h, d, seed=i)
-        splits = choose_splits(batch * h, num_sms, waves=waves)
+        splits = choose_splits(batch * h, num_sms, fp8, waves=waves)
         backend = TritonBackend(splits=splits, tiling=tiling)
         backend.prepare(batch, case.tables.shape[1], h * group, h, d, DEVICE)
         scale = d**-0.5
