@@ -196,3 +196,30 @@ def test_a_run_measured_in_segments_is_joined_into_the_whole_run(tmp_path, capsy
     assert "start at different decode steps" in capsys.readouterr().err
     assert main([*args, "--start-step", "6"]) == 2
     assert "--start-step=6: use a multiple of 4" in capsys.readouterr().err
+
+
+def test_end_step_cuts_a_segment_where_the_next_one_starts(tmp_path, capsys, monkeypatch):
+    """`--end-step M`: a segment stops after decode step M - 1 (marked truncated), so segments [0, 4), [4, 8), [8, end)
+    join into the whole run's steps with no gap or overlap, whatever the time each took."""
+    from sparrow.rollout_workers.native.bench import real_run
+
+    monkeypatch.setattr(real_run, "STEP_WINDOW", 4)
+    args = ["bench", "rollout", "--model", "tiny", "--prompt-len", "40", "--gen-len", "13", "--batch", "4",
+            "--samples", "2", "--budget", "3", "--mode", "dense"]
+    spans = [("0", "4"), ("4", "8"), ("8", None)]
+    for start, end in spans:
+        extra = ["--start-step", start] + (["--end-step", end] if end else [])
+        assert main([*args, *extra, "--out", str(tmp_path / f"dense-{start}.json")]) == 0
+    first = json.loads((tmp_path / "dense-0.json").read_text())
+    assert first["end_step"] == 4 and first["modes"]["dense"]["decode_steps"] == 4
+    assert first["modes"]["dense"]["truncated"] and first["modes"]["dense"]["errors"] == 0
+    assert "from decode step 0 up to decode step 3 (other steps not measured here)" in capsys.readouterr().out
+    files = [str(tmp_path / f"dense-{start}.json") for start, _ in spans]
+    assert main(["bench", "rollout-merge", *files, "--out", str(tmp_path / "merged.json")]) == 0
+    assert "dense: joined from 3 segments (decode steps 0-3 from " in capsys.readouterr().out
+    joined = json.loads((tmp_path / "merged.json").read_text())["modes"]["dense"]
+    assert [w["first_context"] for w in joined["step_profile"]] == [41, 45, 49]
+    assert joined["decode_steps"] == 12 and not joined["truncated"]
+    for bad in (["--end-step", "6"], ["--start-step", "4", "--end-step", "4"], ["--end-step", "16"]):
+        assert main([*args, *bad]) == 2
+        assert "--end-step=" in capsys.readouterr().err

@@ -35,6 +35,9 @@ def register_rollout(actions) -> None:
     r.add_argument("--start-step", type=int, default=0, metavar="N",
                    help="measure from decode step N on (a multiple of 512): each sample's prompt carries N random tokens "
                         "of its own in place of its first N generated ones; rollout-merge joins such segments")
+    r.add_argument("--end-step", type=int, default=None, metavar="M",
+                   help="stop after decode step M - 1 (a multiple of 512; marked truncated): with --start-step, a "
+                        "segment that ends exactly where the next one starts")
     r.add_argument("--memory-fraction", type=float, default=0.9, help="share of free GPU memory --batch auto fills")
     r.add_argument("--replayed", type=int, default=0, metavar="POINTS",
                    help="CUDA: time the graph-replayed step at this many contexts of the run (real vs replayed)")
@@ -106,6 +109,10 @@ def run_rollout(args) -> int:
     if args.start_step % STEP_WINDOW or not 0 <= args.start_step < args.gen_len - 1:
         raise ValueError(f"--start-step={args.start_step}: use a multiple of {STEP_WINDOW} (the step-profile window) "
                          f"below --gen-len - 1 = {args.gen_len - 1}, the decode steps of a sample")
+    if args.end_step is not None and (args.end_step % STEP_WINDOW
+                                      or not args.start_step < args.end_step <= args.gen_len - 1):
+        raise ValueError(f"--end-step={args.end_step}: use a multiple of {STEP_WINDOW} above --start-step="
+                         f"{args.start_step} and at most --gen-len - 1 = {args.gen_len - 1}")
     if not 0 < args.memory_fraction <= 0.97:
         raise ValueError(f"--memory-fraction={args.memory_fraction}: use a value in (0, 0.97]")
     rollout.write(rollout.run(args), args.out, args.json)

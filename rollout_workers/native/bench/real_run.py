@@ -57,7 +57,7 @@ def join_segments(parts: list[tuple[int, dict, str]], batch: int) -> dict:
             raise ValueError(
                 f"{name}: its segment starts at decode step {start} but {prev_name} (from step {prev_start}) made "
                 f"steps up to {made - 1} only; run the later segment again with --start-step at a multiple of "
-                f"{STEP_WINDOW} no greater than {made}")
+                f"{STEP_WINDOW} no greater than {made}, or give the earlier one --end-step {start} (no --time-cap)")
         if k + 1 < len(parts) and parts[k + 1][1]["step_profile"]:
             next_first = parts[k + 1][1]["step_profile"][0]["first_context"]
             windows = [w for w in windows if w["first_context"] < next_first]

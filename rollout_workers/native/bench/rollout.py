@@ -219,13 +219,14 @@ def measure(args, device: torch.device) -> dict:
         engine.set_schedule(sched)
         real_rollout(engine, protocol_requests(prompts, args.samples, 2, args.seed))
     results: dict[str, dict] = {}
+    stop = args.gen_len if args.end_step is None else args.end_step + 1  # tokens per sample: prefill's + the steps
     for _ in range(args.repeats):
         for mode, sched in modes:
             engine.set_schedule(sched)
-            progress = partial(_progress, mode, args.start_step, args.gen_len - 1, prints, tp is not None)
-            requests = segment_requests(prompts, args.samples, args.gen_len, args.start_step, model.spec.vocab_size,
-                                        args.seed)
+            progress = partial(_progress, mode, args.start_step, stop - 1, prints, tp is not None)
+            requests = segment_requests(prompts, args.samples, stop, args.start_step, model.spec.vocab_size, args.seed)
             res = real_rollout(engine, requests, args.time_cap, progress, agree)
+            res["truncated"] |= stop < args.gen_len
             if mode not in results or res["decode_tok_s"] > results[mode]["decode_tok_s"]:
                 results[mode] = res
     stats = engine.stats()
@@ -243,7 +244,7 @@ def measure(args, device: torch.device) -> dict:
         "kv_cache_dtype": stats["kv_cache_dtype"],
         "overlap_decode": args.overlap_decode, "tensor_parallel": args.tensor_parallel,
         "prompt_len": args.prompt_len, "gen_len": args.gen_len, "batch": batch, "samples": args.samples, "seed": args.seed,
-        "schedule": schedule.name, "start_step": args.start_step, "modes": results,
+        "schedule": schedule.name, "start_step": args.start_step, "end_step": args.end_step, "modes": results,
     }
     return with_speedup(report)
 
@@ -270,7 +271,7 @@ def merge(reports: list[dict], names: list[str]) -> dict:
     """Single-mode reports of the same run settings joined into one comparison; a mismatch names the key. A mode
     given in several segments (`--start-step`) is joined into one run; every mode must start at the same step."""
     first = reports[0]
-    merged = {**{k: v for k, v in first.items() if k not in ("modes", "command", "date", "start_step")},
+    merged = {**{k: v for k, v in first.items() if k not in ("modes", "command", "date", "start_step", "end_step")},
               "commands": [], "modes": {}}
     parts: dict[str, list[tuple[int, dict, str]]] = {}
     for report, name in zip(reports, names):
@@ -312,8 +313,9 @@ def render(report: dict) -> str:
              f"+ gen {report['gen_len']} tokens",
              format_table(["mode", "prefill s", "decode s", "decode tok/s", "total tok/s", "median step ms",
                            "blocks/token", "truncated"], rows)]
-    if report.get("start_step"):
-        lines.append(f"from decode step {report['start_step']} on (earlier steps not measured here)")
+    if report.get("start_step") or report.get("end_step"):
+        span = f"up to decode step {report['end_step'] - 1}" if report.get("end_step") else "on"
+        lines.append(f"from decode step {report.get('start_step', 0)} {span} (other steps not measured here)")
     for mode, r in modes.items():
         if "segments" in r:
             spans = ", ".join(f"{seg['start_step']}-{seg['start_step'] + seg['steps'] - 1} from {seg['file']}"
