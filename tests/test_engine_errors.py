@@ -223,3 +223,17 @@ def test_end_step_cuts_a_segment_where_the_next_one_starts(tmp_path, capsys, mon
     for bad in (["--end-step", "6"], ["--start-step", "4", "--end-step", "4"], ["--end-step", "16"]):
         assert main([*args, *bad]) == 2
         assert "--end-step=" in capsys.readouterr().err
+
+
+def test_kernel_gaps_name_the_edges_where_the_gpu_idles():
+    """The decode-step profile's idle time: gaps between one kernel's end and the next one's start, summed per pair
+    of kernels; an overlapping kernel (a dependent launched early) leaves no gap, and the span covers them all."""
+    from sparrow.rollout_workers.native.bench.filled import kernel_gaps
+
+    timeline = [("gemm", 0.0, 10.0), ("norm", 12.0, 13.0), ("gemm", 13.5, 23.5), ("norm", 25.5, 26.0),
+                ("merge", 25.8, 27.0), ("attn", 20.0, 24.0)]
+    gaps = kernel_gaps(timeline, top=2)
+    assert gaps["span_us"] == 27.0 and gaps["gap_us"] == pytest.approx(2.0 + 0.5 + 1.5)
+    assert gaps["gaps"] == [{"before": "gemm", "after": "norm", "count": 1, "us": 2.0},
+                            {"before": "attn", "after": "norm", "count": 1, "us": 1.5}]
+    assert kernel_gaps([]) == {"span_us": 0.0, "gap_us": 0.0, "gaps": []}

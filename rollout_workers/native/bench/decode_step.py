@@ -57,7 +57,9 @@ def run_decode_step(model_name: str = "qwen3-1.7b", batch: int = 8, contexts=(16
         try:
             report["profiles"][key] = profile_kernels(filled.stage(past + 1, sparse))
             p = report["profiles"][key]
-            log(f"profile {key}: {p['kernels']} kernels, {p['kernel_us'] / 1e3:.3f} ms of kernel time")
+            log(f"profile {key}: {p['kernels']} kernels, {p['kernel_us'] / 1e3:.3f} ms of kernel time, "
+                f"{p['gap_us'] / 1e3:.3f} ms idle between them over a {p['span_us'] / 1e3:.3f} ms span; most idle after: "
+                + "; ".join(f"{g['before'][:24]} -> {g['after'][:24]} {g['us']:.0f} us ({g['count']}x)" for g in p["gaps"][:4]))
         except Exception as exc:  # the profiler is a diagnostic: its failure must not lose the timings
             report["profiles"][key] = {"error": repr(exc)}
     # ablation: the same steps with the plain (unfused) model — separate q/k/v, gate/up GEMMs, eager norm/RoPE/SiLU

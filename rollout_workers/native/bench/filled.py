@@ -97,7 +97,8 @@ class FilledDecode:
 
 
 def profile_kernels(step: DecodeStep, top: int = 12) -> dict:
-    """Kernels of one replay (CUPTI sees the kernels inside a graph): count, summed GPU time, the largest."""
+    """Kernels of one replay (CUPTI sees the kernels inside a graph): count, summed GPU time, the largest, and the
+    idle time between consecutive kernels by the pair of kernels around it (`kernel_gaps`)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -111,5 +112,24 @@ def profile_kernels(step: DecodeStep, top: int = 12) -> dict:
         return getattr(k, "self_device_time_total", None) or getattr(k, "self_cuda_time_total", 0.0)
 
     kernels.sort(key=us, reverse=True)
+    timeline = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+                if e.device_type == DeviceType.CUDA]
     return {"kernels": sum(k.count for k in kernels), "kernel_us": sum(us(k) for k in kernels),
-            "top": [{"name": k.key[:90], "count": k.count, "us": us(k)} for k in kernels[:top]]}
+            "top": [{"name": k.key[:90], "count": k.count, "us": us(k)} for k in kernels[:top]],
+            **kernel_gaps(timeline, top)}
+
+
+def kernel_gaps(timeline: list[tuple[str, float, float]], top: int = 12) -> dict:
+    """Idle GPU time inside one replay from kernels' `(name, start_us, end_us)`: the span from the first start to the
+    last end, the summed gaps between a kernel's end and the next one's start (overlaps count as none), and the
+    pairs (kernel before, kernel after) with the most of it, so a launch change shows which edges it shortens."""
+    ordered = sorted(timeline, key=lambda k: k[1])
+    pairs: dict[tuple[str, str], list[float]] = {}
+    busy_until = ordered[0][2] if ordered else 0.0
+    for (before, _, _), (after, start, end) in zip(ordered, ordered[1:]):
+        pairs.setdefault((before[:60], after[:60]), []).append(max(0.0, start - busy_until))
+        busy_until = max(busy_until, end)
+    edges = sorted(pairs.items(), key=lambda kv: sum(kv[1]), reverse=True)
+    return {"span_us": ordered[-1][2] - ordered[0][1] if ordered else 0.0,
+            "gap_us": sum(sum(g) for g in pairs.values()),
+            "gaps": [{"before": b, "after": a, "count": len(g), "us": sum(g)} for (b, a), g in edges[:top]]}
