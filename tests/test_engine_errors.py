@@ -237,3 +237,38 @@ def test_kernel_gaps_name_the_edges_where_the_gpu_idles():
     assert gaps["gaps"] == [{"before": "gemm", "after": "norm", "count": 1, "us": 2.0},
                             {"before": "attn", "after": "norm", "count": 1, "us": 1.5}]
     assert kernel_gaps([]) == {"span_us": 0.0, "gap_us": 0.0, "gaps": []}
+
+
+def test_segment_bounds_balance_the_growing_step_cost():
+    """`--segments`: boundaries on the 512-step windows, later segments shorter (a dense step's cost grows with its
+    context), each segment about the same estimated time; too many segments for the windows is refused."""
+    from sparrow.rollout_workers.native.bench.real_run import SEGMENT_FIXED_TOKENS, segment_bounds
+
+    bounds = segment_bounds(0, 32767, 4, 256, "dense")
+    assert bounds == [(0, 14336), (14336, 22016), (22016, 27648), (27648, 32767)]
+    offset = SEGMENT_FIXED_TOKENS["dense"] + 256
+    cost = [sum(offset + t for t in range(a, b)) for a, b in bounds]
+    assert max(cost) / min(cost) < 1.1  # a boundary moves at most half a window off the exact split
+    assert segment_bounds(0, 32767, 2, 256, "sparse") == [(0, 20480), (20480, 32767)]
+    assert segment_bounds(20480, 32767, 2, 256, "both") == [(20480, 27136), (27136, 32767)]
+    with pytest.raises(ValueError, match="--segments=3: decode steps 0-1023 make 2 step-profile window"):
+        segment_bounds(0, 1024, 3, 40, "dense")
+
+
+def test_segments_measure_a_run_in_parallel_processes_and_join_it(tmp_path, capsys):
+    """`--segments 2`: two processes measure decode steps 0-511 and 512-1023 at once (one GPU each on CUDA) and the
+    report is the joined whole run, both modes, with no segment truncated at the end."""
+    args = ["bench", "rollout", "--model", "tiny", "--prompt-len", "40", "--gen-len", "1025", "--batch", "4",
+            "--samples", "2", "--budget", "3", "--threads", "1"]
+    assert main([*args, "--segments", "2", "--out", str(tmp_path / "both.json")]) == 0
+    out = capsys.readouterr().out
+    assert "dense: joined from 2 segments (decode steps 0-511 from segment 0, 512-1023 from segment 1)" in out
+    assert "a run was truncated" not in out
+    report = json.loads((tmp_path / "both.json").read_text())
+    for mode in ("dense", "sparse"):
+        result = report["modes"][mode]
+        assert result["decode_steps"] == 1024 and not result["truncated"] and result["errors"] == 0
+        assert [w["first_context"] for w in result["step_profile"]] == [41, 553]
+    assert report["decode_speedup"] > 0 and len(report["commands"]) == 2
+    assert main([*args, "--segments", "2", "--time-cap", "60"]) == 2
+    assert "drop --tensor-parallel and --time-cap" in capsys.readouterr().err

@@ -35,6 +35,9 @@ def register_rollout(actions) -> None:
     r.add_argument("--start-step", type=int, default=0, metavar="N",
                    help="measure from decode step N on (a multiple of 512): each sample's prompt carries N random tokens "
                         "of its own in place of its first N generated ones; rollout-merge joins such segments")
+    r.add_argument("--segments", type=int, default=1, metavar="K",
+                   help="measure the run as K segments at once, one process (and GPU) each, and join them: a run "
+                        "K times shorter in wall time (boundaries balance the steps' growing cost)")
     r.add_argument("--end-step", type=int, default=None, metavar="M",
                    help="stop after decode step M - 1 (a multiple of 512; marked truncated): with --start-step, a "
                         "segment that ends exactly where the next one starts")
@@ -91,7 +94,7 @@ def register_rollout_paper(actions) -> None:
 def run_rollout(args) -> int:
     from . import rollout
 
-    for flag in ("prompt_len", "gen_len", "samples", "repeats", "tensor_parallel"):
+    for flag in ("prompt_len", "gen_len", "samples", "repeats", "tensor_parallel", "segments"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')}={getattr(args, flag)}: must be >= 1")
     if args.batch != "auto" and not (args.batch.isdigit() and int(args.batch) >= 1):
@@ -113,6 +116,9 @@ def run_rollout(args) -> int:
                                       or not args.start_step < args.end_step <= args.gen_len - 1):
         raise ValueError(f"--end-step={args.end_step}: use a multiple of {STEP_WINDOW} above --start-step="
                          f"{args.start_step} and at most --gen-len - 1 = {args.gen_len - 1}")
+    if args.segments > 1 and (args.tensor_parallel > 1 or args.time_cap is not None):
+        raise ValueError(f"--segments={args.segments}: runs each segment on one GPU to its end; drop "
+                         f"--tensor-parallel and --time-cap (a capped segment would leave a gap before the next)")
     if not 0 < args.memory_fraction <= 0.97:
         raise ValueError(f"--memory-fraction={args.memory_fraction}: use a value in (0, 0.97]")
     rollout.write(rollout.run(args), args.out, args.json)

@@ -14,8 +14,9 @@ captured (`--no-cuda-graphs` decodes eagerly).
 smollm2-135m and tiny) with random weights. Prompts are random token ids and samples ignore EOS, so every
 sample decodes exactly `--gen-len` tokens.
 
-`--start-step N` measures the run from decode step N on (`real_run.segment_requests`): when even one mode outlasts a
-job, its segments run in separate jobs and `rollout-merge` joins them (`real_run.join_segments`).
+`--start-step N` measures the run from decode step N on (`real_run.segment_requests`), `--end-step M` up to step M - 1:
+when even one mode outlasts a job, its segments run in separate jobs and `rollout-merge` joins them
+(`real_run.join_segments`); `--segments K` runs K such segments at once, one process (and GPU) each, and joins them.
 """
 
 import datetime
@@ -36,7 +37,8 @@ from sparrow.schedule import SparsitySchedule, load_schedule
 from sparrow.tables import format_table
 
 from .common import bench_command
-from .real_run import common_steps_speedup, join_segments, protocol_requests, real_rollout, segment_requests
+from .real_run import (common_steps_speedup, join_segments, protocol_requests, real_rollout, segment_bounds,
+                       segment_requests)
 
 MODES = ("dense", "sparse")
 RUN_KEYS = ("model", "device", "device_name", "dtype", "backend", "cuda_graphs", "overlap_decode", "kv_cache_dtype",
@@ -109,6 +111,8 @@ def run(args) -> dict:
     if args.replayed and (device.type != "cuda" or args.no_cuda_graphs or args.tensor_parallel > 1):
         raise ValueError("--replayed compares against the engine's single-GPU CUDA graphs: run on --device cuda with "
                          "graphs on and --tensor-parallel 1")
+    if args.segments > 1:
+        return measure_in_segments(args, device)
     if args.tensor_parallel == 1:
         return measure(args, device)
     from ..shapes import model_spec
@@ -126,6 +130,40 @@ def run(args) -> dict:
         report = Path(workdir) / "report.json"
         run_ranks(_rank_main, (args, device.type, workdir), args.tensor_parallel, [report])
         return json.loads(report.read_text())
+
+
+def measure_in_segments(args, device: torch.device) -> dict:
+    """`--segments K`: the run's decode steps split into K ranges of about equal time (`segment_bounds`), measured at
+    once, one process each (GPU k for segment k on CUDA), then joined as `rollout-merge` joins separate segments."""
+    import copy
+
+    stop = args.gen_len - 1 if args.end_step is None else args.end_step
+    bounds = segment_bounds(args.start_step, stop, args.segments, args.prompt_len, args.mode)
+    if device.type == "cuda" and torch.cuda.device_count() < args.segments:
+        raise ValueError(f"--segments={args.segments} needs one GPU a segment; this machine has "
+                         f"{torch.cuda.device_count()}")
+    print("segments (decode steps): " + ", ".join(f"{a}-{b - 1}" for a, b in bounds), file=sys.stderr, flush=True)
+    plans = [copy.copy(args) for _ in bounds]
+    for plan, (start, end) in zip(plans, bounds):
+        plan.segments, plan.start_step, plan.end_step = 1, start, (end if end < args.gen_len - 1 else None)
+    with tempfile.TemporaryDirectory(prefix="sparrow-segments-") as workdir:
+        outs = [Path(workdir) / f"segment-{k}.json" for k in range(len(plans))]
+        run_ranks(_segment_main, (plans, device.type, workdir), len(plans), outs)
+        reports = [json.loads(out.read_text()) for out in outs]
+    return merge(reports, [f"segment {k}" + (f" on cuda:{k}" if device.type == "cuda" else "") for k in range(len(plans))])
+
+
+def _segment_main(rank: int, plans: list, device_type: str, workdir: str) -> None:
+    """One segment of `--segments`: its own process, GPU and engine; its report goes to `workdir`."""
+    args = plans[rank]
+    device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // len(plans)))
+    report = measure(args, device)
+    staged = Path(workdir) / f"segment-{rank}.json.part"
+    staged.write_text(json.dumps(report))
+    staged.rename(Path(workdir) / f"segment-{rank}.json")
 
 
 def run_ranks(target, target_args: tuple, nprocs: int, done: list[Path], grace_s: float = TEARDOWN_GRACE_S) -> None:
@@ -271,7 +309,8 @@ def merge(reports: list[dict], names: list[str]) -> dict:
     """Single-mode reports of the same run settings joined into one comparison; a mismatch names the key. A mode
     given in several segments (`--start-step`) is joined into one run; every mode must start at the same step."""
     first = reports[0]
-    merged = {**{k: v for k, v in first.items() if k not in ("modes", "command", "date", "start_step", "end_step")},
+    own = ("modes", "command", "date", "start_step", "end_step", "decode_speedup", "total_speedup", "common_steps_speedup")
+    merged = {**{k: v for k, v in first.items() if k not in own},
               "commands": [], "modes": {}}
     parts: dict[str, list[tuple[int, dict, str]]] = {}
     for report, name in zip(reports, names):
