@@ -39,14 +39,19 @@ RESIDENT_PROGRAMS = 4  # attention programs one SM holds at once: bfloat16 tilin
 RESIDENT_PROGRAMS_FP8 = 2  # FP8 tiling: 182-255 registers per thread
 
 
+def split_waves(fp8: bool) -> int:
+    """The split-K minimum, in programs per SM, for bfloat16 or FP8 pages."""
+    return SPLIT_WAVES_FP8 if fp8 else SPLIT_WAVES
+
+
 def choose_splits(rows: int, num_sms: int, fp8: bool = False, waves: int | None = None) -> int:
-    """Split-K factor (power of two ≤ MAX_SPLITS). At least `waves` programs per SM (default SPLIT_WAVES or
-    SPLIT_WAVES_FP8), so enough loads are in flight; then the count among those left whose last wave is fullest:
-    programs run `RESIDENT_PROGRAMS` per SM at a time and each does 1/splits of a row, so a call takes about
+    """Split-K factor (power of two ≤ MAX_SPLITS). At least `waves` programs per SM (default `split_waves`), so
+    enough loads are in flight; then the count among those left whose last wave is fullest: programs run
+    `RESIDENT_PROGRAMS` per SM at a time and each does 1/splits of a row, so a call takes about
     ceil(rows·splits / (resident·SMs)) / splits rows' worth of time (ties: fewer splits, less to merge). Without
     that step a nearly empty last wave costs as much as a full one: FP8 pages at batch 40 (320 rows, 1.2 waves of
     one split) took 1605 µs per 32K layer against 1157 µs with 4 splits (H200 sweep, docs/performance.md)."""
-    waves = waves or (SPLIT_WAVES_FP8 if fp8 else SPLIT_WAVES)
+    waves = waves or split_waves(fp8)
     slots = (RESIDENT_PROGRAMS_FP8 if fp8 else RESIDENT_PROGRAMS) * num_sms
     splits = 1
     while rows * splits < waves * num_sms and splits < MAX_SPLITS:

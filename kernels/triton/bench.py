@@ -30,7 +30,7 @@ from .. import flashinfer_baseline as flashinfer
 from ..reference import KVScales, quantize, vector_bytes
 
 from .attention import AttentionTiling, attention_partials, attention_tiling, merge_splits
-from .backend import SPLIT_WAVES, SPLIT_WAVES_FP8, TritonBackend, choose_splits
+from .backend import TritonBackend, choose_splits, split_waves
 from .scoring import score_blocks
 from .selection import select_blocks
 
@@ -291,7 +291,7 @@ def run(spec: BenchSpec, out_path: Path | None, command: str, log=print) -> dict
     pool = Pool(math.ceil(max_tokens / BLOCK_SIZE) + max(spec.batches), h, d, spec.kv_cache_dtype)
     log(f"K/V pages: {'FP8 (e4m3, a float32 scale per vector)' if fp8 else 'bfloat16'}, {pool.vector_bytes} B per vector")
 
-    tiling, waves, sweep_rows = attention_tiling(d, fp8), SPLIT_WAVES_FP8 if fp8 else SPLIT_WAVES, []
+    tiling, waves, sweep_rows = attention_tiling(d, fp8), split_waves(fp8), []
     if spec.sweep:
         tiling, waves, sweep_rows = sweep_attention(pool, spec, num_sms, log)
         log(f"attention tiling {tuple(tiling)} (blocks/iter, warps, stages), split-K target {waves} waves")

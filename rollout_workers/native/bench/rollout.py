@@ -145,7 +145,7 @@ def measure_in_segments(args, device: torch.device) -> dict:
     print("segments (decode steps): " + ", ".join(f"{a}-{b - 1}" for a, b in bounds), file=sys.stderr, flush=True)
     plans = [copy.copy(args) for _ in bounds]
     for plan, (start, end) in zip(plans, bounds):
-        plan.segments, plan.start_step, plan.end_step = 1, start, (end if end < args.gen_len - 1 else None)
+        plan.segments, plan.start_step, plan.end_step = 1, start, end
     with tempfile.TemporaryDirectory(prefix="sparrow-segments-") as workdir:
         outs = [Path(workdir) / f"segment-{k}.json" for k in range(len(plans))]
         run_ranks(_segment_main, (plans, device.type, workdir), len(plans), outs)
@@ -153,12 +153,19 @@ def measure_in_segments(args, device: torch.device) -> dict:
     return merge(reports, [f"segment {k}" + (f" on cuda:{k}" if device.type == "cuda" else "") for k in range(len(plans))])
 
 
+def _process_device(rank: int, device_type: str) -> torch.device:
+    """The device of spawned process `rank`: GPU `rank` (made current) on CUDA, else the CPU."""
+    if device_type != "cuda":
+        return torch.device("cpu")
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    return device
+
+
 def _segment_main(rank: int, plans: list, device_type: str, workdir: str) -> None:
     """One segment of `--segments`: its own process, GPU and engine; its report goes to `workdir`."""
     args = plans[rank]
-    device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    device = _process_device(rank, device_type)
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // len(plans)))
     report = measure(args, device)
     staged = Path(workdir) / f"segment-{rank}.json.part"
@@ -183,8 +190,8 @@ def run_ranks(target, target_args: tuple, nprocs: int, done: list[Path], grace_s
 
 
 def _stop_ranks(processes, grace_s: float) -> None:
-    print(f"tensor-parallel ranks still running {grace_s:.0f} s after writing their results (process-group or "
-          "CUDA teardown); their Python stacks follow (none: stuck past Python, in the process exit), then they "
+    print(f"spawned processes (tensor-parallel ranks or segments) still running {grace_s:.0f} s after writing their "
+          "results (process-group or CUDA teardown); their Python stacks follow (none: stuck past Python, in the process exit), then they "
           "are killed", file=sys.stderr, flush=True)
     for proc in processes:
         if proc.is_alive():
@@ -207,9 +214,7 @@ def _rank_main(rank: int, args, device_type: str, workdir: str) -> None:
     faulthandler.dump_traceback_later(STALL_DUMP_S, repeat=True)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    device = _process_device(rank, device_type)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"file://{workdir}/rendezvous",
                             rank=rank, world_size=args.tensor_parallel)
     try:
