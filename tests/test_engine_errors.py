@@ -2,6 +2,7 @@
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -256,19 +257,25 @@ def test_segment_bounds_balance_the_growing_step_cost():
 
 
 def test_segments_measure_a_run_in_parallel_processes_and_join_it(tmp_path, capsys):
-    """`--segments 2`: two processes measure decode steps 0-511 and 512-1023 at once (one GPU each on CUDA) and the
-    report is the joined whole run, both modes, with no segment truncated at the end."""
+    """`--segments 2`, one mode per run as on the GPU: two processes measure decode steps 0-511 and 512-1023 at once
+    (one GPU each on CUDA); each report is the joined whole run of one command, no segment truncated at the end, and
+    rollout-merge compares the two modes' segmented runs."""
     args = ["bench", "rollout", "--model", "tiny", "--prompt-len", "40", "--gen-len", "1025", "--batch", "4",
-            "--samples", "2", "--budget", "3", "--threads", "1"]
-    assert main([*args, "--segments", "2", "--out", str(tmp_path / "both.json")]) == 0
-    out = capsys.readouterr().out
-    assert "dense: joined from 2 segments (decode steps 0-511 from segment 0, 512-1023 from segment 1)" in out
-    assert "a run was truncated" not in out
-    report = json.loads((tmp_path / "both.json").read_text())
-    for mode in ("dense", "sparse"):
+            "--samples", "2", "--budget", "3", "--threads", "1", "--segments", "2"]
+    files = [str(tmp_path / f"{mode}.json") for mode in ("dense", "sparse")]
+    for mode, path in zip(("dense", "sparse"), files):
+        assert main([*args, "--mode", mode, "--out", path]) == 0
+        out = capsys.readouterr().out
+        assert f"{mode}: joined from 2 segments (decode steps 0-511 from segment 0, 512-1023 from segment 1)" in out
+        report = json.loads(Path(path).read_text())
         result = report["modes"][mode]
         assert result["decode_steps"] == 1024 and not result["truncated"] and result["errors"] == 0
         assert [w["first_context"] for w in result["step_profile"]] == [41, 553]
-    assert report["decode_speedup"] > 0 and len(report["commands"]) == 2
+        assert report["command"].startswith("sparrow bench rollout") and "commands" not in report
+    assert main(["bench", "rollout-merge", *files, "--out", str(tmp_path / "merged.json")]) == 0
+    out = capsys.readouterr().out
+    assert "a run was truncated" not in out and "(byte floor " in out
+    merged = json.loads((tmp_path / "merged.json").read_text())
+    assert merged["decode_speedup"] > 0 and len(merged["commands"]) == 2 and merged["byte_floor_speedup"] > 1
     assert main([*args, "--segments", "2", "--time-cap", "60"]) == 2
     assert "drop --tensor-parallel and --time-cap" in capsys.readouterr().err

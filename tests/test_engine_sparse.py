@@ -124,10 +124,11 @@ def test_byte_floor_speedup_counts_the_bytes_each_mode_must_move():
     """The rollout benchmark's bound: 1 when the budget covers every context; at one context, weights + dense
     layers' K/V + attended K/V + landmarks and scores of the candidates, per the step's byte count."""
     from sparrow.rollout_workers.native.bench import byte_floor_speedup
+    from sparrow.rollout_workers.native.shapes import spec_for_shape
 
-    config = SparseAttentionConfig()
+    config, spec = SparseAttentionConfig(), spec_for_shape("qwen3-1.7b")
     wide = SparsitySchedule(name="wide", topk_blocks=(4096,), edges=())
-    assert byte_floor_speedup("qwen3-1.7b", wide, config, 8, 257, 32768) == pytest.approx(1.0)
+    assert byte_floor_speedup(spec, wide, config, 8, 257, 32768) == pytest.approx(1.0)
     budget = SparsitySchedule(name="b64", topk_blocks=(64 - config.reserved_blocks,), edges=())
     batch, heads, kv_tok = 8, 8, 8 * 128 * 2 * 2  # Qwen3-1.7B: 8 KV heads of 128, K and V in bf16, per token
     weights = 1_720_574_976 * 2  # tied embeddings: every parameter is read
@@ -136,7 +137,12 @@ def test_byte_floor_speedup_counts_the_bytes_each_mode_must_move():
     per_candidate = heads * (128 * 2 + 8)  # a mean landmark per KV head, and its fp32 score written and read
     sparse = (weights + 2 * batch * context * kv_tok + 26 * batch * (63 * 16 + 1) * kv_tok
               + 26 * batch * (n - 3) * per_candidate)
-    assert byte_floor_speedup("qwen3-1.7b", budget, config, batch, context, context) == pytest.approx(dense / sparse)
+    assert byte_floor_speedup(spec, budget, config, batch, context, context) == pytest.approx(dense / sparse)
+    fp8_tok = 8 * (128 + 4) * 2  # FP8 pages: a byte an element and a float32 scale per vector, K and V
+    dense = weights + 28 * batch * context * fp8_tok
+    sparse = (weights + 2 * batch * context * fp8_tok + 26 * batch * (63 * 16 + 1) * fp8_tok
+              + 26 * batch * (n - 3) * per_candidate)
+    assert byte_floor_speedup(spec, budget, config, batch, context, context, "fp8_e4m3") == pytest.approx(dense / sparse)
 
 
 @pytest.mark.parametrize("heads", [(4, 4), (6, 2)])

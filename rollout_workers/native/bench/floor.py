@@ -5,7 +5,7 @@ from sparrow.kernels.reference import vector_bytes
 from sparrow.schedule import SparsitySchedule
 
 from ..model import DecoderModel
-from ..shapes import spec_for_shape
+from ..model_spec import ModelSpec
 from .common import DTYPE
 
 
@@ -43,13 +43,15 @@ def step_bytes(model: DecoderModel, attention: SparseAttentionConfig, batch: int
     return out
 
 
-def byte_floor_speedup(name: str, schedule: SparsitySchedule, attention: SparseAttentionConfig, batch: int, lo: int,
-                       hi: int) -> float:
-    """Σ dense bytes / Σ sparse bytes of the decode steps at contexts lo..hi (every block-size-th one): the
-    protocol's speedup if both modes ran at the memory floor. A measured speedup above it is impossible."""
-    model = DecoderModel(spec_for_shape(name), attention.block_size, device="meta", dtype=DTYPE)
+def byte_floor_speedup(spec: ModelSpec, schedule: SparsitySchedule, attention: SparseAttentionConfig, batch: int, lo: int,
+                       hi: int, kv_cache_dtype: str = "auto") -> float:
+    """Σ dense bytes / Σ sparse bytes of the decode steps at contexts lo..hi (every block-size-th one), K/V in
+    `kv_cache_dtype` pages: the protocol's speedup if both modes ran at the memory floor. A measured speedup reaches
+    it when sparse runs as close to its floor as dense does, and passes it only when dense runs further from its
+    floor than sparse."""
+    model = DecoderModel(spec, attention.block_size, device="meta", dtype=DTYPE)
     dense = sparse = 0
     for context in range(lo, hi + 1, attention.block_size):
-        dense += step_bytes(model, attention, batch, context, None)["total"]
-        sparse += step_bytes(model, attention, batch, context, schedule.blocks_attended(context))["total"]
+        dense += step_bytes(model, attention, batch, context, None, kv_cache_dtype)["total"]
+        sparse += step_bytes(model, attention, batch, context, schedule.blocks_attended(context), kv_cache_dtype)["total"]
     return dense / sparse

@@ -150,7 +150,9 @@ def measure_in_segments(args, device: torch.device) -> dict:
         outs = [Path(workdir) / f"segment-{k}.json" for k in range(len(plans))]
         run_ranks(_segment_main, (plans, device.type, workdir), len(plans), outs)
         reports = [json.loads(out.read_text()) for out in outs]
-    return merge(reports, [f"segment {k}" + (f" on cuda:{k}" if device.type == "cuda" else "") for k in range(len(plans))])
+    joined = merge(reports, [f"segment {k}" + (f" on cuda:{k}" if device.type == "cuda" else "") for k in range(len(plans))])
+    del joined["commands"]  # one command made every segment: the report stays a single run that rollout-merge takes
+    return {**joined, "command": reports[0]["command"], "date": reports[0]["date"]}
 
 
 def _process_device(rank: int, device_type: str) -> torch.device:
@@ -288,8 +290,21 @@ def measure(args, device: torch.device) -> dict:
         "overlap_decode": args.overlap_decode, "tensor_parallel": args.tensor_parallel,
         "prompt_len": args.prompt_len, "gen_len": args.gen_len, "batch": batch, "samples": args.samples, "seed": args.seed,
         "schedule": schedule.name, "start_step": args.start_step, "end_step": args.end_step, "modes": results,
+        "byte_floor_speedup": protocol_byte_floor(args, batch, schedule),
     }
     return with_speedup(report)
+
+
+def protocol_byte_floor(args, batch: int, schedule: SparsitySchedule) -> float:
+    """The whole protocol's sparse / dense speedup if both modes moved only the bytes they must (`byte_floor_speedup`
+    over its decode steps' contexts): the bound a measured ratio is read against, for segments and whole runs alike."""
+    from sparrow.kernels import SparseAttentionConfig
+
+    from ..shapes import model_spec
+    from .floor import byte_floor_speedup
+
+    return byte_floor_speedup(model_spec(args.model), schedule, SparseAttentionConfig(), batch, args.prompt_len + 1,
+                              args.prompt_len + args.gen_len - 1, args.kv_cache_dtype)
 
 
 def _progress(mode: str, first: int, steps: int, prints: bool, watched: bool, done: int, seconds: float) -> None:
@@ -312,9 +327,11 @@ def with_speedup(report: dict) -> dict:
 
 def merge(reports: list[dict], names: list[str]) -> dict:
     """Single-mode reports of the same run settings joined into one comparison; a mismatch names the key. A mode
-    given in several segments (`--start-step`) is joined into one run; every mode must start at the same step."""
+    given in several segments (`--start-step`) is joined into one run; every mode must start at the same step. A
+    report that is itself a merge keeps its list of commands."""
     first = reports[0]
-    own = ("modes", "command", "date", "start_step", "end_step", "decode_speedup", "total_speedup", "common_steps_speedup")
+    own = ("modes", "command", "commands", "date", "start_step", "end_step", "decode_speedup", "total_speedup",
+           "common_steps_speedup")
     merged = {**{k: v for k, v in first.items() if k not in own},
               "commands": [], "modes": {}}
     parts: dict[str, list[tuple[int, dict, str]]] = {}
@@ -329,7 +346,7 @@ def merge(reports: list[dict], names: list[str]) -> dict:
                 raise ValueError(f"{name}: mode {mode!r} from step {start} is already in another file; give each mode "
                                  f"once per segment")
             parts.setdefault(mode, []).append((start, result, name))
-        merged["commands"].append({"command": report["command"], "date": report.get("date")})
+        merged["commands"] += report.get("commands") or [{"command": report["command"], "date": report.get("date")}]
     firsts = {mode: min(s for s, _, _ in segs) for mode, segs in parts.items()}
     if len(set(firsts.values())) > 1:
         raise ValueError(f"the modes start at different decode steps ({firsts}); give each mode from the same step")
@@ -367,7 +384,9 @@ def render(report: dict) -> str:
             lines.append(f"{mode}: joined from {len(r['segments'])} segments (decode steps {spans}); times from their "
                          f"step profiles")
     if "decode_speedup" in report:
-        lines.append(f"sparse / dense: decode {report['decode_speedup']:.2f}x, total {report['total_speedup']:.2f}x")
+        floor = report.get("byte_floor_speedup")
+        lines.append(f"sparse / dense: decode {report['decode_speedup']:.2f}x, total {report['total_speedup']:.2f}x"
+                     + ("" if floor is None else f" (byte floor {floor:.2f}x: both modes at the memory floor)"))
     common = report.get("common_steps_speedup")
     if common and common["speedup"]:
         lines.append(f"a run was truncated: over the first {common['steps']} decode steps both made, sparse / dense "

@@ -151,7 +151,7 @@ def run_model(name: str, schedules: list[str], real_prompt: int, real_gen: int, 
             "dense_tok_s": gen_tokens / (dense_s + prefill_s), "sparse_tok_s": gen_tokens / (sparse_s + prefill_s),
         }}
         entry["protocol"]["total_speedup"] = entry["protocol"]["sparse_tok_s"] / entry["protocol"]["dense_tok_s"]
-        entry["protocol"]["byte_floor_speedup"] = byte_floor_speedup(name, sched, attention, batch, proj_lo, proj_hi)
+        entry["protocol"]["byte_floor_speedup"] = byte_floor_speedup(spec, sched, attention, batch, proj_lo, proj_hi)
         out["projection"][sched_name] = entry
         p = entry["protocol"]
         log(f"  projection {sched_name}: 32K protocol {p['dense_decode_tok_s']:.0f} -> {p['sparse_decode_tok_s']:.0f} "
