@@ -242,16 +242,19 @@ def test_kernel_gaps_name_the_edges_where_the_gpu_idles():
 
 def test_segment_bounds_balance_the_growing_step_cost():
     """`--segments`: boundaries on the 512-step windows, later segments shorter (a dense step's cost grows with its
-    context), each segment about the same estimated time; too many segments for the windows is refused."""
-    from sparrow.rollout_workers.native.bench.real_run import SEGMENT_FIXED_TOKENS, segment_bounds
+    context, and a later segment prefills a longer prompt first), each segment about the same estimated time; too
+    many segments for the windows is refused."""
+    from sparrow.rollout_workers.native.bench.real_run import (SEGMENT_FIXED_TOKENS, SEGMENT_PREFILL_TOKENS,
+                                                               segment_bounds)
 
     bounds = segment_bounds(0, 32767, 4, 256, "dense")
-    assert bounds == [(0, 14336), (14336, 22016), (22016, 27648), (27648, 32767)]
-    offset = SEGMENT_FIXED_TOKENS["dense"] + 256
-    cost = [sum(offset + t for t in range(a, b)) for a, b in bounds]
-    assert max(cost) / min(cost) < 1.1  # a boundary moves at most half a window off the exact split
-    assert segment_bounds(0, 32767, 2, 256, "sparse") == [(0, 20480), (20480, 32767)]
-    assert segment_bounds(20480, 32767, 2, 256, "both") == [(20480, 27136), (27136, 32767)]
+    assert bounds == [(0, 16384), (16384, 23040), (23040, 28672), (28672, 32767)]
+    offset, prefill = SEGMENT_FIXED_TOKENS["dense"] + 256, SEGMENT_PREFILL_TOKENS["dense"]
+    cost = [prefill * a + sum(offset + t for t in range(a, b)) for a, b in bounds]
+    assert max(cost) / min(cost) < 1.15  # a boundary moves at most half a window off the exact split
+    assert segment_bounds(0, 32767, 2, 256, "sparse") == [(0, 22016), (22016, 32767)]
+    assert segment_bounds(20480, 32767, 2, 256, "both") == [(20480, 27648), (27648, 32767)]
+    assert segment_bounds(0, 1024, 2, 40, "dense") == [(0, 512), (512, 1024)]
     with pytest.raises(ValueError, match="--segments=3: decode steps 0-1023 make 2 step-profile window"):
         segment_bounds(0, 1024, 3, 40, "dense")
 

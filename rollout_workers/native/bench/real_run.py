@@ -45,25 +45,44 @@ def segment_requests(prompts, samples: int, gen_len: int, start_step: int, vocab
 SEGMENT_FIXED_TOKENS = {"dense": 4096, "sparse": 16384}
 """A decode step's cost that does not grow with the context, in tokens of context: Qwen3-8B's FP8 protocol on an H200
 (batch 40) stepped 4.96 ms + 1.41 µs per token dense and 5.25 ms + 0.38 µs per token sparse (about 3.5K and 13.8K)."""
+SEGMENT_PREFILL_TOKENS = {"dense": 1800, "sparse": 6000}
+"""A segment from decode step N first prefills N tokens more per sample, which costs about N decode steps of this many
+tokens of context each. On an H200 (2026-11-28 segments, prefill time over the step profile's per-token slope) it was
+1,500-2,000 for dense steps of Qwen3-4B (bf16 batch 24, FP8 batch 40) and Qwen3-8B (FP8 batch 40) alike, 5,400-6,700
+for their cheaper sparse steps."""
 
 
 def segment_bounds(first: int, stop: int, parts: int, prompt_len: int, mode: str) -> list[tuple[int, int]]:
     """`[start, end)` decode-step ranges that split `[first, stop)` into `parts` segments of about equal time, each
-    boundary a multiple of STEP_WINDOW: a step at context c costs about `fixed + c` (SEGMENT_FIXED_TOKENS of `mode`;
-    `both` runs dense too, which dominates), so later segments get fewer steps."""
+    boundary a multiple of STEP_WINDOW. A segment's time is its prefill (SEGMENT_PREFILL_TOKENS) plus its steps, a
+    step at context c costing about `fixed + c` (SEGMENT_FIXED_TOKENS; `both` runs dense too, which dominates), so
+    later segments get fewer steps. The common time is the least that lets `parts` segments, each filled up to it
+    in turn, reach `stop`."""
     windows = -(-(stop - first) // STEP_WINDOW)
     if not 1 <= parts <= windows:
         raise ValueError(f"--segments={parts}: decode steps {first}-{stop - 1} make {windows} step-profile window(s) "
                          f"of {STEP_WINDOW}, and a segment needs one; use 1..{windows}")
-    offset = SEGMENT_FIXED_TOKENS["sparse" if mode == "sparse" else "dense"] + prompt_len
+    kind = "sparse" if mode == "sparse" else "dense"
+    offset, prefill = SEGMENT_FIXED_TOKENS[kind] + prompt_len, SEGMENT_PREFILL_TOKENS[kind]
 
-    def cost(t: float) -> float:  # cumulative cost of steps [first, t)
-        return (t - first) * offset + (t * t - first * first) / 2
+    def end_within(start: float, budget: float) -> float:  # the step where steps [start, t) have cost `budget`
+        budget -= prefill * start
+        if budget <= 0:
+            return start
+        return -offset + (offset * offset + 2 * (budget + start * start / 2 + offset * start)) ** 0.5
 
-    total, starts = cost(stop), [first]
-    for k in range(1, parts):
-        target = total * k / parts  # solve t² / 2 + offset·t = target + first² / 2 + offset·first
-        t = -offset + (offset * offset + 2 * (target + first * first / 2 + offset * first)) ** 0.5
+    def reach(budget: float) -> list[float]:  # segment starts when each takes `budget`; the last entry: where it ends
+        starts = [float(first)]
+        for _ in range(parts):
+            starts.append(end_within(starts[-1], budget))
+        return starts
+
+    lo, hi = 0.0, prefill * stop + (stop - first) * (offset + stop)
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if reach(mid)[-1] < stop else (lo, mid)
+    starts = [first]
+    for k, t in enumerate(reach(hi)[1:parts], start=1):
         bound = first + round((t - first) / STEP_WINDOW) * STEP_WINDOW
         starts.append(min(max(bound, starts[-1] + STEP_WINDOW), first + (windows - parts + k) * STEP_WINDOW))
     return list(zip(starts, starts[1:] + [stop]))
