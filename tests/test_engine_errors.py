@@ -240,6 +240,36 @@ def test_kernel_gaps_name_the_edges_where_the_gpu_idles():
     assert kernel_gaps([]) == {"span_us": 0.0, "gap_us": 0.0, "gaps": []}
 
 
+def test_step_breakdown_puts_each_kernel_group_beside_the_bytes_it_must_move():
+    """The decode-step profile grouped by job: attention against the K/V, GEMMs (cuBLAS families, the split-K reduce
+    too) against the weights, scoring against landmarks + the scores it writes, selection against the scores it
+    reads; merge, small kernels and idle time have no floor. Rows sum to the span; the span's excess is the step's."""
+    from sparrow.rollout_workers.native.bench.breakdown import kernel_kinds, step_breakdown
+
+    kinds = kernel_kinds([("_decode_attention_kernel", 36, 6426.0), ("nvjet_sm90_tst_192x24_64x7_4x1_v_bz_TNT", 36, 1075.0),
+                          ("void cublasLt::splitKreduce_kernel<32, 16>", 72, 136.0), ("_score_kernel", 34, 934.0),
+                          ("_select_kernel", 34, 492.0), ("_merge_splits_kernel", 36, 143.0),
+                          ("_add_rms_norm_kernel", 73, 144.0), ("_silu_mul_kernel", 36, 52.0)])
+    assert kinds["GEMMs"] == {"calls": 108, "us": 1211.0} and kinds["other"] == {"calls": 109, "us": 196.0}
+    nbytes = {"weights": 8_000_000_000, "dense_kv": 6_000_000_000, "sparse_kv": 20_000_000_000,
+              "landmarks": 3_000_000_000, "scores": 100_000_000}
+    rows = {r["kind"]: r for r in step_breakdown(kinds, 279.0, nbytes, copy_gbps=4000.0)}
+    assert rows["attention"]["floor_us"] == pytest.approx(6500.0) and rows["attention"]["above_us"] == pytest.approx(-74.0)
+    assert rows["GEMMs"]["floor_us"] == pytest.approx(2000.0)
+    assert rows["scoring"]["floor_us"] == pytest.approx(762.5) and rows["selection"]["floor_us"] == pytest.approx(12.5)
+    assert rows["merge"]["floor_us"] is None and rows["merge"]["above_us"] == 143.0
+    assert rows["idle between kernels"] == {"kind": "idle between kernels", "calls": 0, "us": 279.0, "floor_us": None,
+                                            "above_us": 279.0}
+    assert sum(r["us"] for r in rows.values()) == pytest.approx(6426 + 1211 + 934 + 492 + 143 + 196 + 279)
+    dense_only = {r["kind"] for r in step_breakdown(kernel_kinds([("_decode_attention_kernel", 2, 5.0)]), 0.0, nbytes, 4000.0)}
+    assert dense_only == {"attention", "idle between kernels"}  # groups without kernels get no row
+    from sparrow.rollout_workers.native.bench.decode_step import render_breakdown
+
+    text = render_breakdown("32768-sparse", {"breakdown": list(rows.values()), "kernels": 361, "span_us": 11293.0}, 8977.0)
+    assert "where the 32768-sparse step goes" in text
+    assert text.splitlines()[-1].split() == ["span", "361", "11293", "-", "8977", "2316"]
+
+
 def test_segment_bounds_balance_the_growing_step_cost():
     """`--segments`: boundaries on the 512-step windows, later segments shorter (a dense step's cost grows with its
     context, and a later segment prefills a longer prompt first), each segment about the same estimated time; too

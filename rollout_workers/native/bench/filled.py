@@ -12,6 +12,7 @@ from ..cuda_graphs import DecodeGraphs, DecodeStep
 from ..kv_cache import KVCache, bytes_per_block
 from ..model import DecoderModel
 from ..sampler import SamplingBatch, sample
+from .breakdown import kernel_kinds
 
 
 def free_gpu_memory() -> int:
@@ -97,8 +98,9 @@ class FilledDecode:
 
 
 def profile_kernels(step: DecodeStep, top: int = 12) -> dict:
-    """Kernels of one replay (CUPTI sees the kernels inside a graph): count, summed GPU time, the largest, and the
-    idle time between consecutive kernels by the pair of kernels around it (`kernel_gaps`)."""
+    """Kernels of one replay (CUPTI sees the kernels inside a graph): count, summed GPU time, the largest, their sums
+    per group (`breakdown.kernel_kinds`), and the idle time between consecutive kernels by the pair of kernels around
+    it (`kernel_gaps`)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -116,7 +118,7 @@ def profile_kernels(step: DecodeStep, top: int = 12) -> dict:
                 if e.device_type == DeviceType.CUDA]
     return {"kernels": sum(k.count for k in kernels), "kernel_us": sum(us(k) for k in kernels),
             "top": [{"name": k.key[:90], "count": k.count, "us": us(k)} for k in kernels[:top]],
-            **kernel_gaps(timeline, top)}
+            "kinds": kernel_kinds([(k.key, k.count, us(k)) for k in kernels]), **kernel_gaps(timeline, top)}
 
 
 def kernel_gaps(timeline: list[tuple[str, float, float]], top: int = 12) -> dict:
