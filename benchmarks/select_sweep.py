@@ -1,5 +1,6 @@
 """Block selection alone at the Table 4 decode shape (batch 8 × 8 KV heads, 1024-token budget), per warp
-count, checked against the reference selection. CUDA-graph replays, cold L2; prints a table last.
+count, with and without the bisection's early exit (`select_blocks(early_exit=)`), checked against the reference
+selection. CUDA-graph replays, cold L2; prints a table last.
 
 Usage (CUDA machine, repo root): python benchmarks/select_sweep.py [out.json]
 """
@@ -33,20 +34,23 @@ def main(out: str | None = None) -> None:
         expect = torch.gather(tables.long()[:, None, :].expand(-1, HEADS, -1), 2, ids.clamp(min=0)).view(BATCH * HEADS, -1)
         expect = expect.sort(dim=1).values.cpu()
         for warps in (4, 8, 16):
-            def run(warps=warps):
-                select_blocks(scores, tables, lens, budgets, selected, counts, num_kv_heads=HEADS, block_size=BS,
-                              sink=1, recent=2, num_warps=warps)
-            selected.fill_(-1)
-            run()
-            exact = torch.equal(selected[:, :BUDGET].long().sort(dim=1).values.cpu(), expect)
-            us = _bench(_graph(run), 40)
-            rows.append({"context": context, "width": width, "warps": warps, "us": us, "equals_reference": exact})
-            print(rows[-1], flush=True)
+            for early_exit in (False, True):
+                def run(warps=warps, early_exit=early_exit):
+                    select_blocks(scores, tables, lens, budgets, selected, counts, num_kv_heads=HEADS, block_size=BS,
+                                  sink=1, recent=2, num_warps=warps, early_exit=early_exit)
+                selected.fill_(-1)
+                run()
+                exact = torch.equal(selected[:, :BUDGET].long().sort(dim=1).values.cpu(), expect)
+                us = _bench(_graph(run), 40)
+                rows.append({"context": context, "width": width, "warps": warps, "early_exit": early_exit, "us": us,
+                             "equals_reference": exact})
+                print(rows[-1], flush=True)
     if out:
         with open(out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
-    print(format_table(["context", "width", "warps", "select us", "= reference"],
-                       [[r["context"], r["width"], r["warps"], f"{r['us']:.1f}", r["equals_reference"]] for r in rows]))
+    print(format_table(["context", "width", "warps", "early exit", "select us", "= reference"],
+                       [[r["context"], r["width"], r["warps"], r["early_exit"], f"{r['us']:.1f}", r["equals_reference"]]
+                        for r in rows]))
 
 
 if __name__ == "__main__":

@@ -197,8 +197,9 @@ def _selection_case(case, nblocks, num_kv_heads, gen):
 
 
 @interp
+@pytest.mark.parametrize("early_exit", [False, True])
 @pytest.mark.parametrize("case", ["distinct", "ties", "specials"])
-def test_interp_selection_matches_reference(tk, case):
+def test_interp_selection_matches_reference(tk, case, early_exit):
     gen = torch.Generator().manual_seed(4)
     nblocks = [9, 14, 3, 12, 30, 30]
     budgets = torch.tensor([4, 14, 2, DENSE_BUDGET, 7, 3])
@@ -208,7 +209,7 @@ def test_interp_selection_matches_reference(tk, case):
     selected = torch.full_like(scores, -7, dtype=torch.int32)
     counts = torch.full((len(nblocks),), -7, dtype=torch.long)
     tk.select_blocks(scores, tables, lengths, budgets, selected, counts, num_kv_heads=2, block_size=BS, sink=1,
-                     recent=2)
+                     recent=2, early_exit=early_exit)
     n = (lengths.long() + BS - 1) // BS
     ids, expect_counts = ref.select_blocks(scores.view(len(nblocks), 2, -1), n, budgets, 1, 2)
     assert counts.tolist() == expect_counts.tolist()
@@ -549,9 +550,9 @@ def test_gpu_scores_match_reference(tk, mode):
 
 
 @gpu
-@pytest.mark.parametrize("warps", [None, 16])
+@pytest.mark.parametrize("warps,early_exit", [(None, False), (16, False), (None, True)])
 @pytest.mark.parametrize("case", ["distinct", "ties", "specials"])
-def test_gpu_selection_matches_reference(tk, case, warps):
+def test_gpu_selection_matches_reference(tk, case, warps, early_exit):
     gen = torch.Generator().manual_seed(22)
     nblocks = [2600, 2048, 300, 17, 4, 1000, 2600, 129]
     budgets = torch.tensor([256, 128, 300, 5, 2, DENSE_BUDGET, 64, 100])
@@ -562,7 +563,7 @@ def test_gpu_selection_matches_reference(tk, case, warps):
     selected = torch.full(scores.shape, -1, dtype=torch.int32, device="cuda")
     counts = torch.full((len(nblocks),), -1, dtype=torch.long, device="cuda")
     tk.select_blocks(scores, tables, lengths, budgets, selected, counts, num_kv_heads=8, block_size=BS, sink=1,
-                     recent=2, num_warps=warps)
+                     recent=2, num_warps=warps, early_exit=early_exit)
     n = (lengths.long() + BS - 1) // BS
     ids, expect_counts = ref.select_blocks(scores.view(len(nblocks), 8, -1), n, budgets, 1, 2)
     assert counts.tolist() == expect_counts.tolist()
