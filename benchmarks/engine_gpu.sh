@@ -6,7 +6,7 @@
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 OUT=${OUT:-/tmp/sparrow-engine}
-TESTS_S=${TESTS_S:-200} SELECT_S=${SELECT_S:-60} DECODE_S=${DECODE_S:-150} ROLLOUT_S=${ROLLOUT_S:-300}
+TESTS_S=${TESTS_S:-200} SELECT_S=${SELECT_S:-150} DECODE_S=${DECODE_S:-150} ROLLOUT_S=${ROLLOUT_S:-300}
 STAGES=${STAGES:-"tests decode rollout"}
 mkdir -p "$OUT"
 { nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv
