@@ -253,6 +253,25 @@ def test_interp_split_count_does_not_change_the_result(tk):
 
 
 @interp
+def test_interp_fused_merge_equals_the_merge_launch(tk):
+    """Each row's last split merging the partials (tickets) gives the merge kernel's output, sparse and dense, and
+    leaves every ticket at zero for the next launch."""
+    p = Paged([70, 130, 1], 2, 32, torch.float32, "cpu", "mean", seed=6).fill_reference()
+    q = torch.randn(3, 4, 32)
+    budgets = torch.tensor([4, 6, 3])
+    cfg = SparseAttentionConfig()
+    for splits in (2, 5):
+        fused = tk.TritonBackend(splits=splits, fused_merge=True)
+        for budget_arg in (budgets, None):
+            out, counts = fused.decode(q, p.k_cache, p.v_cache, p.landmarks, p.tables, p.seq_lens, budget_arg, cfg, 0.3)
+            want, want_counts = tk.TritonBackend(splits=splits).decode(q, p.k_cache, p.v_cache, p.landmarks, p.tables,
+                                                                       p.seq_lens, budget_arg, cfg, 0.3)
+            torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-7)
+            assert torch.equal(counts, want_counts)
+            assert fused.workspace.tickets.abs().sum() == 0
+
+
+@interp
 def test_interp_padding_rows_give_zeros(tk):
     p = Paged([40, 1], 2, 32, torch.float32, "cpu", "mean", seed=7).fill_reference()
     seq_lens = torch.tensor([40, 0], dtype=torch.int32)
@@ -679,6 +698,32 @@ def test_gpu_graph_replay_with_changing_lengths_and_budgets_equals_eager(tk):
         assert torch.isfinite(graph_out).all()
         next_step()
     assert torch.equal(p.landmarks, eager_state[2]) and torch.equal(p.k_cache, eager_state[0])
+
+
+@gpu
+def test_gpu_fused_merge_equals_the_merge_launch_every_replay(tk):
+    """The fused merge reads other programs' partials behind an acquire: replayed 50 times from a CUDA graph it
+    must give the merge kernel's output every time (a missing release or acquire shows as a stray difference),
+    and leave the tickets at zero."""
+    cfg = SparseAttentionConfig()
+    p, q, budgets = _gpu_case("mean", 4, seed=29)
+    bsz, num_kv_heads = len(GPU_LENGTHS), p.k_cache.shape[1]
+    fused, plain = tk.TritonBackend(fused_merge=True), tk.TritonBackend()
+    for backend in (fused, plain):
+        backend.prepare(bsz, p.tables.shape[1], q.shape[1], num_kv_heads, 128, "cuda")
+    want, _ = plain.decode(q, p.k_cache, p.v_cache, p.landmarks, p.tables, p.seq_lens, budgets, cfg, 128**-0.5)
+    fused.decode(q, p.k_cache, p.v_cache, p.landmarks, p.tables, p.seq_lens, budgets, cfg, 128**-0.5)  # compile
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, _ = fused.decode(q, p.k_cache, p.v_cache, p.landmarks, p.tables, p.seq_lens, budgets, cfg, 128**-0.5)
+    mismatches = 0
+    for _ in range(50):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        mismatches += int(not torch.allclose(out.float(), want.float(), rtol=1e-2, atol=1e-3))
+    assert mismatches == 0 and int(fused.workspace.tickets.abs().sum()) == 0
 
 
 @gpu
