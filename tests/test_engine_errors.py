@@ -265,7 +265,8 @@ def test_step_breakdown_puts_each_kernel_group_beside_the_bytes_it_must_move():
     assert dense_only == {"attention", "idle between kernels"}  # groups without kernels get no row
     from sparrow.rollout_workers.native.bench.decode_step import render_breakdown
 
-    text = render_breakdown("32768-sparse", {"breakdown": list(rows.values()), "kernels": 361, "span_us": 11293.0}, 8977.0)
+    text = render_breakdown("32768-sparse", {"breakdown": list(rows.values()), "kernels": 361, "span_us": 11293.0,
+                                             "floor_us": 8977.0})
     assert "where the 32768-sparse step goes" in text
     assert text.splitlines()[-1].split() == ["span", "361", "11293", "-", "8977", "2316"]
 

@@ -54,11 +54,13 @@ def run_decode_step(model_name: str = "qwen3-1.7b", batch: int = 8, contexts=(16
         write_report(report, out_path, lambda *_: None)
     profiled = ((max(contexts), True), (max(contexts), False), (bs, False))
     for past, sparse in profiled:
-        key = f"{past}-{'sparse' if sparse else 'dense'}"
+        mode = "sparse" if sparse else "dense"
+        key = f"{past}-{mode}"
         try:
             p = report["profiles"][key] = profile_kernels(filled.stage(past + 1, sparse))
-            point = next(r for r in report["results"] if r["past_kv"] == past and r["mode"] == key.split("-")[1])
+            point = next(r for r in report["results"] if r["past_kv"] == past and r["mode"] == mode)
             p["breakdown"] = step_breakdown(p["kinds"], p["gap_us"], point["bytes"], copy_gbps)
+            p["floor_us"] = point["floor_ms"] * 1e3
             log(f"profile {key}: {p['kernels']} kernels, {p['kernel_us'] / 1e3:.3f} ms of kernel time, "
                 f"{p['gap_us'] / 1e3:.3f} ms idle between them over a {p['span_us'] / 1e3:.3f} ms span; most idle after: "
                 + "; ".join(f"{g['before'][:24]} -> {g['after'][:24]} {g['us']:.0f} us ({g['count']}x)" for g in p["gaps"][:4]))
@@ -95,14 +97,13 @@ def render_decode_step(report: dict) -> str:
         table += "\nfusion ablation (step ms):\n" + format_table(["past KV", "mode", "unfused model", "fused model"], ablation)
     for key, profile in report.get("profiles", {}).items():
         if "breakdown" in profile:
-            past, mode = key.split("-")
-            point = next(r for r in report["results"] if r["past_kv"] == int(past) and r["mode"] == mode)
-            table += "\n" + render_breakdown(key, profile, point["floor_ms"] * 1e3)
+            table += "\n" + render_breakdown(key, profile)
     return head + "\n" + table
 
 
-def render_breakdown(key: str, profile: dict, floor_us: float) -> str:
+def render_breakdown(key: str, profile: dict) -> str:
     """Where one profiled step goes (`breakdown.step_breakdown`), ending with its span against the step's floor."""
+    floor_us = profile["floor_us"]
     rows = [[r["kind"], r["calls"] or "-", f"{r['us']:.0f}", f"{r['us'] / r['calls']:.1f}" if r["calls"] else "-",
              "-" if r["floor_us"] is None else f"{r['floor_us']:.0f}", f"{r['above_us']:.0f}"] for r in profile["breakdown"]]
     rows.append(["span", profile["kernels"], f"{profile['span_us']:.0f}", "-", f"{floor_us:.0f}",

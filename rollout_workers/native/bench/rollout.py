@@ -298,12 +298,10 @@ def measure(args, device: torch.device) -> dict:
 def protocol_byte_floor(args, batch: int, schedule: SparsitySchedule) -> float:
     """The whole protocol's sparse / dense speedup if both modes moved only the bytes they must (`byte_floor_speedup`
     over its decode steps' contexts): the bound a measured ratio is read against, for segments and whole runs alike."""
-    from sparrow.kernels import SparseAttentionConfig
-
     from ..shapes import model_spec
     from .floor import byte_floor_speedup
 
-    return byte_floor_speedup(model_spec(args.model), schedule, SparseAttentionConfig(), batch, args.prompt_len + 1,
+    return byte_floor_speedup(model_spec(args.model), schedule, DEFAULT_LAYOUT, batch, args.prompt_len + 1,
                               args.prompt_len + args.gen_len - 1, args.kv_cache_dtype)
 
 
