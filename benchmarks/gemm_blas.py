@@ -1,7 +1,7 @@
 """The decode step's weight GEMMs (x [M, K] @ W[N, K]^T, bf16; M = the decode batch) under one BLAS setting, to see
 whether cuBLASLt or a workspace setting beats PyTorch's default cuBLAS at rollout batch sizes. Each shape is timed
 as a CUDA graph of 24 GEMMs over distinct weight copies (each read from HBM, as the model's layers are), median of 20
-replays, µs per GEMM and % of 4.29 TB/s on the weight bytes; one JSON line to stdout.
+replays, µs per GEMM and % of 4.29 TB/s on the weight bytes: one JSON line to stdout, the same as a table to stderr.
 
 Usage (CUDA machine; workspace variables must be set before torch starts, so one process per setting):
   python benchmarks/gemm_blas.py default
@@ -15,6 +15,8 @@ import os
 import sys
 
 import torch
+
+from sparrow.tables import format_table
 
 SHAPES = {  # name: (M, N, K) of Qwen3-1.7B at batch 8, Qwen3-4B at 24, Qwen3-8B at 40 (fused qkv and gate/up)
     "1.7b qkv": (8, 4096, 2048), "1.7b o": (8, 2048, 2048), "1.7b gate_up": (8, 12288, 2048), "1.7b down": (8, 2048, 6144),
@@ -53,6 +55,9 @@ def main(setting: str) -> None:
         del weights, ys, graph
         torch.cuda.empty_cache()
     print(json.dumps(out))
+    print(format_table(["shape", f"{setting} us", "% of 4.29 TB/s"],
+                       [[name, f"{r['us']:.2f}", f"{r['pct_of_4.29TBps']:.0f}"] for name, r in out["us"].items()]),
+          file=sys.stderr)
 
 
 if __name__ == "__main__":
