@@ -1,7 +1,6 @@
 """Block selection alone at the Table 4 decode shape (batch 8 × 8 KV heads, 1024-token budget) and at the Qwen3-4B
-protocol's (batch 24 × 8 KV heads, the 0.86 schedule's 384 blocks at 32K), per warp count, with and without the
-bisection's early exit (`select_blocks(early_exit=)`), checked against the reference selection. CUDA-graph replays,
-cold L2; prints a table last.
+protocol's (batch 24 × 8 KV heads, the 0.86 schedule's 384 blocks at 32K), per warp count, checked against the
+reference selection. CUDA-graph replays, cold L2; prints a table last.
 
 Usage (CUDA machine, repo root): python benchmarks/select_sweep.py [out.json]
 """
@@ -37,22 +36,21 @@ def main(out: str | None = None) -> None:
         expect = torch.gather(tables.long()[:, None, :].expand(-1, HEADS, -1), 2, ids.clamp(min=0)).view(batch * HEADS, -1)
         expect = expect.sort(dim=1).values.cpu()
         for warps in (4, 8, 16):
-            for early_exit in (False, True):
-                def run(warps=warps, early_exit=early_exit):
-                    select_blocks(scores, tables, lens, budgets, selected, counts, num_kv_heads=HEADS, block_size=BS,
-                                  sink=1, recent=2, num_warps=warps, early_exit=early_exit)
-                selected.fill_(-1)
-                run()
-                exact = torch.equal(selected[:, :budget].long().sort(dim=1).values.cpu(), expect)
-                us = _bench(_graph(run), 40)
-                rows.append({"batch": batch, "budget": budget, "context": context, "width": width, "warps": warps,
-                             "early_exit": early_exit, "us": us, "equals_reference": exact})
-                print(rows[-1], flush=True)
+            def run(warps=warps):
+                select_blocks(scores, tables, lens, budgets, selected, counts, num_kv_heads=HEADS, block_size=BS,
+                              sink=1, recent=2, num_warps=warps)
+            selected.fill_(-1)
+            run()
+            exact = torch.equal(selected[:, :budget].long().sort(dim=1).values.cpu(), expect)
+            us = _bench(_graph(run), 40)
+            rows.append({"batch": batch, "budget": budget, "context": context, "width": width, "warps": warps,
+                         "us": us, "equals_reference": exact})
+            print(rows[-1], flush=True)
     if out:
         with open(out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
-    print(format_table(["batch", "budget", "context", "width", "warps", "early exit", "select us", "= reference"],
-                       [[r["batch"], r["budget"], r["context"], r["width"], r["warps"], r["early_exit"], f"{r['us']:.1f}",
+    print(format_table(["batch", "budget", "context", "width", "warps", "select us", "= reference"],
+                       [[r["batch"], r["budget"], r["context"], r["width"], r["warps"], f"{r['us']:.1f}",
                          r["equals_reference"]] for r in rows]))
 
 

@@ -17,11 +17,8 @@ An iteration covers twice the blocks of a bfloat16 one (`attention_tiling`), so 
 e4m3 needs sm_89+ (Ada, Hopper).
 
 Each split writes its normalized partial output and log2-sum-exp; `merge_splits` combines them. With
-one split the program writes the final output directly. With `tickets` (one int32 counter per row, zero between
-launches) the merge needs no launch of its own: each split takes a ticket after storing its partials, and the row's
-last split merges them and re-arms the counter (`FUSED_MERGE`; a candidate until timed on a GPU). Grids depend only
-on (B, splits), never on lengths or budgets, so the launches are CUDA-graph capturable with budgets that change
-every step.
+one split the program writes the final output directly. Grids depend only on (B, splits), never on
+lengths or budgets, so the launches are CUDA-graph capturable with budgets that change every step.
 """
 
 import math
@@ -57,14 +54,14 @@ def attention_tiling(head_dim: int, fp8: bool = False) -> AttentionTiling:
 @triton.jit
 def _decode_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table_ptr, sel_ptr, seq_len_ptr, budget_ptr,
-    out_ptr, o_part_ptr, lse_part_ptr, count_ptr, ticket_ptr,
+    out_ptr, o_part_ptr, lse_part_ptr, count_ptr,
     stride_qb, stride_qh, stride_bt, stride_sel, stride_ob, stride_oh, stride_cb, stride_ch, stride_ct,
     stride_sb, stride_sh,
     sm_scale_log2, sink, recent, num_splits,
     H: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BS: tl.constexpr, PPI: tl.constexpr, DENSE: tl.constexpr, DIRECT_OUT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, VEC: tl.constexpr, WRITE_COUNT: tl.constexpr, FP8: tl.constexpr,
-    FP8_DOT: tl.constexpr, FUSED_MERGE: tl.constexpr, BLOCK_S: tl.constexpr,
+    FP8_DOT: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
@@ -155,21 +152,21 @@ def _decode_attention_kernel(
         tl.store(o_part_ptr + part[:, None] * D + d[None, :], o, mask=g_mask[:, None] & (d[None, :] < D))
         lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
         tl.store(lse_part_ptr + part, lse, mask=g_mask)
-        if FUSED_MERGE:
-            tl.debug_barrier()  # every thread's partials are stored before the ticket releases them
-            ticket = tl.atomic_add(ticket_ptr + row, 1, sem="acq_rel", scope="gpu")
-            if ticket == num_splits - 1:  # the row's last split: the others' partials are visible (acquire)
-                for gi in tl.static_range(G):
-                    _merge_query_head(o_part_ptr, lse_part_ptr, out_ptr, row, gi, b, h, num_splits, stride_ob,
-                                      stride_oh, G, D, BLOCK_D, BLOCK_S)
-                tl.store(ticket_ptr + row, 0)  # re-armed for the next launch
 
 
 @triton.jit
-def _merge_query_head(o_part_ptr, lse_part_ptr, out_ptr, row, g, b, h, num_splits, stride_ob, stride_oh,
-                      G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
-    """One (row, query head)'s splits combined by their log2-sum-exp into `out`: all splits are read in one
-    [splits × D] load, so the merge costs one memory round trip instead of one per split."""
+def _merge_splits_kernel(
+    o_part_ptr, lse_part_ptr, out_ptr,
+    stride_ob, stride_oh, num_splits,
+    H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    """One program per (row, query head): all splits are read in one [splits × D] load, so the merge
+    costs one memory round trip instead of one per split."""
+    pid = tl.program_id(0).to(tl.int64)
+    row = pid // G
+    g = pid % G
+    b = row // H
+    h = row % H
     sp = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
     part = (row * num_splits + sp) * G + g
@@ -183,19 +180,6 @@ def _merge_query_head(o_part_ptr, lse_part_ptr, out_ptr, row, g, b, h, num_split
     denom = tl.sum(w, axis=0)
     out = tl.where(denom > 0, acc / tl.where(denom > 0, denom, 1.0), 0.0)
     tl.store(out_ptr + b * stride_ob + (h * G + g) * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
-
-
-@triton.jit
-def _merge_splits_kernel(
-    o_part_ptr, lse_part_ptr, out_ptr,
-    stride_ob, stride_oh, num_splits,
-    H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-):
-    """One program per (row, query head)."""
-    pid = tl.program_id(0).to(tl.int64)
-    row = pid // G
-    _merge_query_head(o_part_ptr, lse_part_ptr, out_ptr, row, pid % G, row // H, row % H, num_splits, stride_ob,
-                      stride_oh, G, D, BLOCK_D, BLOCK_S)
 
 
 def decode_attention(
@@ -217,26 +201,23 @@ def decode_attention(
     tiling: AttentionTiling | None = None,
     counts: torch.Tensor | None = None,
     kv_scales: KVScales | None = None,
-    tickets: torch.Tensor | None = None,
 ) -> None:
     """Attention of `q: [B, H_q, D]` into `out`. Dense when `budgets` is None; otherwise rows with more
     blocks than their budget attend to `selected` (physical ids from `select_blocks`). Dense attention
     also writes each sequence's block count into `counts: [B]` when given. `kv_scales`: the caches are FP8 pages.
-    `o_part: [≥B·H_kv·splits·G·D]` and `lse_part: [≥B·H_kv·splits·G]` float32 scratch (unused if splits == 1).
-    `tickets: [≥B·H_kv]` int32, zero (and left zero): each row's last split merges, with no merge launch."""
+    `o_part: [≥B·H_kv·splits·G·D]` and `lse_part: [≥B·H_kv·splits·G]` float32 scratch (unused if splits == 1)."""
     attention_partials(q, k_cache, v_cache, block_tables, seq_lens, out, o_part, lse_part, scale=scale, splits=splits,
                        budgets=budgets, selected=selected, sink=sink, recent=recent, tiling=tiling, counts=counts,
-                       kv_scales=kv_scales, tickets=tickets)
-    if splits > 1 and tickets is None:
+                       kv_scales=kv_scales)
+    if splits > 1:
         merge_splits(o_part, lse_part, out, num_kv_heads=k_cache.shape[1], splits=splits)
 
 
 def attention_partials(q, k_cache, v_cache, block_tables, seq_lens, out, o_part, lse_part, *, scale: float,
                        splits: int, budgets=None, selected=None, sink: int = 0, recent: int = 1,
                        tiling: AttentionTiling | None = None, counts: torch.Tensor | None = None,
-                       kv_scales: KVScales | None = None, tickets: torch.Tensor | None = None) -> None:
-    """The split-K kernel alone: per-split partials (or `out` directly when splits == 1), merged into `out` by each
-    row's last split when `tickets` are given."""
+                       kv_scales: KVScales | None = None) -> None:
+    """The split-K kernel alone: per-split partials (or `out` directly when splits == 1)."""
     bsz, num_q_heads, head_dim = q.shape
     _, num_kv_heads, block_size, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
@@ -247,14 +228,10 @@ def attention_partials(q, k_cache, v_cache, block_tables, seq_lens, out, o_part,
         raise ValueError("sparse attention (budgets given) needs `selected` from select_blocks")
     write_count = dense and counts is not None
     k_scale, v_scale = (kv_scales.k, kv_scales.v) if fp8 else (lse_part, lse_part)  # placeholders, never read
-    fused_merge = tickets is not None and splits > 1
-    if fused_merge and (tickets.dtype != torch.int32 or tickets.numel() < bsz * num_kv_heads):
-        raise ValueError(f"tickets {tuple(tickets.shape)} {tickets.dtype}: need int32 with at least "
-                         f"{bsz * num_kv_heads} entries (one per sequence and KV head), all zero")
     _decode_attention_kernel[(bsz * num_kv_heads, splits)](
         q, k_cache, v_cache, k_scale, v_scale, block_tables, block_tables if dense else selected, seq_lens,
         seq_lens if dense else budgets,
-        out, o_part, lse_part, counts if write_count else seq_lens, tickets if fused_merge else seq_lens,
+        out, o_part, lse_part, counts if write_count else seq_lens,
         q.stride(0), q.stride(1), block_tables.stride(0), 0 if dense else selected.stride(0), out.stride(0), out.stride(1),
         *cache_strides(k_cache, v_cache), *scale_strides(kv_scales, k_cache),
         scale * math.log2(math.e), sink, recent, splits,
@@ -264,7 +241,6 @@ def attention_partials(q, k_cache, v_cache, block_tables, seq_lens, out, o_part,
         DOT_PRECISION="ieee" if (q if fp8 else k_cache).dtype == torch.float32 else "tf32",
         VEC=vector_elements(k_cache), WRITE_COUNT=write_count, FP8=fp8,
         FP8_DOT=tl.float32 if q.dtype == torch.float32 else tl.float16,
-        FUSED_MERGE=fused_merge, BLOCK_S=triton.next_power_of_2(splits),
         num_warps=tiling.num_warps, num_stages=tiling.num_stages,
     )
 

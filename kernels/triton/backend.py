@@ -1,7 +1,6 @@
 """`TritonBackend`: the CUDA decode path (Triton kernels) behind the `AttentionBackend` contract.
 
-Per sparse layer, `decode` launches four kernels — score, select, split-K attention, merge (none with
-`fused_merge`: the attention kernel's last split of each row merges) — whose
+Per sparse layer, `decode` launches four kernels — score, select, split-K attention, merge — whose
 grids depend only on the batch size and the block-table width, and which read lengths, budgets and
 block tables from device memory. Nothing synchronizes with the host, so an engine can capture one
 CUDA graph per batch-size bucket and replay it while lengths and budgets change every step.
@@ -74,7 +73,6 @@ class DecodeWorkspace:
     selected: torch.Tensor  # [max_batch·H_kv, max_blocks] int32 physical ids
     o_part: torch.Tensor  # flat float32, ≥ rows·splits·G·D for every batch size ≤ max_batch
     lse_part: torch.Tensor  # flat float32, ≥ rows·splits·G
-    tickets: torch.Tensor  # [max_batch·H_kv] int32, zero between launches: the fused merge's per-row counters
 
     def fits(self, batch: int, max_blocks: int, num_kv_heads: int, group: int, head_dim: int, device) -> bool:
         return (
@@ -88,13 +86,11 @@ class TritonBackend(AttentionBackend):
 
     name = "triton"
 
-    def __init__(self, splits: int | None = None, tiling: AttentionTiling | None = None, fused_merge: bool = False):
-        """`fused_merge`: each row's last split merges the partials (no merge launch; a candidate until timed)."""
+    def __init__(self, splits: int | None = None, tiling: AttentionTiling | None = None):
         if splits is not None and not (1 <= splits <= MAX_SPLITS):
             raise ValueError(f"splits={splits}: use 1..{MAX_SPLITS} or None (chosen from the batch size)")
         self.fixed_splits = splits
         self.tiling = tiling
-        self.fused_merge = fused_merge
         self.workspace: DecodeWorkspace | None = None
         self._num_sms: dict[torch.device, int] = {}
 
@@ -127,7 +123,6 @@ class TritonBackend(AttentionBackend):
             selected=torch.empty(rows, max_blocks_per_seq, dtype=torch.int32, device=device),
             o_part=torch.empty(parts * group * head_dim, dtype=torch.float32, device=device),
             lse_part=torch.empty(parts * group, dtype=torch.float32, device=device),
-            tickets=torch.zeros(rows, dtype=torch.int32, device=device),
         )
         return self.workspace
 
@@ -162,8 +157,7 @@ class TritonBackend(AttentionBackend):
         max_blocks = block_tables.shape[1]
         ws = self._workspace(bsz, max_blocks, num_q_heads, num_kv_heads, head_dim, q.device)
         splits = self.splits_for(bsz, num_kv_heads, q.device, fp8=kv_scales is not None)
-        common = dict(scale=float(scale), splits=splits, tiling=self.tiling, kv_scales=kv_scales,
-                      tickets=ws.tickets if self.fused_merge else None)
+        common = dict(scale=float(scale), splits=splits, tiling=self.tiling, kv_scales=kv_scales)
         counts = torch.empty(bsz, dtype=torch.long, device=q.device)
         if budgets is None:
             decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out, ws.o_part, ws.lse_part, counts=counts,

@@ -388,15 +388,10 @@ def time_sparse(backend: TritonBackend, pool: Pool, case: Case, landmarks: torch
     merge = lambda: merge_splits(ws.o_part, ws.lse_part, out, num_kv_heads=h, splits=splits)  # noqa: E731
     layer = lambda: backend.decode(case.q, pool.k, pool.v, landmarks, case.tables, case.seq_lens, budgets, cfg,  # noqa: E731
                                    d**-0.5, pool.scales)
-    fused = TritonBackend(splits=splits, tiling=tiling, fused_merge=True)
-    fused.workspace = ws  # its tickets are zero between launches
-    fused_layer = lambda: fused.decode(case.q, pool.k, pool.v, landmarks, case.tables, case.seq_lens, budgets, cfg,  # noqa: E731
-                                       d**-0.5, pool.scales)
     times = {"score_us": _bench(_graph(score), rep_ms), "select_us": _bench(_graph(select), rep_ms),
              "attn_us": _bench(_graph(attend), rep_ms),
              "merge_us": _bench(_graph(merge), rep_ms) if splits > 1 else 0.0,
              "layer_us": _bench(_graph(layer), rep_ms)}
-    times["fused_merge_layer_us"] = _bench(_graph(fused_layer), rep_ms) if splits > 1 else times["layer_us"]
     if peer:
         select()
         table = flashinfer.sparse_page_table(case.tables, case.seq_lens, ws.selected, counts, h, BLOCK_SIZE)
@@ -427,11 +422,10 @@ def render_tables(report: dict) -> str:
     lines.append("")
     lines.append(format_table(
         ["B", "L", "G", "lm", "budget", "score us", "score %", "select us", "attn us", "attn %", "merge us",
-         "layer us", "layer %", "layer, fused merge us", "vs dense", "flashinfer attn us", "attn+merge / flashinfer"],
+         "layer us", "layer %", "vs dense", "flashinfer attn us", "attn+merge / flashinfer"],
         [[r["batch"], r["context"], r["group"], r["landmark"], r["budget_tokens"], f"{r['score_us']:.1f}",
           f"{r['score_pct_copy']:.0f}", f"{r['select_us']:.1f}", f"{r['attn_us']:.1f}", f"{r['attn_pct_copy']:.0f}",
-          f"{r['merge_us']:.1f}", f"{r['layer_us']:.1f}", f"{r['layer_pct_copy']:.0f}",
-          _fmt(r.get("fused_merge_layer_us"), ".1f"), f"{r['speedup_vs_dense']:.2f}x",
+          f"{r['merge_us']:.1f}", f"{r['layer_us']:.1f}", f"{r['layer_pct_copy']:.0f}", f"{r['speedup_vs_dense']:.2f}x",
           _fmt(r.get("flashinfer_us"), ".1f"), _fmt(_ratio(r["attn_us"] + r["merge_us"], r.get("flashinfer_us")), ".2f")]
          for r in sparse]))
     return "\n".join(lines)

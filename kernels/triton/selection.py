@@ -11,8 +11,9 @@ Why this shape (H200 sweeps, benchmarks/select_sweep.py): with one row per progr
 reductions, ~0.19 us per int32 lane reduced, plus ~6.5 us of loads, scans and stores. Every bisection
 needs ~32 lane reductions (32 one-bit passes; 16 two-bit passes with three 16-bit counts in two lanes;
 8 four-bit passes with 15 counts in eight lanes measured 2x slower), and one bit per pass is the simplest.
-`early_exit` stops the bisection at the first threshold exactly k keys reach (the top k are then known; rows with
-tied keys at the k-th place still take all 32 passes): about 17 passes for 2048 distinct scores. Off until timed.
+The bisection stops at the first threshold exactly k keys reach (the top k are then known; rows with tied keys at
+the k-th place still take all 32 passes): about 17 passes for 2048 distinct scores, 1.2-2.8 us faster than the 32
+unrolled passes it replaced on an H200 (benchmarks/results/select-variants-nvidia-h200-20261128/).
 Rows whose context fits their budget write nothing: attention reads their block table directly.
 """
 
@@ -26,7 +27,7 @@ def _select_kernel(
     score_ptr, block_table_ptr, seq_len_ptr, budget_ptr, sel_ptr, count_ptr,
     stride_sr, stride_bt, stride_sel,
     sink, recent, max_blocks,
-    H: tl.constexpr, BS: tl.constexpr, NMAX: tl.constexpr, EARLY_EXIT: tl.constexpr,
+    H: tl.constexpr, BS: tl.constexpr, NMAX: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     b = row // H
@@ -51,20 +52,15 @@ def _select_kernel(
 
     # thr = largest value with #(ukey >= thr) >= k, i.e. the k-th largest key (0 when fewer keys are positive).
     thr = tl.zeros([], dtype=tl.uint32)
-    if EARLY_EXIT:
-        # Stop at the first trial that exactly k keys reach: those k are the top k, whatever the lower bits.
-        bit = tl.full([], 1 << 31, tl.uint32)
-        found = tl.zeros([], dtype=tl.int32)
-        while (bit > 0) & (found == 0):
-            trial = thr + bit
-            reached = tl.sum((ukey >= trial).to(tl.int32), axis=0)
-            thr = tl.where(reached >= k, trial, thr)
-            found = (reached == k).to(tl.int32)
-            bit = bit >> 1
-    else:
-        for p in tl.static_range(32):
-            trial = thr + tl.full([], 1 << (31 - p), tl.uint32)
-            thr = tl.where(tl.sum((ukey >= trial).to(tl.int32), axis=0) >= k, trial, thr)
+    # Stop at the first trial that exactly k keys reach: those k are the top k, whatever the lower bits.
+    bit = tl.full([], 1 << 31, tl.uint32)
+    found = tl.zeros([], dtype=tl.int32)
+    while (bit > 0) & (found == 0):
+        trial = thr + bit
+        reached = tl.sum((ukey >= trial).to(tl.int32), axis=0)
+        thr = tl.where(reached >= k, trial, thr)
+        found = (reached == k).to(tl.int32)
+        bit = bit >> 1
 
     above = ukey > thr  # candidates only (non-candidates have key 0 <= thr); fewer than k of them
     at = (ukey == thr) & cand
@@ -92,13 +88,10 @@ def select_blocks(
     sink: int,
     recent: int,
     num_warps: int | None = None,
-    early_exit: bool = False,
 ) -> None:
     """Write the physical ids of each sparse row's blocks into `selected: [B·H_kv, ≥M]` (int32), and
     `counts: [B]` = min(blocks, budget) for every sequence. Dense rows' entries are left as they were.
-    `num_warps` (default: the best of the H200 sweep for the width) and `early_exit` (end the bisection at the
-    first threshold exactly k keys reach: ~17 passes instead of 32 for distinct scores, the same blocks; a candidate
-    until benchmarks/select_sweep.py has timed it on a GPU) only change the speed."""
+    `num_warps` (default: the best of the H200 sweep for the width) only changes the speed."""
     bsz, max_blocks = block_tables.shape
     if recent < 1:
         raise ValueError(f"recent={recent}: must be >= 1 so the partial block is the last entry of every row")
@@ -109,6 +102,6 @@ def select_blocks(
         scores, block_tables, seq_lens, budgets, selected, counts,
         scores.stride(0), block_tables.stride(0), selected.stride(0),
         sink, recent, max_blocks,
-        H=num_kv_heads, BS=block_size, NMAX=nmax, EARLY_EXIT=early_exit,
+        H=num_kv_heads, BS=block_size, NMAX=nmax,
         num_warps=num_warps or max(4, min(8, nmax // 256)),
     )
