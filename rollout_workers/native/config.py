@@ -32,7 +32,8 @@ class NativeEngineConfig(EngineSettings):
     cuda_graphs: bool | None = Field(
         None,
         description="replay the decode step from CUDA graphs (one per batch-size and block-table-width bucket); "
-        "None = on for CUDA with the triton backend (off under tensor parallelism: untested there), False = eager launches",
+        "None = on for CUDA with the triton backend (with tensor parallelism too: its all-reduces are captured), "
+        "False = eager launches",
     )
     kv_cache_dtype: KVCacheDType = Field(
         "auto",

@@ -6,7 +6,6 @@ into the tensors of a prefill or decode forward, runs it and draws the next toke
 about which sequences run: that is the scheduler's job; the engine loop hands it their sequences.
 """
 
-import logging
 import os
 
 import torch
@@ -25,8 +24,6 @@ from .sampler import SamplingBatch, sample
 from .scheduler import PrefillChunk
 from .sequence import Draws, PendingDraws, Sequence
 from .weights import load_weights
-
-log = logging.getLogger(__name__)
 
 
 def free_memory_bytes(device: torch.device) -> int:
@@ -104,10 +101,6 @@ class ModelRunner:
                 f"cuda_graphs=True needs device='cuda' and the triton attention backend (here device="
                 f"{self.config.device!r}, backend {self.backend.name!r}); set cuda_graphs to None or False"
             )
-        if wanted and self.config.cuda_graphs is None and self.tensor_parallel is not None:
-            log.warning("cuda_graphs off: CUDA graphs with tensor parallelism (NCCL all-reduces inside the captured "
-                        "decode step) are untested; decoding eagerly. Set cuda_graphs=True to try them.")
-            return None
         if not wanted:
             return None
         return DecodeGraphs(self.model, self.cache, self.backend, self.layout, self.config.max_num_seqs,

@@ -71,10 +71,9 @@ def build_engine(args, model, batch: int):
     from ..engine import NativeEngine
 
     total = args.prompt_len + args.gen_len
-    graphs = None if model.tensor_parallel is None or model.device.type != "cuda" else True
     config = NativeEngineConfig(
         device=str(model.device), dtype=args.dtype, attention_backend=args.attention_backend, max_num_seqs=batch,
-        cuda_graphs=False if args.no_cuda_graphs else graphs, tensor_parallel_size=args.tensor_parallel,
+        cuda_graphs=False if args.no_cuda_graphs else None, tensor_parallel_size=args.tensor_parallel,
         overlap_decode=args.overlap_decode, kv_cache_dtype=args.kv_cache_dtype,
         num_kv_blocks=batch * DEFAULT_LAYOUT.blocks_for(total + 1) + SPARE_BLOCKS,
         max_model_len=min(total + DEFAULT_LAYOUT.block_size, model.rope.cos.shape[0]),
