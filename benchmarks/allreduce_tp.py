@@ -69,18 +69,19 @@ def _rank(rank: int, world: int, workdir: str, out: str | None) -> None:
         def two_shot():
             return ops.two_shot_all_reduce_(symm, "sum", group.group_name)
 
-        variants = {
-            "nccl": lambda: dist.all_reduce(nccl_buf),
-            "symm one-shot": one_shot,
-            "symm one-shot + copy in": lambda: (symm.copy_(x), one_shot()),
-            "symm two-shot + copy in": lambda: (symm.copy_(x), two_shot()),
+        variants = {  # label: (what is timed, the symmetric-memory reduction whose result is checked)
+            "nccl": (lambda: dist.all_reduce(nccl_buf), None),
+            "symm one-shot": (one_shot, one_shot),
+            "symm one-shot + copy in": (lambda: (symm.copy_(x), one_shot()), one_shot),
+            "symm two-shot + copy in": (lambda: (symm.copy_(x), two_shot()), two_shot),
         }
-        for label, fn in variants.items():
+        for label, (fn, reduce) in variants.items():
             try:
                 us = _time(fn)
-                symm.copy_(x)
-                got = one_shot() if "one-shot" in label else (two_shot() if "two-shot" in label else None)
-                err = None if got is None else (got.float() - expect.float()).abs().max().item()
+                err = None
+                if reduce is not None:
+                    symm.copy_(x)
+                    err = (reduce().float() - expect.float()).abs().max().item()
             except Exception as exc:  # an op this torch lacks is reported, not fatal
                 if rank == 0:
                     print(f"{name} {label}: {exc!r}"[:300], file=sys.stderr, flush=True)
