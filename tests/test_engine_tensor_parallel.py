@@ -62,6 +62,7 @@ def scenario(model_dir: Path, **options) -> dict:
     runs["after_refusal"] = outputs(engine.generate(REQUESTS))
     runs["policy_version"] = engine.policy_version
     runs["cuda_graphs_captured"] = engine.stats()["cuda_graphs_captured"]
+    runs["all_reduce"] = engine.stats()["all_reduce"]
     return runs
 
 
@@ -111,6 +112,10 @@ def check_parity(models: dict[str, Path], workdir: Path, backend: str, tolerance
         assert single["policy_version"] == rank0["policy_version"] == rank1["policy_version"] == 1
         if backend == "nccl" and options.get("cuda_graphs") is not False:  # decode from CUDA graphs, all-reduces captured
             assert rank0["cuda_graphs_captured"] > 0 and rank1["cuda_graphs_captured"] > 0
+        # decode all-reduces through symmetric memory on CUDA (prefill chunks over NCCL), gloo's own on the CPU
+        paths = {"gloo": "gloo (not CUDA)", "nccl": "symmetric-memory one-shot"}
+        assert rank0["all_reduce"] == rank1["all_reduce"] == paths[backend], (rank0["all_reduce"], rank1["all_reduce"])
+        assert single["all_reduce"] is None
         for run in ("dense", "sparse", "updated", "after_refusal"):
             for (t0, l0, b0), (t1, l1, b1), (t, lp, b) in zip(rank0[run], rank1[run], single[run]):
                 assert torch.equal(t0, t1) and torch.equal(l0, l1) and torch.equal(b0, b1), (name, run)
@@ -129,8 +134,8 @@ def test_two_gloo_ranks_match_the_single_process_engine(tiny_qwen3, tmp_path):
 @pytest.mark.gpu
 @pytest.mark.parametrize("cuda_graphs", [False, None], ids=["eager", "cuda-graphs"])
 def test_two_nccl_ranks_match_the_single_gpu_engine(tiny_qwen3, tmp_path, cuda_graphs):
-    """False = eager launches; None = the default, the decode steps from CUDA graphs with the all-reduces captured.
-    Passed on two H200s (2026-11-27, graphs then opt-in as cuda_graphs=True, the same path)."""
+    """False = eager launches; None = the default, the decode steps from CUDA graphs with the all-reduces captured
+    (symmetric-memory one-shot for decode-sized ones). Passed on two H200s with NCCL (2026-11-27)."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 CUDA devices")
     models = {"qwen3": tiny_qwen3, "llama-biases": biased_llama(tmp_path / "llama")}

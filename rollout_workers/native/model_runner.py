@@ -55,6 +55,8 @@ class ModelRunner:
                              f"for {tp_size} ranks; build it with a TensorParallel of the same size")
         self.model = model
         self.spec = model.spec
+        self.all_reduce = None if self.tensor_parallel is None else self.tensor_parallel.use_symmetric_memory(
+            config.max_num_seqs * self.spec.hidden_size, model.dtype, self.device)
         self.max_model_len = min(config.max_model_len or self.spec.max_position_embeddings, model.rope.cos.shape[0])
         self.layout = config.layout()
         self.layout.check_layers(self.spec.num_layers)
@@ -161,6 +163,7 @@ class ModelRunner:
             "cuda_graphs": self.graphs is not None,
             "cuda_graphs_captured": 0 if self.graphs is None else self.graphs.num_captured,
             "tensor_parallel_size": self.config.tensor_parallel_size,
+            "all_reduce": self.all_reduce,
         }
 
     def synchronize(self) -> None:

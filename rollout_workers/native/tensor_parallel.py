@@ -13,14 +13,22 @@ Lockstep: every rank computes the same hidden states (after each all-reduce) and
 samples them with the same per-sequence seeded generators: all ranks draw the same tokens, and their
 schedulers, fed the same requests in the same order, make the same decisions. No tokens are sent between
 ranks; the caller must give every rank the same calls (requests, schedules, weights) in the same order.
+
+On CUDA the decode-sized all-reduces go through symmetric memory (`use_symmetric_memory`): each rank stages its
+partial in a buffer the other ranks map, and PyTorch's one-shot all-reduce sums all ranks' buffers in rank order,
+so every rank gets the same sum. Two H200s, [40, 4096] bf16: 9.1 µs with the staging copy against NCCL's 15.3 µs,
+bit-identical (benchmarks/allreduce_tp.py); the 2-way engine runs 72 a step for the 36-layer shapes.
 """
 
-from dataclasses import dataclass, replace
+import logging
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import distributed as dist
 
 from .model_spec import ModelSpec, WeightsError
+
+log = logging.getLogger(__name__)
 
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROW_PARALLEL = ("o_proj", "down_proj")
@@ -45,7 +53,7 @@ def _module_and_kind(name: str) -> tuple[str, str]:
     return path.rpartition(".")[2], kind
 
 
-@dataclass(frozen=True)
+@dataclass
 class TensorParallel:
     """This process's place in a tensor-parallel group: `rank` of `size`, collectives over `group`
     (None = the default process group)."""
@@ -53,6 +61,8 @@ class TensorParallel:
     size: int
     rank: int
     group: dist.ProcessGroup | None = None
+    _staging: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    """Symmetric-memory buffer of the one-shot all-reduce (`use_symmetric_memory`); None = NCCL / gloo only."""
 
     @classmethod
     def join(cls, spec: ModelSpec, size: int, group: dist.ProcessGroup | None = None) -> "TensorParallel | None":
@@ -97,9 +107,45 @@ class TensorParallel:
         return tensor[(slice(None),) * dim + (slice(self.rank * n, (self.rank + 1) * n),)]
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum the row-parallel partial outputs of all ranks, in place."""
+        """Sum the row-parallel partial outputs of all ranks, in place: through the symmetric-memory buffer when
+        `x` fits it, else with the process group's all-reduce (NCCL, gloo)."""
+        staging = self._staging
+        if staging is not None and x.dtype == staging.dtype and x.numel() <= staging.numel() and x.is_contiguous():
+            flat = x.view(-1)
+            buffer = staging[: flat.numel()]
+            buffer.copy_(flat)
+            torch.ops.symm_mem.one_shot_all_reduce_out(buffer, "sum", self._group_name(), flat)
+            return x
         dist.all_reduce(x, group=self.group)
         return x
+
+    def use_symmetric_memory(self, max_elements: int, dtype: torch.dtype, device: torch.device) -> str:
+        """Collective (every rank calls it, in the same place): stage all-reduces of up to `max_elements` (a decode
+        step's `[batch, hidden]`) in a symmetric-memory buffer on CUDA. Larger inputs (prefill chunks) stay on NCCL.
+        Returns the path the decode all-reduces take: "symmetric-memory one-shot", or "nccl" / the process group's
+        backend, with the reason, where a rank cannot (no CUDA, no symmetric memory in this torch build)."""
+        reason = None
+        if device.type != "cuda":
+            reason = "not CUDA"
+        else:
+            try:
+                from torch.distributed import _symmetric_memory as symm_mem
+
+                if not hasattr(torch.ops.symm_mem, "one_shot_all_reduce_out"):
+                    reason = "this torch has no symm_mem.one_shot_all_reduce_out"
+            except ImportError as exc:
+                reason = f"no torch.distributed._symmetric_memory ({exc})"
+        if self.smallest(int(reason is None), device) == 0:  # all ranks take the same path, or they would deadlock
+            backend = dist.get_backend(self.group)
+            return f"{backend} ({reason or 'another rank has no symmetric memory'})"
+        staging = symm_mem.empty(max_elements, dtype=dtype, device=device)
+        symm_mem.rendezvous(staging, self._group_name())
+        self._staging = staging
+        log.info("tensor parallelism: decode all-reduces of up to %d elements through symmetric memory", max_elements)
+        return "symmetric-memory one-shot"
+
+    def _group_name(self) -> str:
+        return (self.group or dist.group.WORLD).group_name
 
     def smallest(self, value: int, device: torch.device) -> int:
         """The smallest of the ranks' values (e.g. the KV pool size each rank's free memory allows)."""

@@ -286,7 +286,7 @@ def measure(args, device: torch.device) -> dict:
         "dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads() if device.type == "cpu" else None,
         "backend": stats["attention_backend"], "cuda_graphs": stats["cuda_graphs"],
         "kv_cache_dtype": stats["kv_cache_dtype"],
-        "overlap_decode": args.overlap_decode, "tensor_parallel": args.tensor_parallel,
+        "overlap_decode": args.overlap_decode, "tensor_parallel": args.tensor_parallel, "all_reduce": stats["all_reduce"],
         "prompt_len": args.prompt_len, "gen_len": args.gen_len, "batch": batch, "samples": args.samples, "seed": args.seed,
         "schedule": schedule.name, "start_step": args.start_step, "end_step": args.end_step, "modes": results,
         "byte_floor_speedup": protocol_byte_floor(args, batch, schedule),
