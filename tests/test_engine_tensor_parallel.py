@@ -113,8 +113,10 @@ def check_parity(models: dict[str, Path], workdir: Path, backend: str, tolerance
         if backend == "nccl" and options.get("cuda_graphs") is not False:  # decode from CUDA graphs, all-reduces captured
             assert rank0["cuda_graphs_captured"] > 0 and rank1["cuda_graphs_captured"] > 0
         # decode all-reduces through symmetric memory on CUDA (prefill chunks over NCCL), gloo's own on the CPU
-        paths = {"gloo": "gloo (not CUDA)", "nccl": "symmetric-memory one-shot"}
-        assert rank0["all_reduce"] == rank1["all_reduce"] == paths[backend], (rank0["all_reduce"], rank1["all_reduce"])
+        path = {"gloo": "gloo (not CUDA)", "nccl": "symmetric-memory one-shot"}[backend]
+        if options.get("symmetric_memory_all_reduce") is False:
+            path = f"{backend} (symmetric_memory_all_reduce=False)"
+        assert rank0["all_reduce"] == rank1["all_reduce"] == path, (rank0["all_reduce"], rank1["all_reduce"])
         assert single["all_reduce"] is None
         for run in ("dense", "sparse", "updated", "after_refusal"):
             for (t0, l0, b0), (t1, l1, b1), (t, lp, b) in zip(rank0[run], rank1[run], single[run]):
@@ -132,14 +134,16 @@ def test_two_gloo_ranks_match_the_single_process_engine(tiny_qwen3, tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cuda_graphs", [False, None], ids=["eager", "cuda-graphs"])
-def test_two_nccl_ranks_match_the_single_gpu_engine(tiny_qwen3, tmp_path, cuda_graphs):
-    """False = eager launches; None = the default, the decode steps from CUDA graphs with the all-reduces captured
-    (symmetric-memory one-shot for decode-sized ones). Passed on two H200s with NCCL (2026-11-27)."""
+@pytest.mark.parametrize("cuda_graphs,symmetric_memory", [(False, True), (None, True), (None, False)],
+                         ids=["eager", "cuda-graphs", "cuda-graphs-nccl-only"])
+def test_two_nccl_ranks_match_the_single_gpu_engine(tiny_qwen3, tmp_path, cuda_graphs, symmetric_memory):
+    """cuda_graphs False = eager launches; None = the default, the decode steps from CUDA graphs with the all-reduces
+    captured. The decode-sized all-reduces go through symmetric memory unless it is switched off (NCCL for all)."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 CUDA devices")
     models = {"qwen3": tiny_qwen3, "llama-biases": biased_llama(tmp_path / "llama")}
-    check_parity(models, tmp_path, "nccl", 1e-3, dtype="float32", attention_backend="triton", cuda_graphs=cuda_graphs)
+    check_parity(models, tmp_path, "nccl", 1e-3, dtype="float32", attention_backend="triton", cuda_graphs=cuda_graphs,
+                 symmetric_memory_all_reduce=symmetric_memory)
 
 
 def test_a_size_that_does_not_divide_the_model_is_refused(tiny_qwen3):
@@ -161,11 +165,14 @@ def test_bench_rollout_over_two_ranks_measures_what_one_process_does(capsys):
     common = ["bench", "rollout", "--model", "tiny", "--prompt-len", "64", "--gen-len", "40", "--batch", "4",
               "--samples", "2", "--budget", "3", "--threads", "1", "--json"]
     reports = []
-    for extra in (["--tensor-parallel", "1"], ["--tensor-parallel", "2"], ["--tensor-parallel", "2", "--overlap-decode"]):
+    for extra in (["--tensor-parallel", "1"], ["--tensor-parallel", "2"],
+                  ["--tensor-parallel", "2", "--overlap-decode", "--nccl-all-reduce"]):
         assert main([*common, *extra]) == 0
         reports.append(json.loads(capsys.readouterr().out))
     one, two, overlapped = reports
     assert (one["tensor_parallel"], two["tensor_parallel"], overlapped["overlap_decode"]) == (1, 2, True)
+    assert (one["all_reduce"], two["all_reduce"]) == (None, "gloo (not CUDA)")
+    assert overlapped["all_reduce"] == "gloo (symmetric_memory_all_reduce=False)"
     for mode in ("dense", "sparse"):
         a, b, c = one["modes"][mode], two["modes"][mode], overlapped["modes"][mode]
         assert a["decode_steps"] == b["decode_steps"] == c["decode_steps"] == 39

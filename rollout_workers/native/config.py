@@ -61,6 +61,12 @@ class NativeEngineConfig(EngineSettings):
         "heads, KV heads and intermediate size; jobs (Ray rollout workers) take only 1 so far "
         "(docs/native_engine.md, Tensor parallelism)",
     )
+    symmetric_memory_all_reduce: bool = Field(
+        True,
+        description="with tensor parallelism on CUDA, sum the decode steps' row-parallel outputs through PyTorch's "
+        "symmetric memory (one-shot over NVLink; prefill chunks stay on NCCL) where every rank's torch supports it; "
+        "False = NCCL for every all-reduce",
+    )
 
     def check_job(self, sampling: SamplingParams, schedule: SparsitySchedule, section: str, name: str) -> None:
         """The shared rules, and: no tensor parallelism in a job, whose rollout workers run one engine process each."""

@@ -56,7 +56,7 @@ class ModelRunner:
         self.model = model
         self.spec = model.spec
         self.all_reduce = None if self.tensor_parallel is None else self.tensor_parallel.use_symmetric_memory(
-            config.max_num_seqs * self.spec.hidden_size, model.dtype, self.device)
+            config.max_num_seqs * self.spec.hidden_size, model.dtype, self.device, config.symmetric_memory_all_reduce)
         self.max_model_len = min(config.max_model_len or self.spec.max_position_embeddings, model.rope.cos.shape[0])
         self.layout = config.layout()
         self.layout.check_layers(self.spec.num_layers)

@@ -119,13 +119,17 @@ class TensorParallel:
         dist.all_reduce(x, group=self.group)
         return x
 
-    def use_symmetric_memory(self, max_elements: int, dtype: torch.dtype, device: torch.device) -> str:
+    def use_symmetric_memory(self, max_elements: int, dtype: torch.dtype, device: torch.device,
+                             enabled: bool = True) -> str:
         """Collective (every rank calls it, in the same place): stage all-reduces of up to `max_elements` (a decode
         step's `[batch, hidden]`) in a symmetric-memory buffer on CUDA. Larger inputs (prefill chunks) stay on NCCL.
         Returns the path the decode all-reduces take: "symmetric-memory one-shot", or "nccl" / the process group's
-        backend, with the reason, where a rank cannot (no CUDA, no symmetric memory in this torch build)."""
+        backend, with the reason, where a rank cannot or `enabled` is False (the engine config's
+        `symmetric_memory_all_reduce`)."""
         reason = None
-        if device.type != "cuda":
+        if not enabled:
+            reason = "symmetric_memory_all_reduce=False"
+        elif device.type != "cuda":
             reason = "not CUDA"
         else:
             try:

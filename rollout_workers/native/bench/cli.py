@@ -30,6 +30,9 @@ def register_rollout(actions) -> None:
     r.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
     r.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                    help="split the engine over N ranks, one process (and GPU) each, in lockstep (default 1)")
+    r.add_argument("--nccl-all-reduce", action="store_true",
+                   help="with --tensor-parallel on CUDA: every all-reduce over NCCL (default: decode steps' through "
+                        "symmetric memory, NativeEngineConfig.symmetric_memory_all_reduce)")
     r.add_argument("--repeats", type=int, default=1, help="run the modes alternately this many times; keep each one's fastest")
     r.add_argument("--time-cap", type=float, default=None, help="seconds after which a run stops (marked truncated)")
     r.add_argument("--start-step", type=int, default=0, metavar="N",

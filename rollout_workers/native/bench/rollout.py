@@ -42,7 +42,7 @@ from .real_run import (common_steps_speedup, join_segments, protocol_requests, r
 
 MODES = ("dense", "sparse")
 RUN_KEYS = ("model", "device", "device_name", "dtype", "backend", "cuda_graphs", "overlap_decode", "kv_cache_dtype",
-            "tensor_parallel", "prompt_len", "gen_len", "batch", "samples", "seed", "schedule")
+            "tensor_parallel", "all_reduce", "prompt_len", "gen_len", "batch", "samples", "seed", "schedule")
 """What two single-mode results must share to be merged into one comparison."""
 SPARE_BLOCKS = 16
 TEARDOWN_GRACE_S = 15.0
@@ -74,6 +74,7 @@ def build_engine(args, model, batch: int):
     config = NativeEngineConfig(
         device=str(model.device), dtype=args.dtype, attention_backend=args.attention_backend, max_num_seqs=batch,
         cuda_graphs=False if args.no_cuda_graphs else None, tensor_parallel_size=args.tensor_parallel,
+        symmetric_memory_all_reduce=not args.nccl_all_reduce,
         overlap_decode=args.overlap_decode, kv_cache_dtype=args.kv_cache_dtype,
         num_kv_blocks=batch * DEFAULT_LAYOUT.blocks_for(total + 1) + SPARE_BLOCKS,
         max_model_len=min(total + DEFAULT_LAYOUT.block_size, model.rope.cos.shape[0]),
@@ -362,7 +363,7 @@ def render(report: dict) -> str:
             for mode, r in modes.items()]
     threads = f", {report['threads']} threads" if report.get("threads") else ""
     tp = report.get("tensor_parallel", 1)
-    ranks = f" x{tp} (tensor parallel)" if tp > 1 else ""
+    ranks = f" x{tp} (tensor parallel, all-reduce: {report.get('all_reduce') or 'nccl'})" if tp > 1 else ""
     lines = [f"{report['model']} on {report['device_name']}{ranks}{threads} ({report['dtype']}, {report['backend']} attention"
              f"{', CUDA graphs' if report['cuda_graphs'] else ''}"
              f"{', FP8 KV pages' if report.get('kv_cache_dtype', 'auto') != 'auto' else ''}"
