@@ -221,7 +221,10 @@ def test_a_job_survives_a_rollout_node_removal_and_a_trainer_rank_kill(cluster, 
 
 
 def test_a_slow_worker_gives_its_share_to_the_others(cluster, tiny_qwen3, tmp_path):
-    config, run_dir = _job(tmp_path, tiny_qwen3, "slow", steps=2, prompts=8, max_tokens=32)
+    """16 groups a step, 4 a worker at a time (8 sequences, n = 2): each worker leases 4 at once, and the fast one
+    comes back for the 8 still pending while the slow one works through its first 4. With 8 groups a step both
+    workers' first leases would take everything (the split then depends on which worker asked first)."""
+    config, run_dir = _job(tmp_path, tiny_qwen3, "slow", steps=2, prompts=16, max_tokens=32)
     with TrainingJob(config, run_dir, progress=False, log=_log) as job:
         pid = ray.get(job.fleet.pool.slots[0].actor.info.remote())["pid"]
         stop = threading.Event()
