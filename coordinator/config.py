@@ -294,6 +294,11 @@ class RecoveryConfig(_Section):
         120.0, gt=0, description="a leased GRPO group not renewed for this long goes back to the queue (a worker "
         "renews while its engine makes progress)",
     )
+    speculate_after_s: float | None = Field(
+        None, gt=0, description="when nothing is left to lease, an idle rollout worker generates again a group another "
+        "worker has held this many seconds (the oldest first, once a group); the first to finish is trained, the other "
+        "aborted. Keeps a slow worker from holding a step back, at the cost of the duplicated work; None = off",
+    )
     hung_worker_timeout_s: float = Field(
         30.0, gt=0, description="a worker whose leases expired and that does not answer within this is replaced",
     )

@@ -17,8 +17,8 @@ from .work_queue import EvalTask, Lease, ProbeResult, StepWork, WorkQueue
 
 
 class Dispatcher:
-    def __init__(self, max_staleness: int, lease_timeout_s: float):
-        self.queue = WorkQueue(max_staleness, lease_timeout_s)
+    def __init__(self, max_staleness: int, lease_timeout_s: float, speculate_after_s: float | None = None):
+        self.queue = WorkQueue(max_staleness, lease_timeout_s, speculate_after_s)
         self._lock = threading.Lock()
         self.expired: list[Lease] = []
         """Leases that timed out since the driver last asked (`take_expired`)."""

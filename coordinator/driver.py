@@ -140,7 +140,8 @@ class TrainingJob:
             self.scrape_targets.set("coordinator", "coordinator", self.metrics_server.url)
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         self.dispatcher = ray.remote(Dispatcher).options(  # on the driver's node: it lives and dies with the job
-            num_cpus=0, max_concurrency=64, scheduling_strategy=here).remote(cfg.run.staleness, cfg.run.recovery.lease_timeout_s)
+            num_cpus=0, max_concurrency=64, scheduling_strategy=here).remote(
+                cfg.run.staleness, cfg.run.recovery.lease_timeout_s, cfg.run.recovery.speculate_after_s)
         self.controller_config = ControllerConfig(**cfg.controller.model_dump(exclude={"enabled"}))
         self._start_controller()
         self.fleet = RolloutFleet(cfg, self.model, self.credentials, self.dispatcher, self.log, self.scrape_targets)
@@ -339,7 +340,8 @@ class TrainingJob:
         record = StepRecord(
             step=k, policy_version=self.version - 1,
             rollout=rollout_stats(groups, collected["summary"], cfg.reward.correct, _rollout_seconds(work),
-                                  work.probe_result.speedup if work.probe_result else None, work.requeued, utilisation),
+                                  work.probe_result.speedup if work.probe_result else None, work.requeued, utilisation,
+                                  work.speculated),
             train=results[0].metrics,
             alpha=alpha_tail(alpha, upper, self.controller_config.percentile),
             schedule=schedule_snapshot(self.schedule, before),

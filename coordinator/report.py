@@ -141,6 +141,7 @@ def summary_table(rows: list[StepRecord], target: float) -> str:
         ("steps whose α tail was only bracketed (top-k bounds > "
          f"{LOOSE_BOUND_GAP:g} apart)", str(sum(bool(r.alpha.loose_bins()) for r in rows))),
         ("groups generated again (lost workers)", str(sum(r.rollout.requeued for r in rows))),
+        ("groups also given to a second worker (speculation)", str(sum(r.rollout.speculated for r in rows))),
         ("final blocks per bin", " ".join("dense" if b is None else str(b) for b in last.schedule.blocks)),
         ("schedule version", str(last.schedule.version)),
         ("budget changes by the controller", str(sum(r.controller.changes for r in rows))),

@@ -75,6 +75,8 @@ class RolloutStats:
     streams: int
     requeued: int = 0
     """Groups generated again because the worker holding them was lost or its lease expired."""
+    speculated: int = 0
+    """Groups also given to a second worker while the first held them (`run.recovery.speculate_after_s`)."""
     dropped: int = 0
     """Samples of abandoned attempts discarded by the trainer (never trained)."""
     utilisation: dict[str, float] = field(default_factory=dict)
@@ -272,7 +274,8 @@ def schedule_snapshot(schedule: SparsitySchedule, before: SparsitySchedule) -> S
 
 
 def rollout_stats(reports: list[GroupReport], summary: BatchSummary, correct: float, rollout_seconds: float,
-                  speedup_measured: float | None, requeued: int, utilisation: dict[str, float]) -> RolloutStats:
+                  speedup_measured: float | None, requeued: int, utilisation: dict[str, float],
+                  speculated: int = 0) -> RolloutStats:
     rewards, lengths = summary.rewards, summary.response_lengths
     tokens = sum(r.tokens for r in reports)
     return RolloutStats(
@@ -287,6 +290,6 @@ def rollout_stats(reports: list[GroupReport], summary: BatchSummary, correct: fl
         staleness_mean=_mean(summary.staleness), staleness_max=max(summary.staleness, default=None),
         schedule_versions=summary.schedule_versions,
         accepted=sum(r.accepted for r in reports), duplicates=sum(r.duplicate for r in reports),
-        streams=sum(r.streams for r in reports), requeued=requeued, dropped=summary.dropped,
+        streams=sum(r.streams for r in reports), requeued=requeued, speculated=speculated, dropped=summary.dropped,
         utilisation=utilisation, groups=dict(Counter(r.worker for r in reports)),
     )

@@ -7,6 +7,12 @@ renewed within `lease_timeout_s`, or whose worker is lost, goes back to the queu
 trainer takes exactly the ids of completed attempts: samples of an abandoned attempt can never be
 trained, and attempts are never reused (not even after a rollback), so no id is acknowledged twice.
 
+Speculation (`speculate_after_s`, off by default): a worker with nothing to do, when nothing is pending, is
+given a new attempt of a group another worker has held that long (the oldest first, one backup a group), the
+way MapReduce backs up its stragglers. The first attempt to complete is the group's result; the other's lease
+is withdrawn, so its worker aborts it (`renew`) or has its result refused (`complete`), and its samples are
+never trained. A slow worker then no longer holds a step back by the groups it leased.
+
 Admission control (staleness s): a worker at policy version v may lease a group of step j only if
 j − s ≤ v ≤ j. Together with "step j is trained at step j" this bounds every trained sample's
 staleness by s, whichever worker generated it and however often it was retried.
@@ -70,6 +76,7 @@ class Lease:
     task: GroupTask | ProbeTask | EvalTask
     worker: str
     expires: float
+    granted: float = 0.0
 
     @property
     def exclusive(self) -> bool:
@@ -87,6 +94,8 @@ class StepWork:
     probe_leased: bool = False
     probe_result: ProbeResult | None = None
     requeued: int = 0
+    speculated: int = 0
+    """Groups given to a second worker while the first still held them (`speculate_after_s`)."""
     first_lease: float | None = None
     last_done: float | None = None
 
@@ -114,10 +123,13 @@ class LeaseError(RuntimeError):
 
 
 class WorkQueue:
-    def __init__(self, max_staleness: int, lease_timeout_s: float):
+    def __init__(self, max_staleness: int, lease_timeout_s: float, speculate_after_s: float | None = None):
         if max_staleness < 0 or lease_timeout_s <= 0:
             raise ValueError(f"max_staleness={max_staleness} must be >= 0 and lease_timeout_s={lease_timeout_s} > 0")
+        if speculate_after_s is not None and speculate_after_s <= 0:
+            raise ValueError(f"speculate_after_s={speculate_after_s} must be > 0 (or None: no speculation)")
         self.max_staleness, self.lease_timeout_s = max_staleness, lease_timeout_s
+        self.speculate_after_s = speculate_after_s
         self.steps: dict[int, StepWork] = {}
         self.evals: dict[int, EvalWork] = {}
         """Evaluations by the policy version they score."""
@@ -198,6 +210,8 @@ class WorkQueue:
 
     def _requeue(self, lease: Lease) -> None:
         del self.leases[lease.lease_id]
+        if isinstance(lease.task, GroupTask) and self._attempts_of(lease.task):
+            return  # another worker's attempt of the same group (speculation) still runs: it is the group's now
         if isinstance(lease.task, EvalTask):
             if lease.task.version in self.evals:
                 self.evals[lease.task.version].leased = False
@@ -248,10 +262,35 @@ class WorkQueue:
             while work.pending and len(out) < share:
                 _, task = work.pending.popitem(last=False)
                 out.append(self._grant(work, task, worker, now))
+        if not out and idle and self.speculate_after_s is not None and not any(w.pending for w in admissible):
+            out = self._backups(worker, steps, max_groups, now)
         return out
 
+    def _backups(self, worker: str, steps: set[int], max_groups: int, now: float) -> list[Lease]:
+        """New attempts, for an idle `worker`, of groups other workers have held `speculate_after_s` or longer."""
+        held: dict[tuple[int, str], list[Lease]] = {}
+        for lease in self.leases.values():
+            if isinstance(lease.task, GroupTask) and lease.task.step in steps:
+                held.setdefault((lease.task.step, lease.task.record.prompt_id), []).append(lease)
+        candidates = sorted((leases[0] for leases in held.values()
+                             if len(leases) == 1 and leases[0].worker != worker
+                             and now - leases[0].granted >= self.speculate_after_s),
+                            key=lambda lease: lease.granted)
+        out = []
+        for lease in candidates[:max_groups]:
+            work = self.steps[lease.task.step]
+            task = GroupTask(lease.task.step, lease.task.record, self._new_attempt(lease.task.record.prompt_id))
+            out.append(self._grant(work, task, worker, now))
+            work.speculated += 1
+        return out
+
+    def _attempts_of(self, task: GroupTask) -> list[Lease]:
+        """The leases held on `task`'s group (its step and prompt), whatever their attempt."""
+        return [lease for lease in self.leases.values() if isinstance(lease.task, GroupTask)
+                and lease.task.step == task.step and lease.task.record.prompt_id == task.record.prompt_id]
+
     def _grant(self, work: StepWork | None, task, worker: str, now: float) -> Lease:
-        lease = Lease(self._next_lease, task, worker, now + self.lease_timeout_s)
+        lease = Lease(self._next_lease, task, worker, now + self.lease_timeout_s, granted=now)
         self._next_lease += 1
         self.leases[lease.lease_id] = lease
         if work is not None and work.first_lease is None:
@@ -290,6 +329,8 @@ class WorkQueue:
             work.probe_result = result
         else:
             work.done[lease.task.record.prompt_id] = (lease.task, result)
+            for other in self._attempts_of(lease.task):  # a speculative twin: withdrawn, never trained
+                del self.leases[other.lease_id]
         work.last_done = now
 
     def holds(self, worker: str) -> list[Lease]:

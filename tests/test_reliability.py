@@ -79,8 +79,9 @@ def _print_figures(run_dir: RunDir) -> None:
     """What docs/reliability.md quotes: per step the groups per worker, retried groups, dropped samples and
     seconds; every recovery with its time (`pytest tests/test_reliability.py -s`)."""
     rows = [[r.step + 1, " ".join(f"{w}:{n}" for w, n in sorted(r.rollout.groups.items())), r.rollout.requeued,
-             r.rollout.dropped, f"{r.timing.rollout_wait:.1f}", f"{r.timing.step:.1f}"] for r in _records(run_dir)]
-    print(format_table(["step", "groups per worker", "retried", "dropped", "rollout wait s", "step s"], rows))
+             r.rollout.speculated, r.rollout.dropped, f"{r.timing.rollout_wait:.1f}", f"{r.timing.step:.1f}"]
+            for r in _records(run_dir)]
+    print(format_table(["step", "groups per worker", "retried", "backed up", "dropped", "rollout wait s", "step s"], rows))
     events = [[r.step + 1, e.kind, e.subject, "-" if e.recovery_seconds is None else f"{e.recovery_seconds:.1f}", e.detail[:70]]
               for r in _records(run_dir) for e in r.faults]
     print(format_table(["step", "event", "who", "recovery s", "detail"], events) if events else "no faults")
@@ -220,11 +221,13 @@ def test_a_job_survives_a_rollout_node_removal_and_a_trainer_rank_kill(cluster, 
     assert [r.step for r in _records(run_dir)] == [0, 1, 2, 3]
 
 
-def test_a_slow_worker_gives_its_share_to_the_others(cluster, tiny_qwen3, tmp_path):
-    """16 groups a step, 4 a worker at a time (8 sequences, n = 2): each worker leases 4 at once, and the fast one
-    comes back for the 8 still pending while the slow one works through its first 4. With 8 groups a step both
-    workers' first leases would take everything (the split then depends on which worker asked first)."""
-    config, run_dir = _job(tmp_path, tiny_qwen3, "slow", steps=2, prompts=16, max_tokens=32)
+@pytest.mark.parametrize("prompts,speculate_after_s", [(16, None), (8, 1.0)], ids=["pending-groups", "speculation"])
+def test_a_slow_worker_gives_its_share_to_the_others(cluster, tiny_qwen3, tmp_path, prompts, speculate_after_s):
+    """4 groups a worker at a time (8 sequences, n = 2). With 16 groups a step each worker leases 4 at once, and the
+    fast one comes back for the 8 still pending while the slow one works through its first 4. With 8, both workers'
+    first leases take everything: only speculation (the fast worker, idle, backs up groups held 1 s) moves them."""
+    settings = {} if speculate_after_s is None else {"run.recovery.speculate_after_s": speculate_after_s}
+    config, run_dir = _job(tmp_path, tiny_qwen3, "slow", steps=2, prompts=prompts, max_tokens=32, settings=settings)
     with TrainingJob(config, run_dir, progress=False, log=_log) as job:
         pid = ray.get(job.fleet.pool.slots[0].actor.info.remote())["pid"]
         stop = threading.Event()
@@ -250,6 +253,7 @@ def test_a_slow_worker_gives_its_share_to_the_others(cluster, tiny_qwen3, tmp_pa
     for r in records:
         groups.update(r.rollout.groups)
     assert groups["rollout-1"] > groups["rollout-0"], groups
+    assert (sum(r.rollout.speculated for r in records) > 0) == (speculate_after_s is not None)
 
 
 def _rollout_worker_pids() -> set[int]:

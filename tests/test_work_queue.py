@@ -95,11 +95,65 @@ def test_retired_workers_lease_nothing_and_rollbacks_never_reuse_request_ids():
     assert {lease.task.request_id for lease in redo} == {"s0-p0.r1", "s0-p1.r1"}
 
 
-def test_every_group_completes_exactly_once_under_random_faults():
-    """Random leases, completions, expiries, lost workers and late completions: each group of each
-    step ends up completed once, by one attempt, and the step's samples carry that attempt's ids."""
+def test_an_idle_worker_backs_up_a_slow_workers_groups_and_the_first_attempt_to_finish_wins():
+    """Speculation: once nothing is pending, an idle worker gets new attempts of groups held longer than
+    speculate_after_s (once a group); the first completion is the group's, the twin's lease is withdrawn."""
+    q = WorkQueue(max_staleness=0, lease_timeout_s=10, speculate_after_s=2.0)
+    off = WorkQueue(max_staleness=0, lease_timeout_s=10)
+    for queue in (q, off):
+        queue.add_step(0, records(0, 4))
+        queue.renew("slow", [], now=0.0)
+        queue.renew("fast", [], now=0.0)
+    a, b = q.lease("slow", 0, 4, now=0.0)
+    for lease in q.lease("fast", 0, 4, now=0.0):
+        q.complete("fast", lease.lease_id, report("fast", lease.task), now=1.0)
+    assert q.lease("fast", 0, 4, now=1.5) == [], "held 1.5 s: not yet a straggler"
+    backups = q.lease("fast", 0, 4, now=2.5)
+    assert [lease.task.request_id for lease in backups] == ["s0-p0.r1", "s0-p1.r1"]
+    assert q.steps[0].speculated == 2 and q.lease("other", 0, 4, now=3.0) == [], "one backup a group"
+    q.complete("fast", backups[0].lease_id, report("fast", backups[0].task), now=3.0)
+    assert q.renew("slow", [a.lease_id, b.lease_id], now=3.0) == [a.lease_id], "the slow twin is withdrawn"
+    with pytest.raises(LeaseError):
+        q.complete("slow", a.lease_id, report("slow", a.task), now=3.2)
+    q.complete("slow", b.lease_id, report("slow", b.task), now=3.5)
+    with pytest.raises(LeaseError):
+        q.complete("fast", backups[1].lease_id, report("fast", backups[1].task), now=3.6)
+    work = q.take_step(0)
+    assert {p: task.request_id for p, (task, _) in work.done.items() if p in ("s0-p0", "s0-p1")} == {
+        "s0-p0": "s0-p0.r1", "s0-p1": "s0-p1"}
+    assert work.requeued == 0 and not q.leases
+    off.lease("slow", 0, 4, now=0.0)
+    for lease in off.lease("fast", 0, 4, now=0.0):
+        off.complete("fast", lease.lease_id, report("fast", lease.task), now=1.0)
+    assert off.lease("fast", 0, 4, now=60.0) == [] and off.steps[0].speculated == 0, "speculation is opt-in"
+
+
+def test_a_lost_attempt_with_a_running_twin_is_not_generated_a_third_time():
+    q = WorkQueue(max_staleness=0, lease_timeout_s=10, speculate_after_s=1.0)
+    q.add_step(0, records(0, 1))
+    (original,) = q.lease("slow", 0, 4, now=0.0)
+    (backup,) = q.lease("fast", 0, 4, now=1.0)
+    assert len(q.expire(now=10.0)) == 1, "the slow worker stopped renewing"
+    assert not q.steps[0].pending and q.steps[0].requeued == 0, "the backup still runs: nothing is requeued"
+    q.renew("fast", [backup.lease_id], now=10.0)
+    q.complete("fast", backup.lease_id, report("fast", backup.task), now=11.0)
+    assert q.step_complete(0) and q.steps[0].done["s0-p0"][0].attempt == 1
+    q2 = WorkQueue(max_staleness=0, lease_timeout_s=10, speculate_after_s=1.0)
+    q2.add_step(0, records(0, 1))
+    q2.lease("slow", 0, 4, now=0.0)
+    q2.lease("fast", 0, 4, now=1.0)
+    q2.release("fast")
+    assert not q2.steps[0].pending and q2.steps[0].requeued == 0, "a lost backup leaves the original running"
+    assert original.task.attempt == 0 and backup.task.attempt == 1
+
+
+@pytest.mark.parametrize("speculate_after_s", [None, 2.0], ids=["plain", "speculation"])
+def test_every_group_completes_exactly_once_under_random_faults(speculate_after_s):
+    """Random leases, completions, expiries, lost workers and late completions (and, with speculation, twin
+    attempts): each group of each step ends up completed once, by one attempt, and the step's samples carry
+    that attempt's ids."""
     rng = random.Random(7)
-    q = WorkQueue(max_staleness=1, lease_timeout_s=3)
+    q = WorkQueue(max_staleness=1, lease_timeout_s=3, speculate_after_s=speculate_after_s)
     steps, groups = 6, 5
     for s in range(2):
         q.add_step(s, records(s, groups))
@@ -141,3 +195,4 @@ def test_every_group_completes_exactly_once_under_random_faults():
             assert rep.sample_ids == [f"{task.request_id}#{j}" for j in range(2)]
     all_ids = [i for w in finished.values() for _, rep in w.done.values() for i in rep.sample_ids]
     assert len(all_ids) == len(set(all_ids)) == steps * groups * 2
+    assert (sum(w.speculated for w in finished.values()) > 0) == (speculate_after_s is not None)

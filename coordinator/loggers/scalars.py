@@ -46,6 +46,7 @@ def step_scalars(record: StepRecord) -> dict[str, float]:
         "rollout/duplicates": r.duplicates,
         "rollout/streams": r.streams,
         "rollout/requeued": r.requeued,
+        "rollout/speculated": r.speculated,
         "rollout/dropped": r.dropped,
         **_per_worker("rollout/utilisation", r.utilisation),
         **_per_worker("rollout/groups", r.groups),
