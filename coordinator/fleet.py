@@ -164,7 +164,8 @@ class RolloutFleet:
             try:
                 ray.get(slot.actor.progress.remote(), timeout=self.recovery.hung_worker_timeout_s)
                 self.log(f"step {self.step + 1}: {worker} let {sum(l.worker == worker for l in expired)} leases expire; "
-                         "they were requeued (the worker answers, so it keeps serving)")
+                         "they were requeued, or left to another worker's running attempt (the worker answers, so it "
+                         "keeps serving)")
             except (GetTimeoutError, RayError) as exc:
                 self._replace(slot, "rollout_lease_expired", f"stopped renewing its leases and did not answer: {describe(exc)}")
 
@@ -173,7 +174,8 @@ class RolloutFleet:
         slot.restarts += 1
         slot.last_error = error
         self.membership_changed = True
-        self.log(f"step {self.step + 1}: {slot.worker_id} lost ({error}); {len(lost)} leased groups requeued; "
+        self.log(f"step {self.step + 1}: {slot.worker_id} lost ({error}); {len(lost)} leased groups requeued (or left to "
+                 f"another worker's running attempt); "
                  f"restart {slot.restarts} of {self.recovery.max_worker_restarts}")
         if slot.restarts > self.recovery.max_worker_restarts:
             raise JobFailed(f"{slot.worker_id} failed {slot.restarts} times (run.recovery.max_worker_restarts="
@@ -181,7 +183,7 @@ class RolloutFleet:
         self.pool.kill(slot)
         self._retract(slot)
         if slot.index not in self._recovering:  # a replacement that never served keeps the first event and its clock
-            event = FaultEvent(kind, slot.worker_id, f"{error}; {len(lost)} groups requeued", None, self.step)
+            event = FaultEvent(kind, slot.worker_id, f"{error}; {len(lost)} leased groups given up", None, self.step)
             self._recovering[slot.index] = _Recovery(event, time.monotonic(), slot.index)
         self._bring_up(slot)
 
