@@ -236,7 +236,8 @@ class WorkQueue:
 
         A worker holds at most its fair share of the admissible groups not yet done (split over the
         workers seen within a lease timeout), so the first worker to ask does not take everything, and
-        one that finishes early takes more of what is left.
+        one that finishes early takes more of what is left. With speculation on, an idle worker that
+        finds nothing pending gets backups of other workers' long-held groups (`_backups`).
         """
         state = self._seen(worker, now, busy_seconds)
         if state.retiring:
