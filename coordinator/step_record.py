@@ -275,7 +275,7 @@ def schedule_snapshot(schedule: SparsitySchedule, before: SparsitySchedule) -> S
 
 def rollout_stats(reports: list[GroupReport], summary: BatchSummary, correct: float, rollout_seconds: float,
                   speedup_measured: float | None, requeued: int, utilisation: dict[str, float],
-                  speculated: int = 0) -> RolloutStats:
+                  speculated: int) -> RolloutStats:
     rewards, lengths = summary.rewards, summary.response_lengths
     tokens = sum(r.tokens for r in reports)
     return RolloutStats(

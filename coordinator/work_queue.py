@@ -35,6 +35,11 @@ class GroupTask:
     attempt: int = 0
 
     @property
+    def group(self) -> tuple[int, str]:
+        """The GRPO group this attempt generates (its step and prompt), shared by all its attempts."""
+        return self.step, self.record.prompt_id
+
+    @property
     def request_id(self) -> str:
         """The engine request id (sample ids are `<request_id>#<sample index>`); attempt 0 keeps the prompt id."""
         return self.record.prompt_id if self.attempt == 0 else f"{self.record.prompt_id}.r{self.attempt}"
@@ -76,7 +81,7 @@ class Lease:
     task: GroupTask | ProbeTask | EvalTask
     worker: str
     expires: float
-    granted: float = 0.0
+    granted: float
 
     @property
     def exclusive(self) -> bool:
@@ -272,7 +277,7 @@ class WorkQueue:
         held: dict[tuple[int, str], list[Lease]] = {}
         for lease in self.leases.values():
             if isinstance(lease.task, GroupTask) and lease.task.step in steps:
-                held.setdefault((lease.task.step, lease.task.record.prompt_id), []).append(lease)
+                held.setdefault(lease.task.group, []).append(lease)
         candidates = sorted((leases[0] for leases in held.values()
                              if len(leases) == 1 and leases[0].worker != worker
                              and now - leases[0].granted >= self.speculate_after_s),
@@ -287,11 +292,10 @@ class WorkQueue:
 
     def _attempts_of(self, task: GroupTask) -> list[Lease]:
         """The leases held on `task`'s group (its step and prompt), whatever their attempt."""
-        return [lease for lease in self.leases.values() if isinstance(lease.task, GroupTask)
-                and lease.task.step == task.step and lease.task.record.prompt_id == task.record.prompt_id]
+        return [lease for lease in self.leases.values() if isinstance(lease.task, GroupTask) and lease.task.group == task.group]
 
     def _grant(self, work: StepWork | None, task, worker: str, now: float) -> Lease:
-        lease = Lease(self._next_lease, task, worker, now + self.lease_timeout_s, granted=now)
+        lease = Lease(self._next_lease, task, worker, now + self.lease_timeout_s, now)
         self._next_lease += 1
         self.leases[lease.lease_id] = lease
         if work is not None and work.first_lease is None:

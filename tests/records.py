@@ -39,7 +39,7 @@ def make_record(step: int) -> StepRecord:
         step=step, policy_version=step,
         rollout=rollout_stats(reports, summary, correct=1.0, rollout_seconds=4.5 + step,
                               speedup_measured=1.31 + 0.01 * step if step % 2 == 0 else None, requeued=int(step == 2),
-                              utilisation={w: 0.93 - 0.2 * i - 0.01 * step for i, w in enumerate(WORKERS)}),
+                              utilisation={w: 0.93 - 0.2 * i - 0.01 * step for i, w in enumerate(WORKERS)}, speculated=0),
         train={"train/pg_loss": -0.012 * (step + 1), "train/entropy": 0.41 - 0.02 * step, "train/lr": 1e-5,
                "train/grad_norm": math.nan if step == 0 else 0.35 + 0.1 * step, "train/tis_capped_fraction": 0.003 * step},
         alpha=alpha_tail(lower, upper, 5.0),
