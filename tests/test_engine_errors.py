@@ -96,6 +96,7 @@ def test_bench_rollout_cli(capsys):
     assert sparse["mean_blocks"] < dense["mean_blocks"]
     assert [w["first_context"] for w in dense["step_profile"]] == [65]
     assert torch.isfinite(torch.tensor(result["decode_speedup"]))
+    assert result["gpu_memory"] is None  # measured on CUDA only
 
 
 def test_bench_rollout_one_mode_per_run_then_merge(tmp_path, capsys):
@@ -111,6 +112,12 @@ def test_bench_rollout_one_mode_per_run_then_merge(tmp_path, capsys):
     assert set(merged["modes"]) == {"dense", "sparse"} and len(merged["commands"]) == 2
     assert merged["modes"]["dense"]["decode_tokens"] == merged["modes"]["sparse"]["decode_tokens"] == 2 * 5
     assert merged["decode_speedup"] > 0
+    for mode, used in (("dense", 120.5), ("sparse", 131.0)):  # as a GPU run reports it: the merge keeps the most held
+        report = json.loads((tmp_path / f"{mode}.json").read_text())
+        report["gpu_memory"] = {"total_gb": 150.0, "free_after_model_gb": 133.0, "used_gb": used, "peak_reserved_gb": 119.0}
+        (tmp_path / f"{mode}-gpu.json").write_text(json.dumps(report))
+    assert main(["bench", "rollout-merge", str(tmp_path / "dense-gpu.json"), str(tmp_path / "sparse-gpu.json")]) == 0
+    assert "GPU memory: 131.0 of 150.0 GB in use with the engine" in capsys.readouterr().out
     other = json.loads((tmp_path / "sparse.json").read_text()) | {"gen_len": 7}
     (tmp_path / "other.json").write_text(json.dumps(other))
     assert main(["bench", "rollout-merge", str(tmp_path / "dense.json"), str(tmp_path / "other.json")]) == 2

@@ -66,9 +66,11 @@ def run_decode_step(model_name: str = "qwen3-1.7b", batch: int = 8, contexts=(16
                 + "; ".join(f"{g['before'][:24]} -> {g['after'][:24]} {g['us']:.0f} us ({g['count']}x)" for g in p["gaps"][:4]))
         except Exception as exc:  # the profiler is a diagnostic: its failure must not lose the timings
             report["profiles"][key] = {"error": repr(exc)}
+    write_report(report, out_path, lambda *_: None)
     # ablation: the same steps with the plain (unfused) model — separate q/k/v, gate/up GEMMs, eager norm/RoPE/SiLU
     report["unfused"] = []
     del model
+    filled.drop_model()  # one model's weights at a time: the largest batches leave no room for two
     filled.use_model(DecoderModel(spec, max_len + bs, device=DEVICE, dtype=DTYPE, fuse=False).init_random(0))
     filled.graphs.set_schedule(schedule)
     for past, sparse in profiled:

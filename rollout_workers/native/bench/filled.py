@@ -59,10 +59,16 @@ class FilledDecode:
         """Decode with `model` (of the cache's shape) over the filled cache: new graphs, same block tables."""
         from sparrow.kernels.triton import TritonBackend
 
+        self.drop_model()
         self.graphs = DecodeGraphs(model, self.cache, TritonBackend(), self.attention, self.batch, self.max_blocks)
         for row, table in enumerate(self.tables):
             self.graphs.write_table(row, table)
         gc.collect()
+
+    def drop_model(self) -> None:
+        """Release the graphs and with them the model they hold, so that another model fits beside the cache."""
+        self.graphs = None
+        free_gpu_memory()
 
     def stage(self, context: int, sparse: bool) -> DecodeStep:
         bs = self.attention.block_size

@@ -238,6 +238,7 @@ def measure(args, device: torch.device) -> dict:
     """The measurement in this process: the whole engine, or one tensor-parallel rank's (rank 0 prints)."""
     from ..model_loader import resolve_dtype
     from ..shapes import build_model
+    from .filled import free_gpu_memory
 
     dtype = resolve_dtype(args.dtype, device)
     total = args.prompt_len + args.gen_len
@@ -246,6 +247,7 @@ def measure(args, device: torch.device) -> dict:
     except ValueError as exc:
         raise ValueError(f"{exc} (--prompt-len + --gen-len = {total}, --tensor-parallel {args.tensor_parallel})") from None
     tp = model.tensor_parallel
+    free_after_model = free_gpu_memory() if device.type == "cuda" else None
     batch = (largest_batch(model, total, args.samples, args.memory_fraction, args.kv_cache_dtype) if args.batch == "auto"
              else int(args.batch))
     if tp is not None:  # every rank must run the same batch: the smallest any rank's memory holds
@@ -275,6 +277,7 @@ def measure(args, device: torch.device) -> dict:
             if mode not in results or res["decode_tok_s"] > results[mode]["decode_tok_s"]:
                 results[mode] = res
     stats = engine.stats()
+    memory = gpu_memory(device, free_after_model)
     del engine
     if args.replayed:
         for mode, sched in modes:
@@ -290,9 +293,19 @@ def measure(args, device: torch.device) -> dict:
         "overlap_decode": args.overlap_decode, "tensor_parallel": args.tensor_parallel, "all_reduce": stats["all_reduce"],
         "prompt_len": args.prompt_len, "gen_len": args.gen_len, "batch": batch, "samples": args.samples, "seed": args.seed,
         "schedule": schedule.name, "start_step": args.start_step, "end_step": args.end_step, "modes": results,
-        "byte_floor_speedup": protocol_byte_floor(args, batch, schedule),
+        "byte_floor_speedup": protocol_byte_floor(args, batch, schedule), "gpu_memory": memory,
     }
     return with_speedup(report)
+
+
+def gpu_memory(device: torch.device, free_after_model: int | None) -> dict | None:
+    """What the run held on its GPU, taken while the engine still exists: the evidence that a batch fits (the
+    device's memory in use counts the CUDA context and the libraries' workspaces, which PyTorch's peak omits)."""
+    if device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    return {"total_gb": total / 1e9, "free_after_model_gb": free_after_model / 1e9,
+            "used_gb": (total - free) / 1e9, "peak_reserved_gb": torch.cuda.max_memory_reserved(device) / 1e9}
 
 
 def protocol_byte_floor(args, batch: int, schedule: SparsitySchedule) -> float:
@@ -329,7 +342,7 @@ def merge(reports: list[dict], names: list[str]) -> dict:
     report that is itself a merge keeps its list of commands."""
     first = reports[0]
     own = ("modes", "command", "commands", "date", "start_step", "end_step", "decode_speedup", "total_speedup",
-           "common_steps_speedup")
+           "common_steps_speedup", "gpu_memory")
     merged = {**{k: v for k, v in first.items() if k not in own},
               "commands": [], "modes": {}}
     parts: dict[str, list[tuple[int, dict, str]]] = {}
@@ -351,6 +364,8 @@ def merge(reports: list[dict], names: list[str]) -> dict:
     for mode, segs in parts.items():
         merged["modes"][mode] = segs[0][1] if len(segs) == 1 else join_segments(segs, first["batch"])
     merged["start_step"] = min(firsts.values())
+    held = [r["gpu_memory"] for r in reports if r.get("gpu_memory")]
+    merged["gpu_memory"] = max(held, key=lambda m: m["used_gb"]) if held else None
     return with_speedup(merged)
 
 
@@ -385,6 +400,11 @@ def render(report: dict) -> str:
         floor = report.get("byte_floor_speedup")
         lines.append(f"sparse / dense: decode {report['decode_speedup']:.2f}x, total {report['total_speedup']:.2f}x"
                      + ("" if floor is None else f" (byte floor {floor:.2f}x: both modes at the memory floor)"))
+    memory = report.get("gpu_memory")
+    if memory:
+        lines.append(f"GPU memory: {memory['used_gb']:.1f} of {memory['total_gb']:.1f} GB in use with the engine "
+                     f"(PyTorch's peak reservation {memory['peak_reserved_gb']:.1f} GB; "
+                     f"{memory['free_after_model_gb']:.1f} GB were free after the weights)")
     common = report.get("common_steps_speedup")
     if common and common["speedup"]:
         lines.append(f"a run was truncated: over the first {common['steps']} decode steps both made, sparse / dense "
