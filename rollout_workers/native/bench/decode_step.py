@@ -10,7 +10,7 @@ from ..model import DecoderModel
 from ..shapes import spec_for_shape
 from .common import DEVICE, DTYPE, PAPER_STEP_MS, device_report, require_cuda, write_report, default_out_path
 from .breakdown import step_breakdown
-from .filled import FilledDecode, profile_kernels
+from .filled import FilledDecode, free_gpu_memory, profile_kernels
 from .floor import step_bytes, weight_bytes
 
 
@@ -69,10 +69,17 @@ def run_decode_step(model_name: str = "qwen3-1.7b", batch: int = 8, contexts=(16
     write_report(report, out_path, lambda *_: None)
     # ablation: the same steps with the plain (unfused) model — separate q/k/v, gate/up GEMMs, eager norm/RoPE/SiLU
     report["unfused"] = []
+    need = sum(p.numel() * p.element_size() for p in model.parameters())
     del model
     filled.drop_model()  # one model's weights at a time: the largest batches leave no room for two
-    filled.use_model(DecoderModel(spec, max_len + bs, device=DEVICE, dtype=DTYPE, fuse=False).init_random(0))
-    filled.graphs.set_schedule(schedule)
+    free = free_gpu_memory()
+    if free < 1.1 * need:
+        report["unfused_skipped"] = f"the unfused model needs {need / 1e9:.1f} GB, {free / 1e9:.1f} GB are free"
+        log(f"fusion ablation skipped: {report['unfused_skipped']} (lower --batch to run it)")
+        profiled = ()
+    else:
+        filled.use_model(DecoderModel(spec, max_len + bs, device=DEVICE, dtype=DTYPE, fuse=False).init_random(0))
+        filled.graphs.set_schedule(schedule)
     for past, sparse in profiled:
         t = filled.time(past + 1, sparse, replays)
         report["unfused"].append({"past_kv": past, "mode": "sparse" if sparse else "dense", **t})
