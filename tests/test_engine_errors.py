@@ -97,6 +97,7 @@ def test_bench_rollout_cli(capsys):
     assert [w["first_context"] for w in dense["step_profile"]] == [65]
     assert torch.isfinite(torch.tensor(result["decode_speedup"]))
     assert result["gpu_memory"] is None  # measured on CUDA only
+    assert result["sampler"] == "eager"  # the fused sampler is a CUDA kernel
 
 
 def test_bench_rollout_one_mode_per_run_then_merge(tmp_path, capsys):

@@ -472,6 +472,87 @@ def test_interp_fused_model_equals_unfused_model(family):
                                rtol=1e-4, atol=1e-4)
 
 
+def _eager_sample(logits, temperatures, seeds, num_logprobs):
+    from sparrow.rollout_workers.api import SamplingParams
+    from sparrow.rollout_workers.native.sampler import SamplingBatch, sample
+
+    params = [SamplingParams(temperature=t, logprobs=num_logprobs) for t in temperatures]
+    return sample(logits, SamplingBatch.build(params, seeds, [0] * len(seeds), logits.device))
+
+
+def _signed(seeds, device="cpu"):
+    """Noise seeds as the sampler keys the fused kernel for (seed, position 0)."""
+    from sparrow.rollout_workers.native.sampler import noise_seed_tensor
+    from sparrow.seeds import mix_seed
+
+    return noise_seed_tensor([mix_seed(x, 0) for x in seeds], device)
+
+
+@interp
+def test_interp_fused_sampler_matches_the_eager_logprobs_and_greedy_tokens():
+    """Chunks of a row combine into the whole row's log-softmax: chosen and top-k logprobs and greedy picks as
+    the eager sampler's (a partial last chunk, temperatures 0 / 0.7 / 1 / 1.3)."""
+    from sparrow.kernels.triton.sampling import CHUNK, sample_fused
+
+    vocab, temps = 2 * CHUNK + 300, [0.0, 0.7, 1.0, 1.3, 0.0]
+    logits = torch.randn(len(temps), vocab, generator=torch.Generator().manual_seed(40)) * 3
+    logits[4, CHUNK + 5] = 40.0  # a greedy pick outside the first chunk
+    tokens, chosen, top_lp, top_ids, finite = sample_fused(logits, torch.tensor(temps), _signed(range(5)), 20)
+    eager = _eager_sample(logits, temps, list(range(5)), 20)
+    assert finite.all() and tokens[4] == CHUNK + 5
+    assert torch.equal(tokens[[0, 4]], eager.tokens[[0, 4]])
+    scaled = logits / torch.tensor([1.0, 0.7, 1.0, 1.3, 1.0])[:, None]
+    want = torch.log_softmax(scaled, dim=-1).gather(-1, tokens[:, None])[:, 0]
+    torch.testing.assert_close(chosen, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(top_ids, eager.top_ids)
+    torch.testing.assert_close(top_lp, eager.top_logprobs, rtol=1e-5, atol=1e-5)
+
+
+@interp
+def test_interp_fused_sampler_draws_follow_the_softmax():
+    """400 rows of the same logits, one seed each (the interpreter runs a program in ~10 ms; the GPU test draws
+    200,000): the drawn tokens' frequencies match softmax(logits / T) within 4 standard deviations, over tokens
+    in both chunks of 32."""
+    from sparrow.kernels.triton.sampling import sample_fused
+
+    rows, vocab, temp = 400, 60, 0.8
+    logits = torch.full((vocab,), -30.0)
+    hot = torch.tensor([3, 7, 31, 32, 59])
+    logits[hot] = torch.tensor([1.0, 0.5, 0.0, -0.5, 1.2])
+    tokens, _, _, _, finite = sample_fused(logits.expand(rows, vocab).contiguous(), torch.full((rows,), temp),
+                                           _signed(range(rows)), 0, chunk=32)
+    probs = torch.softmax(logits / temp, dim=-1)[hot]
+    counts = torch.stack([(tokens == h).sum() for h in hot]).double()
+    assert finite.all() and counts.sum() == rows
+    sigma = (rows * probs * (1 - probs)).sqrt()
+    assert ((counts - rows * probs).abs() <= 4 * sigma).all(), (counts, rows * probs)
+
+
+@interp
+def test_interp_fused_sampler_is_counter_based_and_flags_non_finite_rows():
+    """A row's draw depends on its logits and seed only, not on its batch position or neighbours; a NaN or +inf
+    logit marks its row not finite (NaN logprobs) and leaves the others alone."""
+    from sparrow.kernels.triton.sampling import sample_fused
+
+    gen = torch.Generator().manual_seed(41)
+    logits = torch.randn(6, 3000, generator=gen)
+    seeds, temps = _signed(range(100, 106)), torch.ones(6)
+    tokens = sample_fused(logits, temps, seeds, 4)[0]
+    order = torch.tensor([5, 3, 1, 0, 2, 4])
+    again = sample_fused(logits[order], temps[order], seeds[order], 4)[0]
+    assert torch.equal(again, tokens[order])
+    assert not torch.equal(sample_fused(logits, temps, _signed(range(200, 206)), 4)[0], tokens)
+    logits[2, 17], logits[4, 2999] = float("nan"), float("inf")
+    _, chosen, top_lp, _, finite = sample_fused(logits, temps, seeds, 4)
+    assert finite.tolist() == [True, True, False, True, False, True]
+    assert chosen[[2, 4]].isnan().all() and top_lp[[2, 4]].isnan().all() and chosen[[0, 1, 3, 5]].isfinite().all()
+    masked = torch.full((1, 3000), float("-inf"))
+    masked[0, [5, 2100, 2999]] = torch.tensor([0.0, 1.0, -1.0])  # three tokens allowed: the fourth listed is -inf
+    token, chosen, top_lp, top_ids, finite = sample_fused(masked, torch.ones(1), seeds[:1], 4, chunk=1024)
+    assert finite.item() and token.item() in (5, 2100, 2999) and top_ids[0, :3].tolist() == [2100, 5, 2999]
+    assert len(set(top_ids[0].tolist())) == 4 and top_lp[0, 3] == float("-inf") and top_lp[0, :3].isfinite().all()
+
+
 # ------------------------------------------------------------------------------------------ GPU tests
 
 GPU_LENGTHS = [4096, 4097, 4111, 1, 17, 2000, 3071, 800]  # L mod 16 in {0, 1, 15} and more
@@ -709,3 +790,40 @@ def test_gpu_add_rms_norm_matches_unfused_ops_bf16():
     expect = torch.nn.functional.rms_norm((x + delta).double(), (2560,), weight.double(), 1e-6)
     assert relative_error(normed, expect) <= 5e-3
 
+
+
+@gpu
+def test_fused_sampler_on_cuda_matches_the_eager_sampler_and_the_softmax():
+    """At Qwen3's vocabulary on CUDA: greedy tokens, chosen and top-20 logprobs as the eager sampler's (run on the
+    CPU copy); 200,000 draws over four chunks follow softmax(logits / T) within 4 standard deviations; the engine's
+    `sample` takes the fused path for unfiltered batches."""
+    from sparrow.kernels.triton.sampling import sample_fused
+    from sparrow.rollout_workers.native import sampler
+
+    temps = [0.0, 0.6, 1.0, 1.4] * 6
+    logits = (torch.randn(24, 151936, generator=torch.Generator().manual_seed(42)) * 4).cuda()
+    tokens, chosen, top_lp, top_ids, finite = sample_fused(logits, torch.tensor(temps).cuda(), _signed(range(24), "cuda"), 20)
+    eager = _eager_sample(logits.cpu(), temps, list(range(24)), 20)
+    greedy = torch.tensor(temps) == 0
+    assert finite.all() and torch.equal(tokens.cpu()[greedy], eager.tokens[greedy])
+    scaled = logits.cpu() / torch.tensor([t or 1.0 for t in temps])[:, None]
+    want = torch.log_softmax(scaled, dim=-1).gather(-1, tokens.cpu()[:, None])[:, 0]
+    torch.testing.assert_close(chosen.cpu(), want, rtol=1e-4, atol=1e-4)
+    assert torch.equal(top_ids.cpu(), eager.top_ids)
+    torch.testing.assert_close(top_lp.cpu(), eager.top_logprobs, rtol=1e-4, atol=1e-4)
+
+    rows, hot = 200_000, torch.tensor([3, 500, 1023, 1024, 3999])
+    small = torch.full((4000,), -30.0)
+    small[hot] = torch.tensor([1.0, 0.5, 0.0, -0.5, 1.2])
+    drawn = sample_fused(small.cuda().expand(rows, 4000).contiguous(), torch.full((rows,), 0.8, device="cuda"),
+                         _signed(range(rows), "cuda"), 0, chunk=1024)[0].cpu()
+    probs = torch.softmax(small / 0.8, dim=-1)[hot].double()
+    counts = torch.stack([(drawn == h).sum() for h in hot]).double()
+    assert counts.sum() == rows and ((counts - rows * probs).abs() <= 4 * (rows * probs * (1 - probs)).sqrt()).all()
+
+    from sparrow.rollout_workers.api import SamplingParams
+
+    params = [SamplingParams(temperature=t, logprobs=20) for t in temps]
+    batch = sampler.SamplingBatch.build(params, list(range(24)), [0] * 24, "cuda")
+    out = sampler.sample(logits, batch)
+    assert torch.equal(out.tokens, tokens) and torch.equal(out.top_ids, top_ids)

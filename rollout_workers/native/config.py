@@ -54,6 +54,12 @@ class NativeEngineConfig(EngineSettings):
         "discarded row. Same samples as without; 1.11-1.22x the plain loop's rollout tokens/s on an H200 (bench "
         "rollout), off by default until it has run inside a training job on a GPU",
     )
+    fused_sampling: bool = Field(
+        True,
+        description="on CUDA, sample batches without top-p / top-k filtering by one pass of a Triton kernel over the "
+        "logits (same distribution and logprobs, other draws than the eager sampler's for a seed); False = the "
+        "PyTorch sampler everywhere (about a dozen passes over the logits and one noise launch per row)",
+    )
     tensor_parallel_size: int = Field(
         1, ge=1,
         description="ranks the decoder is split over (attention heads and MLP, Megatron-style), each a process with "

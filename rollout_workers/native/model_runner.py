@@ -20,7 +20,7 @@ from .cuda_graphs import DecodeGraphs, budget_table
 from .kv_cache import KVCache, bytes_per_block
 from .model import DecoderModel
 from .model_loader import load_model, resolve_device, resolve_dtype
-from .sampler import SamplingBatch, sample
+from .sampler import SamplingBatch, fused_sampling, sample
 from .scheduler import PrefillChunk
 from .sequence import Draws, PendingDraws, Sequence
 from .weights import load_weights
@@ -164,6 +164,8 @@ class ModelRunner:
             "cuda_graphs_captured": 0 if self.graphs is None else self.graphs.num_captured,
             "tensor_parallel_size": self.config.tensor_parallel_size,
             "all_reduce": self.all_reduce,
+            "sampler": "fused" if self.config.fused_sampling and self.device.type == "cuda"
+            and fused_sampling() is not None else "eager",
         }
 
     def synchronize(self) -> None:
@@ -245,7 +247,8 @@ class ModelRunner:
                 budgets.append(DENSE_BUDGET)
         lengths = torch.tensor([seq.num_tokens for seq in seqs])
         blocks = blocks_attended(lengths, torch.tensor(budgets) if self.has_sparse_layers else None, self.layout)
-        return PendingDraws.launch(sample(logits, self._sampling_batch(seqs)), blocks.to(self.device)).resolve()
+        return PendingDraws.launch(sample(logits, self._sampling_batch(seqs), self.config.fused_sampling),
+                                   blocks.to(self.device)).resolve()
 
     def decode(self, seqs: list[Sequence]) -> Draws:
         """One token for every sequence (each has a block for it), then the next token drawn."""
@@ -275,7 +278,7 @@ class ModelRunner:
             logits, blocks = self._decode_eager(seqs, lengths, budgets, sparse, fed)
         for seq, n in zip(seqs, lengths):
             seq.num_cached = n
-        return PendingDraws.launch(sample(logits, sampling), blocks)
+        return PendingDraws.launch(sample(logits, sampling, self.config.fused_sampling), blocks)
 
     def _decode_eager(self, seqs: list[Sequence], lengths: list[int], budgets: list[int], sparse: bool,
                       fed: torch.Tensor | None):

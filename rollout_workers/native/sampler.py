@@ -5,6 +5,11 @@ vocabulary, before top-p / top-k filtering; at T = 0 (greedy) they are the T = 1
 Randomness is counter-based: the exponential noise of row r comes from a generator seeded with a
 hash of (seed_r, position_r). A sample therefore depends only on its own seed and position, never on
 what else is in the batch, whether it was preempted and recomputed, or the step it ran in.
+
+On CUDA, batches without top-p / top-k filtering (the RL rollout case) are sampled by one pass of a Triton
+kernel over the logits (`sparrow.kernels.triton.sampling`: the same exponential race, its noise Philox keyed by
+the same per-row seed), instead of the dozen passes and per-row noise launches below; the draws differ from the
+eager sampler's on the same seed, the distribution and the logprobs do not.
 """
 
 from dataclasses import dataclass
@@ -76,8 +81,15 @@ def filter_mask(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) 
     return torch.zeros_like(keep).scatter_(-1, order, keep)
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
-    """Draw one token per row of float32 `logits: [R, V]`."""
+def sample(logits: torch.Tensor, batch: SamplingBatch, fused: bool = True) -> SampleOutput:
+    """Draw one token per row of float32 `logits: [R, V]`; `fused`: the Triton kernel where it applies."""
+    if fused and logits.is_cuda and not batch.any_filter and fused_sampling() is not None:
+        return sample_fused(logits, batch)
+    return sample_eager(logits, batch)
+
+
+def sample_eager(logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
+    """The sampler in PyTorch ops: every filter, any device; the reference the fused kernel is tested against."""
     logits = logits.float()
     greedy = batch.temperature == 0
     temperature = torch.where(greedy, 1.0, batch.temperature)
@@ -97,3 +109,24 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
     # A NaN or +inf logit makes the whole row's log-softmax NaN, so the chosen entry tells.
     return SampleOutput(tokens=tokens, logprobs=chosen, top_ids=top_ids, top_logprobs=top_logprobs,
                         finite=torch.isfinite(chosen))
+
+
+def fused_sampling():
+    """`sparrow.kernels.triton.sampling`, or None without Triton (the eager sampler then runs on CUDA too)."""
+    try:
+        from sparrow.kernels.triton import sampling
+    except ImportError:
+        return None
+    return sampling
+
+
+def noise_seed_tensor(noise_seeds: list[int], device) -> torch.Tensor:
+    """The unsigned 64-bit noise seeds as the int64 bit patterns the fused kernel keys Philox with."""
+    return to_device([s - (1 << 64) if s >= 1 << 63 else s for s in noise_seeds], torch.device(device), torch.int64)
+
+
+def sample_fused(logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
+    seeds = noise_seed_tensor(batch.noise_seeds, logits.device) if batch.any_random else None
+    tokens, chosen, top_logprobs, top_ids, finite = fused_sampling().sample_fused(
+        logits, batch.temperature, seeds, batch.num_logprobs)
+    return SampleOutput(tokens=tokens, logprobs=chosen, top_ids=top_ids, top_logprobs=top_logprobs, finite=finite)

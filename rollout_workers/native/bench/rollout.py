@@ -41,8 +41,8 @@ from .real_run import (common_steps_speedup, join_segments, protocol_requests, r
                        segment_requests)
 
 MODES = ("dense", "sparse")
-RUN_KEYS = ("model", "device", "device_name", "dtype", "backend", "cuda_graphs", "overlap_decode", "kv_cache_dtype",
-            "tensor_parallel", "all_reduce", "prompt_len", "gen_len", "batch", "samples", "seed", "schedule")
+RUN_KEYS = ("model", "device", "device_name", "dtype", "backend", "cuda_graphs", "overlap_decode", "sampler",
+            "kv_cache_dtype", "tensor_parallel", "all_reduce", "prompt_len", "gen_len", "batch", "samples", "seed", "schedule")
 """What two single-mode results must share to be merged into one comparison."""
 SPARE_BLOCKS = 16
 TEARDOWN_GRACE_S = 15.0
@@ -75,7 +75,7 @@ def build_engine(args, model, batch: int):
         device=str(model.device), dtype=args.dtype, attention_backend=args.attention_backend, max_num_seqs=batch,
         cuda_graphs=False if args.no_cuda_graphs else None, tensor_parallel_size=args.tensor_parallel,
         symmetric_memory_all_reduce=not args.nccl_all_reduce,
-        overlap_decode=args.overlap_decode, kv_cache_dtype=args.kv_cache_dtype,
+        overlap_decode=args.overlap_decode, fused_sampling=not args.eager_sampler, kv_cache_dtype=args.kv_cache_dtype,
         num_kv_blocks=batch * DEFAULT_LAYOUT.blocks_for(total + 1) + SPARE_BLOCKS,
         max_model_len=min(total + DEFAULT_LAYOUT.block_size, model.rope.cos.shape[0]),
         prefill_chunk_size=max(2048, args.prompt_len),
@@ -290,7 +290,7 @@ def measure(args, device: torch.device) -> dict:
         "dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads() if device.type == "cpu" else None,
         "backend": stats["attention_backend"], "cuda_graphs": stats["cuda_graphs"],
         "kv_cache_dtype": stats["kv_cache_dtype"],
-        "overlap_decode": args.overlap_decode, "tensor_parallel": args.tensor_parallel, "all_reduce": stats["all_reduce"],
+        "overlap_decode": args.overlap_decode, "sampler": stats["sampler"], "tensor_parallel": args.tensor_parallel, "all_reduce": stats["all_reduce"],
         "prompt_len": args.prompt_len, "gen_len": args.gen_len, "batch": batch, "samples": args.samples, "seed": args.seed,
         "schedule": schedule.name, "start_step": args.start_step, "end_step": args.end_step, "modes": results,
         "byte_floor_speedup": protocol_byte_floor(args, batch, schedule), "gpu_memory": memory,
@@ -382,7 +382,8 @@ def render(report: dict) -> str:
     lines = [f"{report['model']} on {report['device_name']}{ranks}{threads} ({report['dtype']}, {report['backend']} attention"
              f"{', CUDA graphs' if report['cuda_graphs'] else ''}"
              f"{', FP8 KV pages' if report.get('kv_cache_dtype', 'auto') != 'auto' else ''}"
-             f"{', overlapped decode' if report.get('overlap_decode') else ''}), batch {report['batch']} "
+             f"{', overlapped decode' if report.get('overlap_decode') else ''}"
+             f"{', fused sampler' if report.get('sampler') == 'fused' else ''}), batch {report['batch']} "
              f"({report['batch'] // report['samples']} prompts x {report['samples']}), prompt {report['prompt_len']} "
              f"+ gen {report['gen_len']} tokens",
              format_table(["mode", "prefill s", "decode s", "decode tok/s", "total tok/s", "median step ms",
