@@ -115,7 +115,8 @@ def test_bench_rollout_one_mode_per_run_then_merge(tmp_path, capsys):
     assert merged["decode_speedup"] > 0
     for mode, used in (("dense", 120.5), ("sparse", 131.0)):  # as a GPU run reports it: the merge keeps the most held
         report = json.loads((tmp_path / f"{mode}.json").read_text())
-        report["gpu_memory"] = {"total_gb": 150.0, "free_after_model_gb": 133.0, "used_gb": used, "peak_reserved_gb": 119.0}
+        report["gpu_memory"] = {"total_gb": 150.0, "free_after_model_gb": 133.0, "used_gb": used,
+                                "peak_reserved_gb": 119.0}
         (tmp_path / f"{mode}-gpu.json").write_text(json.dumps(report))
     assert main(["bench", "rollout-merge", str(tmp_path / "dense-gpu.json"), str(tmp_path / "sparse-gpu.json")]) == 0
     assert "GPU memory: 131.0 of 150.0 GB in use with the engine" in capsys.readouterr().out

@@ -802,7 +802,8 @@ def test_fused_sampler_on_cuda_matches_the_eager_sampler_and_the_softmax():
 
     temps = [0.0, 0.6, 1.0, 1.4] * 6
     logits = (torch.randn(24, 151936, generator=torch.Generator().manual_seed(42)) * 4).cuda()
-    tokens, chosen, top_lp, top_ids, finite = sample_fused(logits, torch.tensor(temps).cuda(), _signed(range(24), "cuda"), 20)
+    tokens, chosen, top_lp, top_ids, finite = sample_fused(logits, torch.tensor(temps).cuda(), _signed(range(24), "cuda"),
+                                                           20)
     eager = _eager_sample(logits.cpu(), temps, list(range(24)), 20)
     greedy = torch.tensor(temps) == 0
     assert finite.all() and torch.equal(tokens.cpu()[greedy], eager.tokens[greedy])

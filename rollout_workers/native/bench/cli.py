@@ -28,7 +28,8 @@ def register_rollout(actions) -> None:
     r.add_argument("--overlap-decode", action="store_true",
                    help="launch each decode step before reading the previous one's tokens (NativeEngineConfig.overlap_decode)")
     r.add_argument("--eager-sampler", action="store_true",
-                   help="sample with the PyTorch ops on CUDA too (default: the fused kernel, NativeEngineConfig.fused_sampling)")
+                   help="sample with the PyTorch ops on CUDA too (default: the fused kernel, "
+                        "NativeEngineConfig.fused_sampling)")
     r.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
     r.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                    help="split the engine over N ranks, one process (and GPU) each, in lockstep (default 1)")

@@ -42,7 +42,8 @@ from .real_run import (common_steps_speedup, join_segments, protocol_requests, r
 
 MODES = ("dense", "sparse")
 RUN_KEYS = ("model", "device", "device_name", "dtype", "backend", "cuda_graphs", "overlap_decode", "sampler",
-            "kv_cache_dtype", "tensor_parallel", "all_reduce", "prompt_len", "gen_len", "batch", "samples", "seed", "schedule")
+            "kv_cache_dtype", "tensor_parallel", "all_reduce", "prompt_len", "gen_len", "batch", "samples", "seed",
+            "schedule")
 """What two single-mode results must share to be merged into one comparison."""
 SPARE_BLOCKS = 16
 TEARDOWN_GRACE_S = 15.0
@@ -290,7 +291,8 @@ def measure(args, device: torch.device) -> dict:
         "dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads() if device.type == "cpu" else None,
         "backend": stats["attention_backend"], "cuda_graphs": stats["cuda_graphs"],
         "kv_cache_dtype": stats["kv_cache_dtype"],
-        "overlap_decode": args.overlap_decode, "sampler": stats["sampler"], "tensor_parallel": args.tensor_parallel, "all_reduce": stats["all_reduce"],
+        "overlap_decode": args.overlap_decode, "sampler": stats["sampler"],
+        "tensor_parallel": args.tensor_parallel, "all_reduce": stats["all_reduce"],
         "prompt_len": args.prompt_len, "gen_len": args.gen_len, "batch": batch, "samples": args.samples, "seed": args.seed,
         "schedule": schedule.name, "start_step": args.start_step, "end_step": args.end_step, "modes": results,
         "byte_floor_speedup": protocol_byte_floor(args, batch, schedule), "gpu_memory": memory,
