@@ -225,15 +225,21 @@ def test_a_job_survives_a_rollout_node_removal_and_a_trainer_rank_kill(cluster, 
 def test_a_slow_worker_gives_its_share_to_the_others(cluster, tiny_qwen3, tmp_path, prompts, speculate_after_s):
     """4 groups a worker at a time (8 sequences, n = 2). With 16 groups a step each worker leases 4 at once, and the
     fast one comes back for the 8 still pending while the slow one works through its first 4. With 8, both workers'
-    first leases take everything: only speculation (the fast worker, idle, backs up groups held 1 s) moves them."""
+    first leases take everything: only speculation (the fast worker, idle, backs up groups held 1 s) moves them.
+    The slow node runs at full speed while it holds no lease, so it asks for its share of every step (stopped
+    between steps, it would lose that race to the fast worker and there would be nothing to back up)."""
     settings = {} if speculate_after_s is None else {"run.recovery.speculate_after_s": speculate_after_s}
     config, run_dir = _job(tmp_path, tiny_qwen3, "slow", steps=2, prompts=prompts, max_tokens=32, settings=settings)
     with TrainingJob(config, run_dir, progress=False, log=_log) as job:
-        pid = ray.get(job.fleet.pool.slots[0].actor.info.remote())["pid"]
+        info = ray.get(job.fleet.pool.slots[0].actor.info.remote())
+        pid, slow = info["pid"], info["worker_id"]
         stop = threading.Event()
 
-        def throttle():  # SIGSTOP/SIGCONT: a node at a tenth of its speed, never long enough for its leases to expire
+        def throttle():  # SIGSTOP/SIGCONT while it holds leases: a tenth of its speed, never long enough to expire them
             while not stop.is_set():
+                if not ray.get(job.dispatcher.holds.remote(slow)):
+                    time.sleep(0.05)
+                    continue
                 os.kill(pid, signal.SIGSTOP)
                 time.sleep(0.9)
                 os.kill(pid, signal.SIGCONT)
