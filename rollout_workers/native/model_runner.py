@@ -20,7 +20,7 @@ from .cuda_graphs import DecodeGraphs, budget_table
 from .kv_cache import KVCache, bytes_per_block
 from .model import DecoderModel
 from .model_loader import load_model, resolve_device, resolve_dtype
-from .sampler import SamplingBatch, fused_sampling, sample
+from .sampler import SamplingBatch, sample, uses_fused_sampler
 from .scheduler import PrefillChunk
 from .sequence import Draws, PendingDraws, Sequence
 from .weights import load_weights
@@ -164,8 +164,7 @@ class ModelRunner:
             "cuda_graphs_captured": 0 if self.graphs is None else self.graphs.num_captured,
             "tensor_parallel_size": self.config.tensor_parallel_size,
             "all_reduce": self.all_reduce,
-            "sampler": "fused" if self.config.fused_sampling and self.device.type == "cuda"
-            and fused_sampling() is not None else "eager",
+            "sampler": "fused" if uses_fused_sampler(self.device, self.config.fused_sampling) else "eager",
         }
 
     def synchronize(self) -> None:

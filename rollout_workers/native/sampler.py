@@ -12,6 +12,7 @@ the same per-row seed), instead of the dozen passes and per-row noise launches b
 eager sampler's on the same seed, the distribution and the logprobs do not.
 """
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -83,7 +84,7 @@ def filter_mask(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch, fused: bool = True) -> SampleOutput:
     """Draw one token per row of float32 `logits: [R, V]`; `fused`: the Triton kernel where it applies."""
-    if fused and logits.is_cuda and not batch.any_filter and fused_sampling() is not None:
+    if uses_fused_sampler(logits.device, fused) and not batch.any_filter:
         return sample_fused(logits, batch)
     return sample_eager(logits, batch)
 
@@ -111,6 +112,12 @@ def sample_eager(logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
                         finite=torch.isfinite(chosen))
 
 
+def uses_fused_sampler(device, fused: bool = True) -> bool:
+    """Whether unfiltered batches on `device` take the Triton sampler: asked for, on CUDA, with Triton there."""
+    return fused and torch.device(device).type == "cuda" and fused_sampling() is not None
+
+
+@functools.cache
 def fused_sampling():
     """`sparrow.kernels.triton.sampling`, or None without Triton (the eager sampler then runs on CUDA too)."""
     try:

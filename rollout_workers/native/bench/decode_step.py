@@ -10,7 +10,7 @@ from ..model import DecoderModel
 from ..shapes import spec_for_shape
 from .common import DEVICE, DTYPE, PAPER_STEP_MS, device_report, require_cuda, write_report, default_out_path
 from .breakdown import step_breakdown
-from .filled import FilledDecode, free_gpu_memory, profile_kernels
+from .filled import FilledDecode, profile_kernels
 from .floor import step_bytes, weight_bytes
 
 
@@ -71,8 +71,7 @@ def run_decode_step(model_name: str = "qwen3-1.7b", batch: int = 8, contexts=(16
     report["unfused"] = []
     need = sum(p.numel() * p.element_size() for p in model.parameters())
     del model
-    filled.drop_model()  # one model's weights at a time: the largest batches leave no room for two
-    free = free_gpu_memory()
+    free = filled.drop_model()  # one model's weights at a time: the largest batches leave no room for two
     if free < 1.1 * need:
         report["unfused_skipped"] = f"the unfused model needs {need / 1e9:.1f} GB, {free / 1e9:.1f} GB are free"
         log(f"fusion ablation skipped: {report['unfused_skipped']} (lower --batch to run it)")

@@ -65,10 +65,11 @@ class FilledDecode:
             self.graphs.write_table(row, table)
         gc.collect()
 
-    def drop_model(self) -> None:
-        """Release the graphs and with them the model they hold, so that another model fits beside the cache."""
+    def drop_model(self) -> int:
+        """Release the graphs and with them the model they hold, so that another model fits beside the cache;
+        returns the free device memory then."""
         self.graphs = None
-        free_gpu_memory()
+        return free_gpu_memory()
 
     def stage(self, context: int, sparse: bool) -> DecodeStep:
         bs = self.attention.block_size
