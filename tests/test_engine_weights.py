@@ -137,3 +137,28 @@ def test_old_style_rope_scaling_is_read(tiny_qwen3, tmp_path):
     shutil.copytree(tiny_qwen3, model_dir)
     edit_config(model_dir, rope_parameters=None, rope_theta=5000.0, rope_scaling={"type": "linear", "factor": 2.0})
     assert load_spec(model_dir).rope == {"rope_type": "linear", "rope_theta": 5000.0, "factor": 2.0}
+
+
+def test_a_bfloat16_model_allocates_no_float32_weights():
+    """The weights are cast before they are allocated: a float32 copy would double the model's memory at load (32.8
+    GB for the Qwen3-8B shape, which does not fit beside a full KV cache). Only the float32 RoPE tables are built."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from sparrow.rollout_workers.native.model import DecoderModel
+    from sparrow.rollout_workers.native.shapes import spec_for_shape
+
+    class LargestFloat32(TorchDispatchMode):
+        largest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.device.type != "meta":
+                    self.largest = max(self.largest, t.numel())
+            return out
+
+    spec = spec_for_shape("qwen3-1.7b")
+    with LargestFloat32() as seen:
+        model = DecoderModel(spec, 64, device="cpu", dtype=torch.bfloat16)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert seen.largest <= 64 * spec.head_dim, f"a float32 tensor of {seen.largest} elements was allocated"

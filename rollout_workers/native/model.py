@@ -162,8 +162,10 @@ class DecoderModel(nn.Module):
         with torch.device("meta"):
             self.model = Body(self.spec, tensor_parallel)
             self.lm_head = None if spec.tie_word_embeddings else nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
-        self.to_empty(device=device)
+        # Cast while still on meta: casting after allocation would hold float32 weights for a moment (32.8 GB for
+        # the 8B shape), which does not fit beside a full KV cache.
         self.to(dtype)
+        self.to_empty(device=device)
         self.rope = RotaryEmbedding(spec.rope, spec.head_dim, max_positions, device=device)
         self.requires_grad_(False)
         self.fused = False
