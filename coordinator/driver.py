@@ -109,6 +109,8 @@ class TrainingJob:
         self._events_logged = 0
         self._evaluations: list[EvalRecord] = []
         """Held-out evaluations since the last step record (it carries them)."""
+        self.stop_reason: str | None = None
+        """Set by `request_stop`: `run` returns at the next step boundary, after a checkpoint."""
         self._warned_loose = False
 
     # ------------------------------------------------------------------ start and stop
@@ -245,15 +247,21 @@ class TrainingJob:
 
     # ------------------------------------------------------------------ the loop
 
+    def request_stop(self, reason: str) -> None:
+        """Finish the step under way, checkpoint it, and return from `run` (a scheduler's SIGTERM: nothing
+        trained is lost, and `--resume` continues from that step)."""
+        self.stop_reason = reason
+
     def run(self, steps: int | None = None) -> list[StepRecord]:
-        """Train `steps` more steps (default: to run.steps); returns their records."""
+        """Train `steps` more steps (default: to run.steps, or to the step under way when a stop is requested);
+        returns their records."""
         cfg = self.config.run
         end = cfg.steps if steps is None else min(cfg.steps, self.step + steps)
         records = []
         self.progress = Progress(self.show_progress, cfg.steps, self.step)
         self.started = time.perf_counter()
         try:
-            while self.step < end:
+            while self.step < end and self.stop_reason is None:
                 self._dispatch_until(min(self.step + cfg.staleness, cfg.steps - 1))
                 try:
                     record = self._train_step()
@@ -267,6 +275,8 @@ class TrainingJob:
                 self._maybe_checkpoint()
                 records.append(record)
                 self.progress.step_done(step_line(record, self.controller_config.target, cfg.steps))
+            if self.stop_reason is not None and records and self.run_dir.latest_tag() != f"step{self.step}":
+                self.checkpoint()
         finally:
             self.progress.close()
         return records

@@ -6,9 +6,14 @@ sparsity controller (docs/coordinator.md).
 """
 
 import os
+import signal
 import sys
+import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 def configure(p) -> None:
@@ -45,6 +50,58 @@ def run(args) -> int:
     return train(config, run_dir, resume=bool(args.resume), progress=not args.no_progress)
 
 
+class Stopped(KeyboardInterrupt):
+    """SIGINT or SIGTERM arrived while nothing could finish first: the job stops at once, as on Ctrl-C."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class SignalStop:
+    """The handler of SIGINT and SIGTERM (Ctrl-C; Slurm's cancel and time limit, Kubernetes' pod deletion,
+    `timeout`). While the job starts, a signal stops it at once. Once it runs (`attach`), the first signal asks it to
+    finish the step under way and checkpoint it, and a second one stops it at once."""
+
+    def __init__(self):
+        self.job = None
+        self.signum: int | None = None
+
+    def attach(self, job) -> None:
+        """Take both signals again (`ray.init` puts in its own SIGTERM handler, which exits without a checkpoint
+        or the report) and let the first one stop `job` at its next step boundary."""
+        self.job = job
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, self)
+
+    def __call__(self, signum, frame) -> None:
+        if self.job is None or self.signum is not None:
+            raise Stopped(signum)
+        self.signum = signum
+        name = signal.Signals(signum).name
+        self.job.request_stop(name)
+        print(f"\n{name}: stopping after step {self.job.step + 1} with a checkpoint; {name} again stops at once",
+              file=sys.stderr, flush=True)
+
+
+@contextmanager
+def stop_on_signals():
+    """Install `SignalStop` for SIGINT and SIGTERM, and put the previous handlers back on exit. SIGINT is set
+    explicitly because a non-interactive shell starts background commands with it ignored (Slurm's batch script)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield SignalStop()
+        return
+    previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    handler = SignalStop()
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, handler)
+    try:
+        yield handler
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
 def train(config, run_dir, resume: bool, progress: bool) -> int:
     from sparrow.cli.main import CliError
     from sparrow.coordinator.driver import TrainingJob
@@ -54,7 +111,8 @@ def train(config, run_dir, resume: bool, progress: bool) -> int:
     start = time.perf_counter()
     print(f"run directory: {run_dir.path}")
     try:
-        with TrainingJob(config, run_dir, resume=resume, progress=progress) as job:
+        with stop_on_signals() as signals, TrainingJob(config, run_dir, resume=resume, progress=progress) as job:
+            signals.attach(job)
             if job.step >= config.run.steps:
                 print(f"nothing to do: the run is at step {job.step} of run.steps={config.run.steps} "
                       f"(raise it with --set run.steps=N)")
@@ -62,15 +120,25 @@ def train(config, run_dir, resume: bool, progress: bool) -> int:
             job.run()
     except PlacementError as exc:
         raise CliError(str(exc)) from None
-    except KeyboardInterrupt:
-        tag = run_dir.latest_tag()
-        hint = (f"checkpoint {tag} is the latest; continue with: sparrow train --resume {run_dir.path}" if tag
-                else "no checkpoint was written yet (run.checkpoint_every sets how often)")
-        print(f"\ninterrupted; everything started was shut down. {hint}", file=sys.stderr)
-        if run_dir.metrics_file.is_file():
-            print(f"report of the steps done: {write_report(run_dir)}", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:
+        what = f"stopped at once by {exc.args[0]}" if isinstance(exc, Stopped) else "interrupted"
+        return _stopped(run_dir, what, exc.signum if isinstance(exc, Stopped) else signal.SIGINT)
+    if signals.signum is not None and job.step < config.run.steps:
+        return _stopped(run_dir, f"stopped by {job.stop_reason} after step {job.step}", signals.signum)
     report = write_report(run_dir)
     minutes, seconds = divmod(time.perf_counter() - start, 60)
     print(f"done in {int(minutes)} min {seconds:.0f} s; report: {report}")
     return 0
+
+
+def _stopped(run_dir, what: str, signum: int) -> int:
+    """Say how the run stopped and how to continue it, write the report of its steps; the shell's exit code."""
+    from sparrow.coordinator.report import write_report
+
+    tag = run_dir.latest_tag()
+    hint = (f"checkpoint {tag} is the latest; continue with: sparrow train --resume {run_dir.path}" if tag
+            else "no checkpoint was written yet (run.checkpoint_every sets how often)")
+    print(f"\n{what}; everything started was shut down. {hint}", file=sys.stderr)
+    if run_dir.metrics_file.is_file():
+        print(f"report of the steps done: {write_report(run_dir)}", file=sys.stderr)
+    return 128 + signum

@@ -1,0 +1,82 @@
+"""`sparrow train` stopped by a signal, as a scheduler stops it: launched the way a batch script's background job is
+(SIGINT ignored from the start), then SIGTERM. The step under way finishes and is checkpointed, the report is
+written, the exit code is 128 + the signal, and `--resume` goes on from that step with nothing trained lost. A
+second signal stops it at once."""
+
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from jobs import tiny_job
+
+from sparrow.coordinator.run_dir import RunDir
+from sparrow.jsonl import read_jsonl
+
+pytestmark = pytest.mark.slow
+
+
+def _start(config, *sets) -> subprocess.Popen:
+    command = [sys.executable, "-m", "sparrow.cli.main", "train", "--no-progress", "--config", str(config)]
+    command += [a for s in sets for a in ("--set", s)]
+
+    def as_a_background_job():  # what a non-interactive shell does to `cmd &`
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    return subprocess.Popen(command, preexec_fn=as_a_background_job, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def _steps(run_dir: RunDir) -> list[dict]:
+    return read_jsonl(run_dir.metrics_file) if run_dir.metrics_file.is_file() else []
+
+
+def _wait_for_steps(proc: subprocess.Popen, run_dir: RunDir, n: int, timeout_s: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while len(_steps(run_dir)) < n:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"the job ended or stalled before step {n} (exit {proc.returncode}):\n{proc.communicate()[0]}")
+        time.sleep(0.2)
+
+
+def _job(tmp_path, model, name):
+    config = tiny_job(tmp_path / "job.yaml", model, tmp_path / "runs", {"run.checkpoint_every": 0})
+    return config, RunDir(tmp_path / "runs" / name)
+
+
+def test_sigterm_finishes_the_step_checkpoints_it_and_resume_goes_on(tiny_qwen3, tmp_path):
+    config, run_dir = _job(tmp_path, tiny_qwen3, "term")
+    proc = _start(config, "run.steps=500", "run.name=term")
+    _wait_for_steps(proc, run_dir, 2)
+    proc.send_signal(signal.SIGTERM)
+    out = proc.communicate(timeout=120)[0]
+    done = _steps(run_dir)
+    assert proc.returncode == 128 + signal.SIGTERM, out
+    assert f"stopped by SIGTERM after step {len(done)}" in out and "--resume" in out
+    assert run_dir.latest_tag() == f"step{len(done)}", "the last step trained is the checkpoint"
+    assert (run_dir.report / "report.md").is_file()
+
+    resumed = subprocess.run([sys.executable, "-m", "sparrow.cli.main", "train", "--no-progress", "--resume",
+                              str(run_dir.path), "--set", f"run.steps={len(done) + 1}"],
+                             capture_output=True, text=True, timeout=180)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    steps = [r["step"] for r in _steps(run_dir)]
+    assert steps == list(range(len(done) + 1)), steps  # 0-based: the resumed run adds exactly the next one
+
+
+def test_a_second_signal_stops_at_once(tiny_qwen3, tmp_path):
+    config, run_dir = _job(tmp_path, tiny_qwen3, "twice")
+    proc = _start(config, "run.steps=500", "run.name=twice", "rollout.sampling.max_tokens=64")  # ~1 s steps
+    _wait_for_steps(proc, run_dir, 1)
+    proc.send_signal(signal.SIGINT)
+    seen = []
+    while not (seen and "stopping after step" in seen[-1]):  # signals of one kind that arrive together count once
+        line = proc.stdout.readline()
+        assert line, "".join(seen)
+        seen.append(line)
+    proc.send_signal(signal.SIGINT)
+    out = "".join(seen) + proc.communicate(timeout=120)[0]
+    assert proc.returncode == 128 + signal.SIGINT, out
+    assert "stopped at once by SIGINT" in out and "everything started was shut down" in out
