@@ -14,13 +14,18 @@ def train_command(config: Path | None, sets: list[str]) -> list[str]:
 
 
 def interrupt(proc: subprocess.Popen, grace_s: float) -> None:
-    """SIGINT (the job shuts its pools down and writes its report), then SIGKILL if it does not end in grace_s."""
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(grace_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    """SIGINT: the job finishes its step, checkpoints it, shuts its pools down and writes its report. If it has not
+    ended after half of `grace_s` (a long step), a second SIGINT stops it at once (pools shut down, report
+    written, no new checkpoint); SIGKILL if it has not ended in `grace_s`."""
+    for _ in range(2):
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(grace_s / 2)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+    proc.kill()
+    proc.wait()
 
 
 def step_records(run_dir: Path) -> list[dict]:
