@@ -59,20 +59,23 @@ class Stopped(KeyboardInterrupt):
 
 
 class SignalStop:
-    """The handler of SIGINT and SIGTERM (Ctrl-C; Slurm's cancel and time limit, Kubernetes' pod deletion,
-    `timeout`). While the job starts, a signal stops it at once. Once it runs (`attach`), the first signal asks it to
-    finish the step under way and checkpoint it, and a second one stops it at once."""
+    """The handler of SIGINT and SIGTERM (Ctrl-C; Slurm's cancel and time limit, `ray job stop`, `timeout`). While
+    the job starts, a signal stops it at once. Once it runs (`attach`), the first signal asks it to finish the step
+    under way and checkpoint it, and a second one stops it at once."""
 
     def __init__(self):
         self.job = None
         self.signum: int | None = None
 
+    def install(self) -> None:
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, self)
+
     def attach(self, job) -> None:
         """Take both signals again (`ray.init` puts in its own SIGTERM handler, which exits without a checkpoint
         or the report) and let the first one stop `job` at its next step boundary."""
         self.job = job
-        for sig in STOP_SIGNALS:
-            signal.signal(sig, self)
+        self.install()
 
     def __call__(self, signum, frame) -> None:
         if self.job is None or self.signum is not None:
@@ -93,8 +96,7 @@ def stop_on_signals():
         return
     previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
     handler = SignalStop()
-    for sig in STOP_SIGNALS:
-        signal.signal(sig, handler)
+    handler.install()
     try:
         yield handler
     finally:
