@@ -275,7 +275,7 @@ class TrainingJob:
                 self._maybe_checkpoint()
                 records.append(record)
                 self.progress.step_done(step_line(record, self.controller_config.target, cfg.steps))
-            if self.stop_reason is not None and records and self.run_dir.latest_tag() != f"step{self.step}":
+            if self.stop_reason is not None and records and not self._checkpoint_due():
                 self.checkpoint()
         finally:
             self.progress.close()
@@ -617,9 +617,14 @@ class TrainingJob:
         n = self.trainers.size
         self._pool_status = [self.fleet.status(), PoolStatus("trainer", n, n)]
 
+    def _checkpoint_due(self) -> bool:
+        """Whether `_maybe_checkpoint` checkpoints the step just trained (the last one, or every N)."""
+        cfg = self.config.run
+        return self.step == cfg.steps or bool(cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0)
+
     def _maybe_checkpoint(self) -> None:
         cfg = self.config.run
-        if self.step == cfg.steps or (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0):
+        if self._checkpoint_due():
             self.checkpoint()
         if cfg.exports_hf_at(self.step):  # run.export_hf_every → RUN_DIR/hf/stepN; rollouts go on meanwhile
             self.trainers.export_hf(self.run_dir.hf_dir(self.step), wait=self.step == cfg.steps)

@@ -7,19 +7,21 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from jobs import tiny_job
 
-from sparrow.coordinator.run_dir import RunDir
-from sparrow.jsonl import read_jsonl
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from train_runs import step_records, train_command  # noqa: E402
+
+from sparrow.coordinator.run_dir import RunDir  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
 
 def _start(config, *sets) -> subprocess.Popen:
-    command = [sys.executable, "-m", "sparrow.cli.main", "train", "--no-progress", "--config", str(config)]
-    command += [a for s in sets for a in ("--set", s)]
+    command = train_command(config, list(sets))
 
     def as_a_background_job():  # what a non-interactive shell does to `cmd &`
         signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -28,13 +30,9 @@ def _start(config, *sets) -> subprocess.Popen:
                             stderr=subprocess.STDOUT, text=True)
 
 
-def _steps(run_dir: RunDir) -> list[dict]:
-    return read_jsonl(run_dir.metrics_file) if run_dir.metrics_file.is_file() else []
-
-
 def _wait_for_steps(proc: subprocess.Popen, run_dir: RunDir, n: int, timeout_s: float = 180.0) -> None:
     deadline = time.monotonic() + timeout_s
-    while len(_steps(run_dir)) < n:
+    while len(step_records(run_dir.path)) < n:
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
             pytest.fail(f"the job ended or stalled before step {n} (exit {proc.returncode}):\n{proc.communicate()[0]}")
@@ -52,17 +50,16 @@ def test_sigterm_finishes_the_step_checkpoints_it_and_resume_goes_on(tiny_qwen3,
     _wait_for_steps(proc, run_dir, 2)
     proc.send_signal(signal.SIGTERM)
     out = proc.communicate(timeout=120)[0]
-    done = _steps(run_dir)
+    done = step_records(run_dir.path)
     assert proc.returncode == 128 + signal.SIGTERM, out
     assert f"stopped by SIGTERM after step {len(done)}" in out and "--resume" in out
     assert run_dir.latest_tag() == f"step{len(done)}", "the last step trained is the checkpoint"
     assert (run_dir.report / "report.md").is_file()
 
-    resumed = subprocess.run([sys.executable, "-m", "sparrow.cli.main", "train", "--no-progress", "--resume",
-                              str(run_dir.path), "--set", f"run.steps={len(done) + 1}"],
+    resumed = subprocess.run(train_command(None, [f"run.steps={len(done) + 1}"]) + ["--resume", str(run_dir.path)],
                              capture_output=True, text=True, timeout=180)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    steps = [r["step"] for r in _steps(run_dir)]
+    steps = [r["step"] for r in step_records(run_dir.path)]
     assert steps == list(range(len(done) + 1)), steps  # 0-based: the resumed run adds exactly the next one
 
 

@@ -59,7 +59,7 @@ class FilledDecode:
         """Decode with `model` (of the cache's shape) over the filled cache: new graphs, same block tables."""
         from sparrow.kernels.triton import TritonBackend
 
-        self.drop_model()
+        self.graphs = None  # the previous model's graphs go before the new ones are captured
         self.graphs = DecodeGraphs(model, self.cache, TritonBackend(), self.attention, self.batch, self.max_blocks)
         for row, table in enumerate(self.tables):
             self.graphs.write_table(row, table)
