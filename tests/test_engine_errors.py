@@ -322,3 +322,22 @@ def test_segments_measure_a_run_in_parallel_processes_and_join_it(tmp_path, caps
     assert merged["decode_speedup"] > 0 and len(merged["commands"]) == 2 and merged["byte_floor_speedup"] > 1
     assert main([*args, "--segments", "2", "--time-cap", "60"]) == 2
     assert "drop --tensor-parallel and --time-cap" in capsys.readouterr().err
+
+
+def test_real_rollout_times_the_whole_loop_host_work_included(tiny_qwen3, monkeypatch):
+    """The decode steps' times add up to the run's wall clock: host work outside `engine.step()` (here a progress
+    callback that sleeps 50 ms every window) is counted, as it must be with overlapped decode, where the GPU runs the
+    next step while the host is outside the call. The overlapped loop's last step only reads the one in flight."""
+    import time
+
+    from sparrow.rollout_workers.native.bench import real_run
+
+    monkeypatch.setattr(real_run, "STEP_WINDOW", 4)
+    engine = NativeEngine.from_pretrained(tiny_qwen3, overlap_decode=True)
+    requests = real_run.protocol_requests([tuple(range(5, 45))], 2, 13)
+    res = real_run.real_rollout(engine, requests, progress=lambda steps, seconds: time.sleep(0.05))
+    assert res["decode_steps"] == 12 and res["decode_reads"] == 1 and res["errors"] == 0
+    assert res["decode_seconds"] >= 3 * 0.05  # three windows, each followed by a sleep
+    assert res["decode_seconds"] + res["prefill_seconds"] <= res["wall_s"]
+    windows = sum(w["mean_ms"] * (w["last_context"] - w["first_context"] + 1) for w in res["step_profile"]) / 1e3
+    assert windows == pytest.approx(res["decode_seconds"])

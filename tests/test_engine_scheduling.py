@@ -41,10 +41,13 @@ def test_group_samples_share_full_prompt_blocks(tiny_qwen3):
     assert [engine.scheduler.blocks.ref_count(b) for b in shared] == [4, 4]
     assert engine.scheduler.blocks.num_used == 2 + 4  # 12 without sharing
     assert engine.stats()["prefix_blocks_saved"] == 6
+    assert engine.stats()["kv_blocks_shared"] == 2
     samples = []
     while engine.has_unfinished():
         samples += engine.step()
-    assert engine.scheduler.blocks.num_used == 0
+        blocks = engine.scheduler.blocks  # the kept count equals a scan of the references
+        assert blocks.num_shared == sum(blocks.ref_count(b) > 1 for b in range(blocks.num_blocks))
+    assert engine.scheduler.blocks.num_used == 0 and engine.stats()["kv_blocks_shared"] == 0
     for s in samples:  # every sample's cache was right: its logprobs equal a dense teacher-forced recompute
         forced = engine.teacher_forced_logprobs(list(prompt) + s.token_ids.tolist(), len(prompt))
         assert (forced.logprobs - s.logprobs).abs().max().item() < 1e-4

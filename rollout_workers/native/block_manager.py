@@ -11,6 +11,9 @@ class BlockManager:
         self._refs = [0] * num_blocks
         self._free = deque(range(num_blocks))
         self.blocks_saved_by_sharing = 0
+        self._num_shared = 0
+        """Kept as references change: `stats()` is read every step, and scanning the ~50,000 blocks of 24
+        sequences of 32K tokens takes ~0.5 ms of host time."""
 
     @property
     def num_free(self) -> int:
@@ -23,7 +26,7 @@ class BlockManager:
     @property
     def num_shared(self) -> int:
         """Blocks currently held by more than one sequence."""
-        return sum(1 for r in self._refs if r > 1)
+        return self._num_shared
 
     def ref_count(self, block: int) -> int:
         return self._refs[block]
@@ -42,12 +45,14 @@ class BlockManager:
         """Another sequence starts using `blocks` (full prompt blocks of a group)."""
         for b in blocks:
             self._refs[b] += 1
+            self._num_shared += self._refs[b] == 2
         self.blocks_saved_by_sharing += len(blocks)
         return list(blocks)
 
     def release(self, blocks: list[int]) -> None:
         for b in blocks:
             self._refs[b] -= 1
+            self._num_shared -= self._refs[b] == 1
             if self._refs[b] == 0:
                 self._free.append(b)
             elif self._refs[b] < 0:

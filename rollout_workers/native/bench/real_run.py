@@ -121,8 +121,11 @@ def join_segments(parts: list[tuple[int, dict, str]], batch: int) -> dict:
             "last_step_ms": last["last_step_ms"], "decode_tok_s": steps * batch / max(seconds, 1e-9),
             "total_tok_s": generated / max(first["prefill_seconds"] + seconds, 1e-9),
             "errors": sum(p[1]["errors"] for p in parts), "mean_blocks": None, "step_profile": profile,
-            "segments": segments, **({"replayed": [r for p in parts for r in p[1].get("replayed", [])]}
-                                     if any("replayed" in p[1] for p in parts) else {})}
+            "segments": segments,
+            **({"decode_reads": sum(p[1]["decode_reads"] for p in parts)}
+               if all("decode_reads" in p[1] for p in parts) else {}),
+            **({"replayed": [r for p in parts for r in p[1].get("replayed", [])]}
+               if any("replayed" in p[1] for p in parts) else {})}
 
 
 def step_profile(contexts: list[int], step_s: list[float], window: int | None = None) -> list[dict]:
@@ -160,10 +163,16 @@ def real_rollout(engine, requests: list[RolloutRequest], time_cap_s: float | Non
     """Generate `requests` step by step; stopped (and marked truncated) once `time_cap_s` has passed.
     Tensor-parallel ranks must stop at the same step: with `agree(passed) -> any rank's passed`, the cap is
     checked every AGREE_EVERY engine steps, by all ranks together.
-    A decode step is one whose engine counter `decode_steps` moved; its context is the longest sequence's
-    length when it ran (all equal under the protocol). `progress(done_steps, seconds)` is called every window,
-    with the seconds since the requests were added (so a run cut short from outside still shows its pace).
-    Samples that finish are counted (errors) and their blocks attended per token averaged."""
+
+    Every engine step is timed from the end of the one before it, so the times add up to the run's wall clock,
+    this loop's own work included. Timing only the `engine.step()` call would not: with overlapped decode the GPU
+    runs step t + 1 while the host is outside that call, so the call's time is the step's minus whatever the host
+    did outside it. A decode step is one whose engine counter `decode_steps` moved; its context is the longest
+    sequence's length when it ran (all equal under the protocol). A step that only reads the step in flight (the
+    overlapped loop's last, or one after which the next could not be chained) is added to the next decode step, or
+    the last one; `decode_reads` counts them. `progress(done_steps, seconds)` is called every window, with the
+    seconds since the requests were added (so a run cut short from outside still shows its pace). Samples that
+    finish are counted (errors) and their blocks attended per token averaged."""
     before = engine.stats()
     start = time.perf_counter()
     for r in requests:
@@ -172,40 +181,51 @@ def real_rollout(engine, requests: list[RolloutRequest], time_cap_s: float | Non
     truncated = False
     step_s, contexts = [], []
     errors, blocks, tokens = 0, 0.0, 0
-    decode_steps = before["decode_steps"]
+    prefill_s, carried, reads = 0.0, 0.0, 0
+    counts = before
     context = max(len(r.prompt_token_ids) for r in requests)
     engine_steps = 0
+    last = time.perf_counter()
     while engine.has_unfinished():
         engine_steps += 1
-        t0 = time.perf_counter()
         finished = engine.step()
-        elapsed = time.perf_counter() - t0
         for sample in finished:
             errors += sample.error is not None
             blocks += float(sample.blocks_attended.float().sum())
             tokens += sample.blocks_attended.numel()
-        now = engine.stats()["decode_steps"]
-        if now > decode_steps:
-            decode_steps = now
+        now_counts = engine.stats()
+        now = time.perf_counter()
+        elapsed, last = now - last, now
+        if now_counts["prefill_steps"] > counts["prefill_steps"]:
+            prefill_s += elapsed
+        elif now_counts["decode_steps"] > counts["decode_steps"]:
             context += 1
-            step_s.append(elapsed)
+            step_s.append(elapsed + carried)
             contexts.append(context)
+            carried = 0.0
             if progress is not None and len(step_s) % STEP_WINDOW == 0:
-                progress(len(step_s), time.perf_counter() - start)
+                progress(len(step_s), now - start)
+        else:
+            carried += elapsed
+            reads += 1
+        counts = now_counts
         if time_cap_s is not None and (agree is None or engine_steps % AGREE_EVERY == 0):
-            passed = time.perf_counter() - start > time_cap_s
+            passed = now - start > time_cap_s
             if passed if agree is None else agree(passed):
                 engine.drop_unfinished()
                 truncated = True
                 break
+    if step_s:
+        step_s[-1] += carried
     wall = time.perf_counter() - start
     after = engine.stats()
-    d = {k: after[k] - before[k] for k in ("prefill_seconds", "decode_seconds", "decode_tokens", "decode_steps",
-                                           "tokens_generated")}
+    d = {k: after[k] - before[k] for k in ("decode_tokens", "decode_steps", "tokens_generated")}
+    decode_s = sum(step_s)
     ordered = sorted(step_s) or [0.0]
-    return {**d, "wall_s": wall, "truncated": truncated, "median_step_ms": 1e3 * ordered[len(ordered) // 2],
+    return {**d, "prefill_seconds": prefill_s, "decode_seconds": decode_s, "wall_s": wall, "truncated": truncated,
+            "decode_reads": reads, "median_step_ms": 1e3 * ordered[len(ordered) // 2],
             "last_step_ms": 1e3 * (step_s[-1] if step_s else 0.0),  # the step that finishes the samples
-            "decode_tok_s": d["decode_tokens"] / max(d["decode_seconds"], 1e-9),
-            "total_tok_s": d["tokens_generated"] / max(d["prefill_seconds"] + d["decode_seconds"], 1e-9),
+            "decode_tok_s": d["decode_tokens"] / max(decode_s, 1e-9),
+            "total_tok_s": d["tokens_generated"] / max(prefill_s + decode_s, 1e-9),
             "errors": errors, "mean_blocks": blocks / tokens if tokens else None,  # None: no sample finished
             "step_profile": step_profile(contexts, step_s)}
