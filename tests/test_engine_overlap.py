@@ -145,3 +145,21 @@ def test_generate_and_a_stream_closed_early_with_overlap(tiny_qwen3):
     assert len(asyncio.run(first_two())) == 2
     assert overlapped._inflight is None and not overlapped.has_unfinished()
     assert overlapped.stats()["kv_blocks_used"] == 0
+
+
+def test_the_busy_clock_counts_the_host_time_a_step_in_flight_covers(tiny_qwen3):
+    """With a step in flight the device works while the caller is away, so the engine's decode clock runs from the
+    last step's return: a caller that spends 30 ms between steps sees them on the clock (5 of its 6 pauses come while
+    a step is in flight: after the prefill and after the last read none is)."""
+    import time
+
+    e = engine(tiny_qwen3, overlap=True)
+    e.add_request(RolloutRequest("r", tuple(range(3, 40)), SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)))
+    start = time.perf_counter()
+    while e.has_unfinished():
+        e.step()
+        time.sleep(0.03)
+    wall = time.perf_counter() - start
+    stats = e.stats()
+    assert stats["decode_steps"] == 5 and stats["decode_tokens"] == 5
+    assert 5 * 0.03 <= stats["decode_seconds"] <= wall - stats["prefill_seconds"]

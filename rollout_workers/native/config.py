@@ -51,8 +51,8 @@ class NativeEngineConfig(EngineSettings):
         False,
         description="launch each decode step before reading the previous step's tokens (fed to it on the device), "
         "so the host's bookkeeping runs while the GPU computes; a sample that stops at a stop token costs one "
-        "discarded row. Same samples as without; 1.11-1.22x the plain loop's rollout tokens/s on an H200 (bench "
-        "rollout), off by default until it has run inside a training job on a GPU",
+        "discarded row. Same samples as without; 1.05-1.10x the plain loop's rollout tokens/s on an H200 (bench "
+        "rollout, on the wall clock), off by default until it has run inside a training job on a GPU",
     )
     fused_sampling: bool = Field(
         True,

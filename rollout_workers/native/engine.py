@@ -87,6 +87,9 @@ class NativeEngine(RolloutEngine):
             ("tokens_generated", "prefill_tokens", "decode_tokens", "prefill_steps", "decode_steps",
              "decode_steps_overlapped", "decode_rows_discarded", "samples_finished", "samples_failed"), 0)
         self._seconds = {"prefill": 0.0, "decode": 0.0}
+        self._step_end = 0.0
+        """When the last step returned: with a step left in flight the GPU worked on from then on, so the next step's
+        time counts from it (the busy clock is the wall clock with work on the device, not the host's time in steps)."""
         self._inflight: _InFlight | None = None
         if config.schedule:
             self.set_schedule(load_schedule(config.schedule))
@@ -281,14 +284,15 @@ class NativeEngine(RolloutEngine):
 
     @torch.inference_mode()
     def _run_step(self) -> Finished:
-        start = time.perf_counter()
+        start = time.perf_counter() if self._inflight is None else self._step_end
         if self._inflight is not None:
             finished, phase = self._continue_decode(), "decode"
         else:
             finished, phase = self._new_step()
         if self._inflight is None:  # with a step in flight the host goes on: that is the overlap
             self.runner.synchronize()
-        self._seconds[phase] += time.perf_counter() - start
+        self._step_end = time.perf_counter()
+        self._seconds[phase] += self._step_end - start
         return finished
 
     def _new_step(self) -> tuple[Finished, str]:
