@@ -20,7 +20,10 @@ import json
 import re
 from pathlib import Path
 
+from sparrow.rollout_workers.native.bench.real_run import profile_seconds
+
 WINDOW = 512
+"""Decode steps per step-profile window and between progress lines in the records read here."""
 PROGRESS = re.compile(r"^\s*(\w+): (\d+)/(\d+) decode steps, ([\d.]+) s$")
 
 RECORDS = [
@@ -57,14 +60,6 @@ RECORDS = [
      "rollout-tp2-qwen3-4b-b40.json"),
     ("8B b8, H100 (2026-11-28)", "rollout-protocol-nvidia-h100-20261128", "rollout-qwen3-8b-bf16-b8.json"),
 ]
-
-
-def window_steps(w: dict) -> int:
-    return w["last_context"] - w["first_context"] + 1
-
-
-def profile_seconds(windows: list[dict]) -> float:
-    return sum(w["mean_ms"] * window_steps(w) for w in windows) / 1e3
 
 
 def whole_file_ratio(result: dict) -> float:

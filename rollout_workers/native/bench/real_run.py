@@ -88,6 +88,16 @@ def segment_bounds(first: int, stop: int, parts: int, prompt_len: int, mode: str
     return list(zip(starts, starts[1:] + [stop]))
 
 
+def window_steps(window: dict) -> int:
+    """Decode steps in one window of a step profile."""
+    return window["last_context"] - window["first_context"] + 1
+
+
+def profile_seconds(windows: list[dict]) -> float:
+    """Seconds the decode steps of these step-profile windows took."""
+    return sum(w["mean_ms"] * window_steps(w) for w in windows) / 1e3
+
+
 def join_segments(parts: list[tuple[int, dict, str]], batch: int) -> dict:
     """One mode's results of runs that began at different decode steps, `(start_step, result, name)`, joined into the
     run they stand for: each segment's whole windows up to where the next one begins, then the next one's. Times come
@@ -109,9 +119,9 @@ def join_segments(parts: list[tuple[int, dict, str]], batch: int) -> dict:
             windows = [w for w in windows if w["first_context"] < next_first]
         profile += windows
         segments.append({"start_step": start, "file": name, "truncated": result["truncated"],
-                         "steps": sum(w["last_context"] - w["first_context"] + 1 for w in windows)})
+                         "steps": sum(window_steps(w) for w in windows)})
     steps = sum(seg["steps"] for seg in segments)
-    seconds = sum(w["mean_ms"] * (w["last_context"] - w["first_context"] + 1) for w in profile) / 1e3
+    seconds = profile_seconds(profile)
     first, last = parts[0][1], parts[-1][1]
     generated = first["tokens_generated"] - first["decode_tokens"] + steps * batch
     medians = sorted(w["median_ms"] for w in profile) or [0.0]
@@ -144,16 +154,12 @@ def step_profile(contexts: list[int], step_s: list[float], window: int | None = 
 def common_steps_speedup(dense: list[dict], sparse: list[dict]) -> dict:
     """sparse / dense over the decode steps both runs made, from their step profiles' whole windows. A run stopped
     at its time cap lacks its longest-context (slowest) steps, so whole-run tok/s would flatter it."""
-    def window_steps(w):
-        return w["last_context"] - w["first_context"] + 1
-
     whole = 0
     for d, s in zip(dense, sparse):
         if not (d["first_context"] == s["first_context"] and window_steps(d) == window_steps(s) == STEP_WINDOW):
             break
         whole += 1
-    seconds = {name: sum(w["mean_ms"] * window_steps(w) for w in profile[:whole]) / 1e3
-               for name, profile in (("dense", dense), ("sparse", sparse))}
+    seconds = {name: profile_seconds(profile[:whole]) for name, profile in (("dense", dense), ("sparse", sparse))}
     return {"steps": whole * STEP_WINDOW, "dense_s": seconds["dense"], "sparse_s": seconds["sparse"],
             "speedup": seconds["dense"] / seconds["sparse"] if whole else None}
 
