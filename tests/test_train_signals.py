@@ -77,3 +77,27 @@ def test_a_second_signal_stops_at_once(tiny_qwen3, tmp_path):
     out = "".join(seen) + proc.communicate(timeout=120)[0]
     assert proc.returncode == 128 + signal.SIGINT, out
     assert "stopped at once by SIGINT" in out and "everything started was shut down" in out
+
+
+def test_a_job_run_from_another_thread_keeps_the_process_handlers():
+    """Only the main thread may set signal handlers: from another thread the job runs without its own."""
+    import threading
+
+    from sparrow.cli.train_cmd import stop_on_signals
+
+    class Job:
+        step = 0
+
+    before, errors = signal.getsignal(signal.SIGTERM), []
+
+    def run():
+        try:
+            with stop_on_signals() as signals:
+                signals.attach(Job())
+        except Exception as exc:  # noqa: BLE001 - the assertion below reports it
+            errors.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    assert errors == [] and signal.getsignal(signal.SIGTERM) is before

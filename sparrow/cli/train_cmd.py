@@ -68,8 +68,10 @@ class SignalStop:
         self.signum: int | None = None
 
     def install(self) -> None:
-        for sig in STOP_SIGNALS:
-            signal.signal(sig, self)
+        """Only the main thread may set handlers; a job run from another thread keeps the process's own."""
+        if threading.current_thread() is threading.main_thread():
+            for sig in STOP_SIGNALS:
+                signal.signal(sig, self)
 
     def attach(self, job) -> None:
         """Take both signals again (`ray.init` puts in its own SIGTERM handler, which exits without a checkpoint
@@ -91,17 +93,15 @@ class SignalStop:
 def stop_on_signals():
     """Install `SignalStop` for SIGINT and SIGTERM, and put the previous handlers back on exit. SIGINT is set
     explicitly because a non-interactive shell starts background commands with it ignored (Slurm's batch script)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield SignalStop()
-        return
     previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
     handler = SignalStop()
     handler.install()
     try:
         yield handler
     finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
+        if threading.current_thread() is threading.main_thread():
+            for sig, old in previous.items():
+                signal.signal(sig, old)
 
 
 def train(config, run_dir, resume: bool, progress: bool) -> int:
