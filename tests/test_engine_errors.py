@@ -133,6 +133,22 @@ def test_bench_rollout_one_mode_per_run_then_merge(tmp_path, capsys):
     assert "kv_cache_dtype='fp8_e4m3' but" in capsys.readouterr().err
 
 
+def test_replayed_windows_take_one_path():
+    """`--replayed` compares a window's real steps with a replay of one path: a sparse run's first window, where its
+    schedule turns sparse at 513 tokens, is skipped (its median mixes dense and sparse steps); dense runs keep it."""
+    from sparrow.rollout_workers.native.bench.real_run import STEP_WINDOW, replay_windows, sparse_step
+    from sparrow.schedule import load_schedule
+
+    schedule = load_schedule("qwen3-8b-0.86")
+    assert not sparse_step(schedule, 512) and sparse_step(schedule, 513) and not sparse_step(None, 30000)
+    profile = [{"first_context": 257 + i * STEP_WINDOW, "last_context": 256 + (i + 1) * STEP_WINDOW} for i in range(64)]
+    sparse = replay_windows(profile, schedule, 2)
+    assert [w["first_context"] for w in sparse] == [769, 257 + 63 * STEP_WINDOW]
+    assert all(sparse_step(schedule, w["first_context"]) for w in sparse)
+    assert [w["first_context"] for w in replay_windows(profile, None, 3)] == [257, 257 + 32 * STEP_WINDOW, 32513]
+    assert replay_windows(profile[:1], schedule, 1) == []
+
+
 def test_a_truncated_run_is_compared_over_the_steps_both_modes_made(tmp_path, capsys):
     """A dense run stopped at its time cap misses its slowest steps: the merge also reports sparse / dense over the
     whole step windows both runs have, and a run with no finished sample shows no blocks per token."""

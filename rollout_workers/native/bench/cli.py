@@ -49,7 +49,8 @@ def register_rollout(actions) -> None:
                         "segment that ends exactly where the next one starts")
     r.add_argument("--memory-fraction", type=float, default=0.9, help="share of free GPU memory --batch auto fills")
     r.add_argument("--replayed", type=int, default=0, metavar="POINTS",
-                   help="CUDA: time the graph-replayed step at this many contexts of the run (real vs replayed)")
+                   help="CUDA: time the graph-replayed step at this many contexts of the run (real vs replayed; "
+                        "windows whose steps all take one path, dense or sparse)")
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--out", type=Path, help="write the results as JSON here")
     r.add_argument("--json", action="store_true", help="print the results as one JSON object")

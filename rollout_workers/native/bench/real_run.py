@@ -98,6 +98,21 @@ def profile_seconds(windows: list[dict]) -> float:
     return sum(w["mean_ms"] * window_steps(w) for w in windows) / 1e3
 
 
+def sparse_step(schedule, context: int) -> bool:
+    """Whether a decode step at `context` tokens takes the sparse path under `schedule` (a `SparsitySchedule`; None =
+    dense): bins whose budget covers the whole context run dense."""
+    return schedule is not None and schedule.blocks_attended(context) is not None
+
+
+def replay_windows(profile: list[dict], schedule, points: int) -> list[dict]:
+    """`points` windows of a step profile, evenly spread, to time against the graph-replayed step: only windows whose
+    steps all take one path under `schedule` (`sparse_step`), since the replay runs one path. A sparse run's first
+    window straddles the context where its schedule turns sparse: its median is half dense steps."""
+    uniform = [w for w in profile
+               if sparse_step(schedule, w["first_context"]) == sparse_step(schedule, w["last_context"])]
+    return [uniform[round(i * (len(uniform) - 1) / max(points - 1, 1))] for i in range(min(points, len(uniform)))]
+
+
 def join_segments(parts: list[tuple[int, dict, str]], batch: int) -> dict:
     """One mode's results of runs that began at different decode steps, `(start_step, result, name)`, joined into the
     run they stand for: each segment's whole windows up to where the next one begins, then the next one's. Times come

@@ -37,8 +37,8 @@ from sparrow.schedule import SparsitySchedule, load_schedule
 from sparrow.tables import format_table
 
 from .common import bench_command
-from .real_run import (common_steps_speedup, join_segments, protocol_requests, real_rollout, segment_bounds,
-                       segment_requests)
+from .real_run import (common_steps_speedup, join_segments, protocol_requests, real_rollout, replay_windows,
+                       segment_bounds, segment_requests, sparse_step)
 
 MODES = ("dense", "sparse")
 RUN_KEYS = ("model", "device", "device_name", "dtype", "backend", "cuda_graphs", "overlap_decode", "sampler",
@@ -94,13 +94,14 @@ def replayed_steps(model, batch: int, total: int, schedule: SparsitySchedule | N
     from .filled import FilledDecode, free_gpu_memory
     from .rollout_paper import measure_step_times
 
-    picks = [profile[round(i * (len(profile) - 1) / max(points - 1, 1))] for i in range(min(points, len(profile)))]
+    picks = replay_windows(profile, schedule, points)
     contexts = [(w["first_context"] + w["last_context"]) // 2 for w in picks]
     free_gpu_memory()
     filled = FilledDecode(model, DEFAULT_LAYOUT, batch, total + 1, kv_cache_dtype=kv_cache_dtype)
     times = measure_step_times(filled, schedule, [(c, c) for c in contexts], replays)
     filled.release()
-    return [{"context": c, "real_ms": w["median_ms"], "replayed_ms": times[c], "real_over_replayed": w["median_ms"] / times[c]}
+    return [{"context": c, "path": "sparse" if sparse_step(schedule, c) else "dense",
+             "real_ms": w["median_ms"], "replayed_ms": times[c], "real_over_replayed": w["median_ms"] / times[c]}
             for c, w in zip(contexts, picks)]
 
 
@@ -412,11 +413,12 @@ def render(report: dict) -> str:
     if common and common["speedup"]:
         lines.append(f"a run was truncated: over the first {common['steps']} decode steps both made, sparse / dense "
                      f"{common['speedup']:.2f}x ({common['dense_s']:.1f} s dense, {common['sparse_s']:.1f} s sparse)")
-    replay_rows = [[mode, p["context"], f"{p['real_ms']:.3f}", f"{p['replayed_ms']:.3f}", f"{p['real_over_replayed']:.3f}"]
-                   for mode, r in modes.items() for p in r.get("replayed", [])]
+    replay_rows = [[mode, p["context"], p.get("path", "-"), f"{p['real_ms']:.3f}", f"{p['replayed_ms']:.3f}",
+                    f"{p['real_over_replayed']:.3f}"] for mode, r in modes.items() for p in r.get("replayed", [])]
     if replay_rows:
         lines.append("real decode step (median of its window) vs the graph-replayed step + sampler:")
-        lines.append(format_table(["mode", "context", "real ms", "replayed ms", "real / replayed"], replay_rows))
+        lines.append(format_table(["mode", "context", "step path", "real ms", "replayed ms", "real / replayed"],
+                                  replay_rows))
     return "\n".join(lines)
 
 

@@ -15,7 +15,7 @@ from .common import (DEVICE, DTYPE, PAPER_ROLLOUT_SPEEDUP, TARGET_OVER_PAPER, de
                      default_out_path)
 from .filled import FilledDecode, free_gpu_memory
 from .floor import byte_floor_speedup
-from .real_run import protocol_requests, real_rollout
+from .real_run import protocol_requests, real_rollout, sparse_step
 
 
 def protocol_batch(model: DecoderModel, attention: SparseAttentionConfig, max_len: int, samples: int,
@@ -72,8 +72,7 @@ def measure_step_times(filled: FilledDecode, schedule: SparsitySchedule | None, 
     filled.graphs.set_schedule(schedule)
     out = {}
     for context in sorted({c for r in ranges for c in r}):
-        sparse = schedule is not None and (schedule.blocks_attended(context) is not None)
-        out[context] = filled.time(context, sparse, replays)["total_ms"]
+        out[context] = filled.time(context, sparse_step(schedule, context), replays)["total_ms"]
     return out
 
 
