@@ -16,6 +16,7 @@ from .backend import AttentionBackend
 from .reference import (
     KVScales,
     dequantize,
+    encode_mean,
     read_pages,
     score_paged_blocks,
     select_blocks,
@@ -39,13 +40,14 @@ class TorchBackend(AttentionBackend):
         if landmarks is None:
             return
         k_scale = None if kv_scales is None else kv_scales.k
-        if config.landmark != "mean":
+        if config.landmark == "minmax":
             update_landmarks(k_cache, landmarks, blocks, offsets, config.landmark, k_scale)
             return
         # A mean landmark changes only when its block's last slot is written (slots are distinct).
         full = blocks[offsets == bs - 1]
-        acc = torch.promote_types(landmarks.dtype, torch.float32)
-        landmarks[full] = read_pages(k_cache, k_scale, full, acc).mean(dim=2).to(landmarks.dtype)
+        acc = torch.promote_types(k_cache.dtype if k_scale is None else torch.float32, torch.float32)
+        landmarks[full] = encode_mean(read_pages(k_cache, k_scale, full, acc).mean(dim=2), config.landmark,
+                                      landmarks.dtype)
 
     def decode(self, q, k_cache, v_cache, landmarks, block_tables, seq_lens, budgets, config, scale, kv_scales=None):
         bs = k_cache.shape[2]

@@ -15,7 +15,14 @@ from typing import Literal, get_args
 BLOCK_SIZE = 16
 """Tokens per KV block, Sparrow's sparsity unit. The Triton kernels and the vLLM page layout are built for it."""
 
-LandmarkMode = Literal["mean", "minmax"]
+LandmarkMode = Literal["mean", "minmax", "mean_int8"]
+"""The block summary: the mean key (Sparrow), Quest's channel-wise max ‖ min, or the mean key stored as int8 with
+one float32 scale (144 bytes a row at D = 128, 0.56 of a bfloat16 mean key's 256: the landmark scan moves about half
+as much)."""
+LANDMARK_MODES = get_args(LandmarkMode)
+INT8_ROW_ALIGN = 16
+"""A `mean_int8` row: D int8 values, the 4 bytes of their float32 scale, zero bytes up to a multiple of 16 bytes, so
+every row starts 16-byte aligned and the scoring kernel reads it in 16-byte loads."""
 
 KVCacheDType = Literal["auto", "fp8_e4m3"]
 """How K/V pages store values: auto = the model's dtype; fp8_e4m3 = e4m3 with a float32 scale per stored vector
@@ -54,8 +61,8 @@ class SparseAttentionConfig:
     `block_size` tokens form a block (the sparsity unit). A row (sequence, KV head) always keeps its
     first `sink` blocks and its last `recent` blocks (the last one is the partial current block);
     the rest of the budget is the exact top-k of the remaining blocks by landmark score. Layers in
-    `dense_layers` always attend densely. `landmark` picks the block summary: the mean key (Sparrow)
-    or the Quest channel-wise min/max.
+    `dense_layers` always attend densely. `landmark` picks the block summary: the mean key (Sparrow),
+    the Quest channel-wise min/max, or the mean key in int8 (`LandmarkMode`).
     """
 
     block_size: int = BLOCK_SIZE
@@ -68,8 +75,8 @@ class SparseAttentionConfig:
         problem = selection_problem(self.block_size, self.sink, self.recent)
         if problem:
             raise ValueError(problem)
-        if self.landmark not in ("mean", "minmax"):
-            raise ValueError(f"landmark={self.landmark!r}: use 'mean' or 'minmax'")
+        if self.landmark not in LANDMARK_MODES:
+            raise ValueError(f"landmark={self.landmark!r}: use one of {', '.join(LANDMARK_MODES)}")
         object.__setattr__(self, "dense_layers", tuple(int(i) for i in self.dense_layers))
 
     @classmethod
@@ -85,8 +92,17 @@ class SparseAttentionConfig:
         return self.sink + self.recent
 
     def landmark_width(self, head_dim: int) -> int:
-        """Floats stored per (block, KV head): the mean key, or max ‖ min."""
+        """Elements stored per (block, KV head): the mean key (D), max ‖ min (2·D), or a `mean_int8` row of bytes (D
+        values, a float32 scale, padding: `INT8_ROW_ALIGN`; D a multiple of 4)."""
+        if self.landmark == "mean_int8":
+            if head_dim % 4:
+                raise ValueError(f"landmark=mean_int8 needs a head_dim that is a multiple of 4, not {head_dim}: use mean")
+            return -(-(head_dim + 4) // INT8_ROW_ALIGN) * INT8_ROW_ALIGN
         return head_dim if self.landmark == "mean" else 2 * head_dim
+
+    def landmark_bytes(self, head_dim: int, itemsize: int) -> int:
+        """Bytes stored per (block, KV head) with activations of `itemsize` bytes (int8 landmarks: one byte each)."""
+        return self.landmark_width(head_dim) * (1 if self.landmark == "mean_int8" else itemsize)
 
     def is_dense_layer(self, layer: int) -> bool:
         return layer in self.dense_layers

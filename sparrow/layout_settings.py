@@ -13,7 +13,7 @@ class SparseLayerSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     dense_layers: tuple[int, ...] = Field(DEFAULT_LAYOUT.dense_layers, description="layers that always attend densely (Sparrow: 0, 1)")
-    landmark: LandmarkMode = Field(DEFAULT_LAYOUT.landmark, description="block summary: mean key (Sparrow) or min/max (Quest)")
+    landmark: LandmarkMode = Field(DEFAULT_LAYOUT.landmark, description="block summary: mean key (Sparrow), min/max (Quest), or mean_int8: the mean key in int8 with a float32 scale per (block, KV head), half the bytes the landmark scan reads (native engine)")
 
     @field_validator("dense_layers")
     @classmethod

@@ -201,6 +201,7 @@ def test_a_replay_difference_names_its_cause():
     ({"prompts": "needle", "task": {"context_lines": [30, 20]}}, "context_lines"),
     ({"prompts": "needle", "task": {"context_line": [3, 5]}}, "task knob context_line: Extra inputs"),
     ({"prompts": "data.jsonl", "task": {"needles": 2}}, "apply to a built-in task"),
+    ({"landmark": "int8"}, "mean_int8"),
 ])
 def test_config_rejects_bad_values(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -242,9 +243,11 @@ def test_calibrate_on_the_needle_task(tiny_qwen3, tmp_path):
         "calibrate", "--model", str(tiny_qwen3), "--prompts", "needle", "--task", "context_lines=[6,10]",
         "--task", "needles=2", "--num-prompts", "2", "--samples", "1", "--max-tokens", "8", "--ignore-eos",
         "--budgets", "4,64", "--bin-width", "64", "--threads", "1", "--out", str(out), "--no-progress",
+        "--landmark", "mean_int8",
     ])
     assert code == 0
     data = json.loads((out / "measurements.json").read_text())
+    assert data["meta"]["landmark"] == "mean_int8" and data["runs"]["4"]["replay_block_mismatches"] == 0
     assert data["runs"]["4"]["tokens"] == 2 * 1 * 8
     assert load_schedule(out / "schedule.json").edges[0] == 64
     assert "prompts needle {'context_lines': [6, 10], 'needles': 2}" in load_schedule(out / "schedule.json").notes[0]

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from sparrow.kernels import ReferenceBackend, SparseAttentionConfig, TorchBackend
+from sparrow.kernels.reference import landmark_dtype
 
 
 def random_paged_batch(seed: int, lengths: list[int], heads=(4, 2), head_dim=16, dtype=torch.float32, num_blocks=64):
@@ -29,7 +30,7 @@ def random_paged_batch(seed: int, lengths: list[int], heads=(4, 2), head_dim=16,
     return q, k_cache, v_cache, torch.tensor(slots), torch.cat(keys).to(dtype), torch.cat(values).to(dtype), block_tables
 
 
-@pytest.mark.parametrize("landmark", ["mean", "minmax"])
+@pytest.mark.parametrize("landmark", ["mean", "minmax", "mean_int8"])
 @pytest.mark.parametrize("budget_kind", ["dense", "sparse", "mixed"])
 def test_torch_backend_equals_reference(landmark, budget_kind):
     config = SparseAttentionConfig(landmark=landmark)
@@ -38,7 +39,8 @@ def test_torch_backend_equals_reference(landmark, budget_kind):
     caches = {}
     for backend in (ReferenceBackend(), TorchBackend()):
         k_cache, v_cache = k0.clone(), v0.clone()
-        landmarks = torch.zeros(k_cache.shape[0], k_cache.shape[1], config.landmark_width(k_cache.shape[-1]))
+        landmarks = torch.zeros(k_cache.shape[0], k_cache.shape[1], config.landmark_width(k_cache.shape[-1]),
+                                dtype=landmark_dtype(landmark, k_cache.dtype))
         # Write in two uneven pieces, like a chunked prefill followed by decode writes.
         backend.write_kv(k_cache, v_cache, landmarks, slots[:150], k[:150], v[:150], config)
         backend.write_kv(k_cache, v_cache, landmarks, slots[150:], k[150:], v[150:], config)

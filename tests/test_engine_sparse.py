@@ -35,7 +35,7 @@ def sparse_samples(model_dir, schedule, landmark="mean", n=2):
     return engine, engine.generate(requests)
 
 
-@pytest.mark.parametrize("landmark", ["mean", "minmax"])
+@pytest.mark.parametrize("landmark", ["mean", "minmax", "mean_int8"])
 @pytest.mark.parametrize("family", ["tiny_qwen3", "tiny_llama"])
 def test_sparse_decode_equals_teacher_forced_reference(family, landmark, request):
     engine, samples = sparse_samples(request.getfixturevalue(family), SMALL, landmark)
@@ -143,6 +143,11 @@ def test_byte_floor_speedup_counts_the_bytes_each_mode_must_move():
     sparse = (weights + 2 * batch * context * fp8_tok + 26 * batch * (63 * 16 + 1) * fp8_tok
               + 26 * batch * (n - 3) * per_candidate)
     assert byte_floor_speedup(spec, budget, config, batch, context, context, "fp8_e4m3") == pytest.approx(dense / sparse)
+    dense = weights + 28 * batch * context * kv_tok
+    sparse = (weights + 2 * batch * context * kv_tok + 26 * batch * (63 * 16 + 1) * kv_tok
+              + 26 * batch * (n - 3) * heads * (144 + 8))  # int8 rows: 128 values, the scale, padding to 16 bytes
+    int8 = SparseAttentionConfig(landmark="mean_int8")
+    assert byte_floor_speedup(spec, budget, int8, batch, context, context) == pytest.approx(dense / sparse)
 
 
 @pytest.mark.parametrize("heads", [(4, 4), (6, 2)])

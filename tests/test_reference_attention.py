@@ -11,6 +11,8 @@ from sparrow.kernels import ReferenceBackend, SparseAttentionConfig
 from sparrow.kernels.reference import (
     block_sparse_causal_attention,
     block_sparse_decode,
+    decode_landmarks,
+    landmark_dtype,
     landmarks_from_keys,
     paged_decode_attention,
     score_landmarks,
@@ -27,10 +29,10 @@ def build_cache(lengths, num_kv_heads=2, head_dim=8, mode="mean", seed=0, dtype=
     gen = torch.Generator().manual_seed(seed)
     nblocks = [math.ceil(n / BS) for n in lengths]
     total = sum(nblocks) + 3
-    width = head_dim if mode == "mean" else 2 * head_dim
+    width = SparseAttentionConfig(landmark=mode).landmark_width(head_dim)
     k_cache = torch.zeros(total, num_kv_heads, BS, head_dim, dtype=dtype)
     v_cache = torch.zeros_like(k_cache)
-    landmarks = torch.zeros(total, num_kv_heads, width, dtype=dtype)
+    landmarks = torch.zeros(total, num_kv_heads, width, dtype=landmark_dtype(mode, dtype))
     perm = torch.randperm(total, generator=gen)
     tables = torch.zeros(len(lengths), max(nblocks), dtype=torch.long)
     keys, values, used = [], [], 0
@@ -214,7 +216,32 @@ def test_mean_score_is_group_mean_query_dot_mean_key():
             torch.testing.assert_close(scores[0, h, blk], expect)
 
 
-@pytest.mark.parametrize("mode", ["mean", "minmax"])
+@pytest.mark.parametrize("length", [15, 16, 33, 70])
+def test_int8_landmarks_round_the_mean_key(length):
+    """`mean_int8`: each full block's row holds the mean key in int8 steps of amax / 127 and its float32 scale; it reads
+    back within half a step of the mean, the paged write and the from-scratch landmarks agree, and a block scores
+    as its rounded mean key does."""
+    kc, _, lm, tables, keys, _ = build_cache([length], mode="mean_int8", token_by_token=True)
+    assert lm.dtype == torch.int8 and lm.shape[-1] == 16  # 8 values, the scale, 4 bytes of padding
+    expect = landmarks_from_keys(keys[0], BS, "mean_int8")
+    for blk in range(length // BS):
+        row = lm[tables[0, blk]]
+        assert torch.equal(row, expect[blk])
+        mean = keys[0][blk * BS : (blk + 1) * BS].mean(0).float()
+        step = mean.abs().amax(-1, keepdim=True) / 127
+        assert ((decode_landmarks(row, "mean_int8", 8) - mean).abs() <= step / 2 * (1 + 1e-5)).all()
+        assert (row[..., 12:] == 0).all(), "the padding is zero"
+        assert row[..., :8].abs().amax(-1).tolist() == [127, 127], "the largest element maps to 127"
+    q = torch.randn(1, 4, 8, dtype=torch.float64)
+    scores = score_paged_blocks(q, lm, tables, torch.tensor([length // BS]), "mean_int8")
+    rounded = decode_landmarks(lm, "mean_int8", 8).double()
+    torch.testing.assert_close(scores, score_paged_blocks(q, rounded, tables, torch.tensor([length // BS]), "mean"))
+    assert SparseAttentionConfig(landmark="mean_int8").landmark_bytes(128, 2) == 144  # bf16 mean key: 256 bytes
+    with pytest.raises(ValueError, match="multiple of 4"):
+        SparseAttentionConfig(landmark="mean_int8").landmark_width(30)
+
+
+@pytest.mark.parametrize("mode", ["mean", "minmax", "mean_int8"])
 def test_teacher_forced_attention_equals_step_by_step_decode(mode):
     """The trainer's sparse forward sees exactly what the rollout engine saw at each step."""
     length = 150

@@ -67,10 +67,11 @@ class Paged:
         self.lengths = list(lengths)
         nblocks = [math.ceil(n / BS) for n in lengths]
         total = sum(nblocks) + spare * len(lengths) + 3  # `spare` blocks per row for appends, three never used
-        width = head_dim if mode == "mean" else 2 * head_dim
         self.k_cache = torch.randn(total, num_kv_heads, BS, head_dim, generator=gen).to(dtype).to(device)
         self.v_cache = torch.randn(total, num_kv_heads, BS, head_dim, generator=gen).to(dtype).to(device)
-        self.landmarks = torch.randn(total, num_kv_heads, width, generator=gen).to(dtype).to(device)
+        width = head_dim if mode == "mean_int8" else SparseAttentionConfig(landmark=mode).landmark_width(head_dim)
+        stale = torch.randn(total, num_kv_heads, width, generator=gen)  # what earlier owners of the blocks left
+        self.landmarks = ref.encode_mean(stale, mode, ref.landmark_dtype(mode, dtype)).to(device)
         perm = torch.randperm(total, generator=gen)
         self.tables = torch.zeros(len(lengths), max(nblocks) + spare, dtype=torch.int32)
         used = 0
@@ -98,6 +99,21 @@ class Paged:
 
 def relative_error(out, expect):
     return ((out.double() - expect.double()).norm() / expect.double().norm()).item()
+
+
+def as_read(landmarks, mode):
+    """Landmarks for a float64 reference: widened, except `mean_int8` rows, which the reference reads as stored."""
+    return landmarks if mode == "mean_int8" else landmarks.double()
+
+
+def assert_int8_landmarks_close(got, want, d):
+    """`mean_int8` rows (`d` values) of a kernel against the reference's: the two float32 means are summed in different
+    orders, so an element may round to the neighbouring step; the scales (amax / 127) agree to float32 rounding."""
+    steps = (got[..., :d].int() - want[..., :d].int()).abs()
+    assert steps.max() <= 1 and (steps == 0).float().mean() > 0.99
+    torch.testing.assert_close(got[..., d : d + 4].contiguous().view(torch.float32),
+                               want[..., d : d + 4].contiguous().view(torch.float32), rtol=1e-6, atol=0)
+    assert torch.equal(got[..., d + 4 :], want[..., d + 4 :]), "the padding is untouched"
 
 
 def physical_rows(ids, tables):
@@ -160,15 +176,29 @@ def test_interp_write_kv_batched_prefill_skips_padding_slots(tk):
 
 
 @interp
-@pytest.mark.parametrize("mode", ["mean", "minmax"])
+def test_interp_int8_landmarks_match_reference(tk):
+    """`mean_int8`: the kernel's int8 landmarks are the reference's (an element at most one step away, where the two
+    float32 means, summed in different orders, round to neighbouring steps), written in prefill chunks and appends."""
+    expect = Paged([1, 15, 16, 17, 47], 2, 32, torch.float32, "cpu", "mean_int8", seed=1).fill_reference()
+    got = Paged([1, 15, 16, 17, 47], 2, 32, torch.float32, "cpu", "mean_int8", seed=1)
+    for k, v, s in zip(got.keys, got.values, got.slots):
+        tk.write_kv(got.k_cache, got.v_cache, got.landmarks, s[:9], k[:9], v[:9], "mean_int8")
+        for t in range(9, k.shape[0]):
+            tk.write_kv(got.k_cache, got.v_cache, got.landmarks, s[t : t + 1], k[t : t + 1], v[t : t + 1], "mean_int8")
+    assert torch.equal(got.k_cache, expect.k_cache) and torch.equal(got.v_cache, expect.v_cache)
+    assert got.landmarks.dtype == torch.int8 and got.landmarks.shape[-1] == 48  # 32 values, the scale, padding
+    assert_int8_landmarks_close(got.landmarks, expect.landmarks, 32)
+
+
+@interp
+@pytest.mark.parametrize("mode", ["mean", "minmax", "mean_int8"])
 def test_interp_scores_match_reference_on_candidates(tk, mode):
     lengths = [40, 81, 160, 16]
     p = Paged(lengths, 2, 32, torch.float32, "cpu", mode, seed=3).fill_reference()
     q = torch.randn(len(lengths), 4, 32)
     budgets = torch.tensor([3, 4, 6, 1])
     scores = torch.full((len(lengths) * 2, p.tables.shape[1]), float("nan"))
-    tk.score_blocks(q, p.landmarks, p.tables, p.seq_lens, budgets, scores, block_size=BS, sink=1, recent=2,
-                    minmax=mode == "minmax")
+    tk.score_blocks(q, p.landmarks, p.tables, p.seq_lens, budgets, scores, block_size=BS, sink=1, recent=2, mode=mode)
     n = torch.tensor([math.ceil(x / BS) for x in lengths])
     expect = ref.score_paged_blocks(q, p.landmarks, p.tables, n, mode).reshape(len(lengths) * 2, -1)
     for row in range(scores.shape[0]):
@@ -216,7 +246,7 @@ def test_interp_selection_matches_reference(tk, case):
 
 
 @interp
-@pytest.mark.parametrize("mode", ["mean", "minmax"])
+@pytest.mark.parametrize("mode", ["mean", "minmax", "mean_int8"])
 @pytest.mark.parametrize("dtype,group", [(torch.float32, 2), (torch.float32, 4), (torch.float16, 2)])
 def test_interp_decode_matches_reference(tk, mode, dtype, group):
     lengths = [1, 16, 17, 63, 95, 160]
@@ -227,7 +257,8 @@ def test_interp_decode_matches_reference(tk, mode, dtype, group):
     backend = tk.TritonBackend(splits=3)
     out, counts = backend.decode(q, p.k_cache, p.v_cache, p.landmarks, p.tables, p.seq_lens, budgets, cfg, 0.2)
     expect, expect_counts = ref.block_sparse_decode(
-        q.double(), p.k_cache.double(), p.v_cache.double(), p.landmarks.double(), p.tables, p.seq_lens, budgets, cfg, 0.2
+        q.double(), p.k_cache.double(), p.v_cache.double(), as_read(p.landmarks, mode), p.tables, p.seq_lens, budgets,
+        cfg, 0.2
     )
     tol = 1e-5 if dtype == torch.float32 else 5e-3
     assert counts.tolist() == expect_counts.tolist()
@@ -571,7 +602,7 @@ def _reference_decode(p, q, budgets, cfg, scale):
     if budgets is None:
         return ref.paged_decode_attention(q.double(), p.k_cache.double(), p.v_cache.double(), p.tables, p.seq_lens,
                                           scale=scale)
-    return ref.block_sparse_decode(q.double(), p.k_cache.double(), p.v_cache.double(), p.landmarks.double(),
+    return ref.block_sparse_decode(q.double(), p.k_cache.double(), p.v_cache.double(), as_read(p.landmarks, p.mode),
                                    p.tables, p.seq_lens, budgets, cfg, scale)[0]
 
 
@@ -592,7 +623,7 @@ def _poison(ws):
 
 
 @gpu
-@pytest.mark.parametrize("mode", ["mean", "minmax"])
+@pytest.mark.parametrize("mode", ["mean", "minmax", "mean_int8"])
 def test_gpu_write_kv_matches_reference_bf16(tk, mode):
     lengths = [1, 15, 16, 17, 300, 1025]
     expect = Paged(lengths, 8, 128, torch.bfloat16, "cuda", mode, seed=20).fill_reference()
@@ -607,20 +638,21 @@ def test_gpu_write_kv_matches_reference_bf16(tk, mode):
     assert torch.equal(got.k_cache, expect.k_cache) and torch.equal(got.v_cache, expect.v_cache)
     if mode == "minmax":
         assert torch.equal(got.landmarks, expect.landmarks), "running min/max equals the recompute bit for bit"
+    elif mode == "mean_int8":
+        assert_int8_landmarks_close(got.landmarks, expect.landmarks, 128)
     else:
         torch.testing.assert_close(got.landmarks, expect.landmarks)
 
 
 @gpu
-@pytest.mark.parametrize("mode", ["mean", "minmax"])
+@pytest.mark.parametrize("mode", ["mean", "minmax", "mean_int8"])
 def test_gpu_scores_match_reference(tk, mode):
     p, q, _ = _gpu_case(mode, 4, seed=21)
     budgets = torch.full((len(GPU_LENGTHS),), 3, device="cuda")  # every row with > 3 blocks is sparse
     scores = torch.full((p.tables.shape[0] * 4, p.tables.shape[1]), float("nan"), device="cuda")
-    tk.score_blocks(q, p.landmarks, p.tables, p.seq_lens, budgets, scores, block_size=BS, sink=1, recent=2,
-                    minmax=mode == "minmax")
+    tk.score_blocks(q, p.landmarks, p.tables, p.seq_lens, budgets, scores, block_size=BS, sink=1, recent=2, mode=mode)
     n = (p.seq_lens.long() + BS - 1) // BS
-    expect = ref.score_paged_blocks(q.double(), p.landmarks.double(), p.tables, n, mode).reshape(scores.shape[0], -1)
+    expect = ref.score_paged_blocks(q.double(), as_read(p.landmarks, mode), p.tables, n, mode).reshape(scores.shape[0], -1)
     for row in range(scores.shape[0]):
         nb = int(n[row // 4])
         if nb <= 3:
@@ -651,7 +683,7 @@ def test_gpu_selection_matches_reference(tk, case, warps):
 
 
 @gpu
-@pytest.mark.parametrize("mode", ["mean", "minmax"])
+@pytest.mark.parametrize("mode", ["mean", "minmax", "mean_int8"])
 @pytest.mark.parametrize("group", [2, 4])
 def test_gpu_decode_matches_reference_bf16(tk, mode, group):
     p, q, budgets = _gpu_case(mode, group, seed=10 + group)

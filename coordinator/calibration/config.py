@@ -7,7 +7,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from sparrow.coordinator.tasks import TASKS
 from sparrow.cost import HARDWARE
-from sparrow.layout import KVCacheDType
+from sparrow.layout import KVCacheDType, LandmarkMode
 
 
 class CalibrationConfig(BaseModel):
@@ -52,6 +52,10 @@ class CalibrationConfig(BaseModel):
     kv_cache_dtype: KVCacheDType = Field(
         "auto", description="the engine's K/V pages: fp8_e4m3 measures what FP8 KV costs in α (against the dense "
         "policy with unrounded K/V, at every budget and in the dense baseline)",
+    )
+    landmark: LandmarkMode = Field(
+        "mean", description="the engine's block summary: mean_int8 measures what int8 landmarks cost in α (selection "
+        "from the rounded mean keys)",
     )
     threads: int | None = Field(None, ge=1, description="torch CPU threads (None = torch's default)")
     seed: int = Field(0, description="prompt choice and sampling seeds; every budget reuses the same seeds")

@@ -186,7 +186,7 @@ def run_calibration(config: CalibrationConfig, command: str = "sparrow calibrate
         model=str(model_dir), device=config.device, dtype=config.dtype, sink=config.sink, recent=config.recent,
         max_num_seqs=max(config.samples, min(len(prompts) * config.samples, 256)),
         max_model_len=min(plan.longest_context, spec.max_position_embeddings), default_logprobs=config.logprobs,
-        seed=config.seed, kv_cache_dtype=config.kv_cache_dtype,
+        seed=config.seed, kv_cache_dtype=config.kv_cache_dtype, landmark=config.landmark,
     ))
     requests = [
         RolloutRequest(f"p{i}", tuple(ids), SamplingParams(
@@ -246,7 +246,7 @@ def run_calibration(config: CalibrationConfig, command: str = "sparrow calibrate
         "budgets": plan.budgets, "reserved_blocks": reserved, "edges": list(plan.template.edges),
         "percentile": config.percentile, "statistic": config.statistic, "target": config.target, "logprobs": config.logprobs, "hardware": config.hardware,
         "device": config.device, "dtype": engine.stats()["dtype"], "kv_cache_dtype": config.kv_cache_dtype,
-        "seed": config.seed,
+        "landmark": config.landmark, "seed": config.seed,
         "generate_s": round(sum(r.generate_seconds for r in runs.values()), 1),
         "recompute_s": round(recompute_seconds, 1), "elapsed_s": round(elapsed, 1),
     }

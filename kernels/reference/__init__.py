@@ -24,7 +24,15 @@ from .kv_quant import (
     round_trip,
     vector_bytes,
 )
-from .landmarks import landmarks_from_keys, store_pages, update_landmarks, write_kv
+from .landmarks import (
+    decode_landmarks,
+    encode_mean,
+    landmark_dtype,
+    landmarks_from_keys,
+    store_pages,
+    update_landmarks,
+    write_kv,
+)
 from .scoring import group_mean_queries, score_landmarks, score_paged_blocks
 from .selection import select_blocks, selected_blocks_mask
 from .sparse_decode import block_sparse_decode
@@ -38,9 +46,12 @@ __all__ = [
     "block_sparse_causal_sdpa_batch",
     "first_sparse_query",
     "block_sparse_decode",
+    "decode_landmarks",
     "dense_block_ids",
     "dequantize",
+    "encode_mean",
     "group_mean_queries",
+    "landmark_dtype",
     "landmarks_from_keys",
     "page_dtype",
     "paged_decode_attention",

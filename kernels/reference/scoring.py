@@ -2,10 +2,13 @@
 
 Sparrow averages the G query heads that share a KV head and takes one dot product with each block's
 mean key; no softmax or 1/√d, which would not change the ranking. In min/max mode the score is
-Quest's upper bound Σ_d max(q̄_d·kmax_d, q̄_d·kmin_d) ≥ max over the block's keys of ⟨q̄, k⟩.
+Quest's upper bound Σ_d max(q̄_d·kmax_d, q̄_d·kmin_d) ≥ max over the block's keys of ⟨q̄, k⟩. `mean_int8`
+landmarks are scored as the mean keys they dequantize to.
 """
 
 import torch
+
+from .landmarks import decode_landmarks
 
 
 def group_mean_queries(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
@@ -17,8 +20,8 @@ def group_mean_queries(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
 
 def score_landmarks(q_mean: torch.Tensor, landmarks: torch.Tensor, mode: str) -> torch.Tensor:
     """Scores of `landmarks: [..., N, H_kv, W]` against `q_mean: [..., H_kv, D]` → `[..., H_kv, N]`."""
-    lm = landmarks.to(q_mean.dtype)
-    if mode == "mean":
+    lm = decode_landmarks(landmarks, mode, q_mean.shape[-1]).to(q_mean.dtype)
+    if mode in ("mean", "mean_int8"):
         return torch.einsum("...hd,...nhd->...hn", q_mean, lm)
     d = q_mean.shape[-1]
     kmax, kmin = lm[..., :d], lm[..., d:]

@@ -164,7 +164,7 @@ class TritonBackend(AttentionBackend):
                              **common)
             return out, counts
         score_blocks(q, landmarks, block_tables, seq_lens, budgets, ws.scores, block_size=block_size,
-                     sink=config.sink, recent=config.recent, minmax=config.landmark == "minmax")
+                     sink=config.sink, recent=config.recent, mode=config.landmark)
         select_blocks(ws.scores, block_tables, seq_lens, budgets, ws.selected, counts, num_kv_heads=num_kv_heads,
                       block_size=block_size, sink=config.sink, recent=config.recent)
         decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out, ws.o_part, ws.lse_part, budgets=budgets,
@@ -204,5 +204,8 @@ def _check_decode_inputs(q, k_cache, v_cache, landmarks, block_tables, seq_lens,
             f"landmarks {tuple(landmarks.shape)}: expected contiguous [{k_cache.shape[0]}, {num_kv_heads}, {width}] "
             f"for landmark={config.landmark!r}"
         )
+    if (config.landmark == "mean_int8") != (landmarks.dtype == torch.int8):
+        raise ValueError(f"landmarks of dtype {landmarks.dtype} for landmark={config.landmark!r}: mean_int8 landmarks, "
+                         "and only they, are int8 (sparrow.kernels.reference.landmark_dtype)")
     if triton.next_power_of_2(k_cache.shape[2]) != k_cache.shape[2]:
         raise ValueError(f"block_size={k_cache.shape[2]}: the Triton kernels need a power of two")

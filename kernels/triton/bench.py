@@ -167,7 +167,7 @@ def sparse_bytes(case: Case, budget_blocks: int, config: SparseAttentionConfig, 
             continue
         kv += (budget - 1) * BLOCK_SIZE + length - (n - 1) * BLOCK_SIZE
         candidates = n - config.reserved_blocks
-        scan += candidates * config.landmark_width(head_dim) * 2
+        scan += candidates * config.landmark_bytes(head_dim, 2)
         scores += candidates * 4 * 2
     kv *= num_kv_heads * 2 * vec_bytes
     return {"kv": kv, "landmarks": scan * num_kv_heads, "scores": scores * num_kv_heads,
@@ -212,7 +212,7 @@ def time_attention(pool: Pool, case: Case, tiling: AttentionTiling, splits: int,
         selected = torch.empty(rows, case.tables.shape[1], device=DEVICE, dtype=torch.int32)
         counts = torch.empty(case.batch, dtype=torch.long, device=DEVICE)
         score_blocks(case.q, pool.mean, case.tables, case.seq_lens, budgets, scores, block_size=BLOCK_SIZE, sink=config.sink,
-                     recent=config.recent, minmax=False)
+                     recent=config.recent, mode="mean")
         select_blocks(scores, case.tables, case.seq_lens, budgets, selected, counts, num_kv_heads=pool.k.shape[1],
                       block_size=BLOCK_SIZE, sink=config.sink, recent=config.recent)
         kwargs = dict(budgets=budgets, selected=selected, sink=config.sink, recent=config.recent)
@@ -376,9 +376,8 @@ def time_sparse(backend: TritonBackend, pool: Pool, case: Case, landmarks: torch
     budgets = torch.full((case.batch,), budget_blocks, dtype=torch.int32, device=DEVICE)
     counts = torch.empty(case.batch, dtype=torch.long, device=DEVICE)
     out = torch.empty_like(case.q)
-    minmax = cfg.landmark == "minmax"
     score = lambda: score_blocks(case.q, landmarks, case.tables, case.seq_lens, budgets, ws.scores, block_size=BLOCK_SIZE,  # noqa: E731
-                                 sink=cfg.sink, recent=cfg.recent, minmax=minmax)
+                                 sink=cfg.sink, recent=cfg.recent, mode=cfg.landmark)
     select = lambda: select_blocks(ws.scores, case.tables, case.seq_lens, budgets, ws.selected, counts,  # noqa: E731
                                    num_kv_heads=h, block_size=BLOCK_SIZE, sink=cfg.sink, recent=cfg.recent)
     attend = lambda: attention_partials(case.q, pool.k, pool.v, case.tables, case.seq_lens, out, ws.o_part,  # noqa: E731

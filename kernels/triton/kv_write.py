@@ -11,18 +11,30 @@ are consecutive in `slots`, in increasing offset order. Slots < 0 are skipped (C
 
 FP8 pages (`FP8`): each key and value is stored in e4m3 with its float32 scale, the largest element mapped
 to 448 (`sparrow.kernels.reference.kv_quant`, bit for bit); landmarks come from the keys as stored.
+
+Int8 mean landmarks (mode 3, `landmark: mean_int8`): the float32 mean rounded to int8 with its float32 scale, the
+largest element mapped to 127, written as the row's first D bytes and, through a float32 view of the same tensor,
+the 4 after them (`sparrow.kernels.reference.landmarks.encode_mean`; the padding stays as allocated, zero; the mean's
+summation order may differ, so an element can land one step away).
 """
 
 import torch
 import triton
 import triton.language as tl
 
+from sparrow.layout import SparseAttentionConfig
+
 from ..reference import KVScales
 from ..reference.kv_quant import INV_FP8_MAX
+from ..reference.landmarks import INT8_MAX, INV_INT8_MAX
 from .attention import cache_strides, scale_strides
 
-MODE_NONE, MODE_MEAN, MODE_MINMAX = 0, 1, 2
+MODE_NONE, MODE_MEAN, MODE_MINMAX, MODE_MEAN_INT8 = 0, 1, 2, 3
+LANDMARK_MODES = {"mean": MODE_MEAN, "minmax": MODE_MINMAX, "mean_int8": MODE_MEAN_INT8}
 _INV_FP8_MAX = tl.constexpr(INV_FP8_MAX)
+_INV_INT8_MAX = tl.constexpr(INV_INT8_MAX)
+_INT8_MAX = tl.constexpr(float(INT8_MAX))
+_ROUND_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2^23: adding and subtracting it rounds |y| < 2^22 half to even
 
 
 @triton.jit
@@ -40,10 +52,11 @@ def _e4m3_grid(y):
 
 @triton.jit
 def _write_kv_kernel(
-    k_ptr, v_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, lm_ptr,
+    k_ptr, v_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, lm_ptr, lm_scale_ptr,
     num_tokens,
     stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_ch, stride_ct, stride_sb, stride_sh,
     H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BS: tl.constexpr, MODE: tl.constexpr, FP8: tl.constexpr,
+    LM_W: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
@@ -74,7 +87,7 @@ def _write_kv_kernel(
 
     if MODE != 0:
         nxt = tl.load(slot_ptr + t + 1, mask=t + 1 < num_tokens, other=-1).to(tl.int64)
-        if MODE == 1:
+        if MODE == 1 or MODE == 3:
             act = live & (off == BS - 1)
         else:
             act = live & ((nxt != slot + 1) | (off == BS - 1))
@@ -102,6 +115,14 @@ def _write_kv_kernel(
             if MODE == 1:
                 mean = tl.sum(keys, axis=0) / BS
                 tl.store(lm_ptr + (blk * H + h) * D + d, mean.to(lm_dtype), mask=d < D)
+            elif MODE == 3:
+                mean = tl.where(d < D, tl.sum(keys, axis=0) / BS, 0.0)
+                scale = tl.max(tl.abs(mean), axis=0) * _INV_INT8_MAX
+                y = tl.math.div_rn(mean, tl.where(scale > 0, scale, 1.0))
+                y = tl.minimum(tl.maximum((y + _ROUND_MAGIC) - _ROUND_MAGIC, -_INT8_MAX), _INT8_MAX)
+                at = (blk * H + h) * LM_W  # the landmark row's first byte
+                tl.store(lm_ptr + at + d, y.to(tl.int8), mask=d < D)
+                tl.store(lm_scale_ptr + at // 4 + D // 4, scale)
             else:
                 kmax = tl.max(tl.where(upto[:, None], keys, float("-inf")), axis=0)
                 kmin = tl.min(tl.where(upto[:, None], keys, float("inf")), axis=0)
@@ -132,27 +153,33 @@ def write_kv(
     if block_size & (block_size - 1):
         raise ValueError(f"block_size={block_size}: the Triton kernels need a power of two")
     mode_id = MODE_NONE
-    lm = k_cache  # placeholder pointer, never dereferenced without landmarks
+    lm = lm_scale = k_cache  # placeholder pointers, never dereferenced without landmarks
     if landmarks is not None:
-        mode_id = {"mean": MODE_MEAN, "minmax": MODE_MINMAX}.get(mode)
+        mode_id = LANDMARK_MODES.get(mode)
         if mode_id is None:
-            raise ValueError(f"landmark mode {mode!r}: use 'mean' or 'minmax'")
-        width = head_dim if mode == "mean" else 2 * head_dim
+            raise ValueError(f"landmark mode {mode!r}: use one of {', '.join(LANDMARK_MODES)}")
+        width = SparseAttentionConfig(landmark=mode).landmark_width(head_dim)
         if landmarks.shape != (k_cache.shape[0], cache_heads, width) or not landmarks.is_contiguous():
             raise ValueError(
                 f"landmarks {tuple(landmarks.shape)}: expected a contiguous [{k_cache.shape[0]}, {cache_heads}, {width}] "
                 f"for mode {mode!r}"
             )
-        lm = landmarks
+        if (mode_id == MODE_MEAN_INT8) != (landmarks.dtype == torch.int8):
+            raise ValueError(f"landmarks of dtype {landmarks.dtype} for mode {mode!r}: mean_int8 landmarks, and only "
+                             "they, are int8")
+        lm = lm_scale = landmarks
+        if mode_id == MODE_MEAN_INT8:
+            lm_scale = landmarks.view(torch.float32)  # each row's last 4 bytes: its scale
     scale_offsets = scale_strides(kv_scales, k_cache)
     if num_tokens == 0:
         return
     fp8 = kv_scales is not None
     k_scale, v_scale = (kv_scales.k, kv_scales.v) if fp8 else (slots, slots)  # placeholders, never dereferenced
     _write_kv_kernel[(num_tokens, num_heads)](
-        k, v, slots, k_cache, v_cache, k_scale, v_scale, lm,
+        k, v, slots, k_cache, v_cache, k_scale, v_scale, lm, lm_scale,
         num_tokens,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), *strides, *scale_offsets,
         H=num_heads, D=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BS=block_size, MODE=mode_id, FP8=fp8,
+        LM_W=0 if landmarks is None else landmarks.shape[-1],
         num_warps=1 if mode_id == MODE_NONE else 2,
     )

@@ -2,12 +2,13 @@
 landmark per (block, KV head) in the sparse layers only — dense layers never score blocks.
 
 With `kv_cache_dtype="fp8_e4m3"` the pages hold e4m3 values with one float32 scale per stored vector
-(`sparrow.kernels.reference.kv_quant`); landmarks stay in the model's dtype."""
+(`sparrow.kernels.reference.kv_quant`); landmarks stay in the model's dtype, or int8 rows with their scale for
+`landmark: mean_int8` (`sparrow.kernels.reference.landmarks`)."""
 
 import torch
 
 from sparrow.kernels import SparseAttentionConfig
-from sparrow.kernels.reference import FP8_KV_DTYPE, KVScales, page_dtype, vector_bytes
+from sparrow.kernels.reference import FP8_KV_DTYPE, KVScales, landmark_dtype, page_dtype, vector_bytes
 
 from .model_spec import ModelSpec
 from .transfer import to_device
@@ -18,7 +19,7 @@ def bytes_per_block(spec: ModelSpec, attention: SparseAttentionConfig, dtype: to
     """Bytes of one block in every layer: K/V pages (and FP8 scales), plus the sparse layers' landmarks."""
     vectors = 2 * spec.num_layers * spec.num_kv_heads * attention.block_size
     sparse_layers = sum(1 for i in range(spec.num_layers) if not attention.is_dense_layer(i))
-    landmarks = sparse_layers * spec.num_kv_heads * attention.landmark_width(spec.head_dim) * dtype.itemsize
+    landmarks = sparse_layers * spec.num_kv_heads * attention.landmark_bytes(spec.head_dim, dtype.itemsize)
     return vectors * vector_bytes(spec.head_dim, dtype, kv_cache_dtype) + landmarks
 
 
@@ -40,7 +41,8 @@ class KVCache:
         self._landmark_index = {layer: j for j, layer in enumerate(self.sparse_layers)}
         width = attention.landmark_width(spec.head_dim)
         self.landmarks = torch.empty(
-            (len(self.sparse_layers), num_blocks, spec.num_kv_heads, width), dtype=dtype, device=device
+            (len(self.sparse_layers), num_blocks, spec.num_kv_heads, width), dtype=landmark_dtype(attention.landmark, dtype),
+            device=device,
         )
         self.num_blocks = num_blocks
         self.block_size = attention.block_size

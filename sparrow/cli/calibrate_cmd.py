@@ -6,7 +6,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from sparrow.layout import KV_CACHE_DTYPES
+from sparrow.layout import KV_CACHE_DTYPES, LANDMARK_MODES
 
 
 def _ints(text: str) -> list[int]:
@@ -49,6 +49,8 @@ def configure(p) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="the engine's K/V pages; fp8_e4m3 measures FP8 KV's α cost (default auto = the model's dtype)")
+    p.add_argument("--landmark", default="mean", choices=LANDMARK_MODES,
+                   help="the engine's block summary; mean_int8 measures int8 landmarks' α cost (default mean)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (1 is fastest on a busy machine)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("calibration"), help="output directory (default ./calibration)")
@@ -78,7 +80,7 @@ def run(args) -> int:
             temperature=args.temperature, budgets=args.budgets, dense_baseline=not args.no_dense_baseline,
             edges=args.edges, bin_width=args.bin_width, target=args.target, percentile=args.percentile,
             statistic=args.statistic, min_tokens=args.min_tokens, logprobs=args.logprobs, hardware=args.hardware, device=args.device,
-            dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, threads=args.threads, seed=args.seed, out=args.out,
+            dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, landmark=args.landmark, threads=args.threads, seed=args.seed, out=args.out,
         )
     except ValidationError as exc:
         err = exc.errors()[0]

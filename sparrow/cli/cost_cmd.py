@@ -8,6 +8,7 @@ from sparrow.cost import (
     CostModel, RolloutSpec, appf_cost, resolve_hardware, resolve_model, sec33_dense, sec33_sparse,
 )
 from sparrow.cost.hardware import HARDWARE
+from sparrow.layout import LANDMARK_MODES
 from sparrow.schedule import load_schedule
 from sparrow.tables import format_table
 
@@ -21,7 +22,7 @@ def configure(p) -> None:
     p.add_argument("--samples", type=int, default=8, help="N: samples per prompt (default 8)")
     p.add_argument("--batch", type=int, default=1, help="prompts decoded together (default 1)")
     p.add_argument("--dense-layers", type=int, default=2, help="leading layers kept dense (default 2)")
-    p.add_argument("--landmark", choices=["mean", "minmax"], default="mean", help="block summary (default mean)")
+    p.add_argument("--landmark", choices=LANDMARK_MODES, default="mean", help="block summary (default mean)")
     p.add_argument("--scoring-as-printed", action="store_true",
                    help="Sec. 3.3 prompt scoring terms as printed (not divided by the block size)")
     p.add_argument("--per-bin", action="store_true", help="also print the schedule-aware cost per length bin")

@@ -10,7 +10,8 @@ All `batch × samples` sequences advance in lockstep. Per step, in physical unit
   sparse layer    (budget b blocks from the schedule at L, ceil(L/bs) > b)
              K/V of the b attended blocks, the last one partial: L − (ceil(L/bs) − b)·bs tokens
              + scoring pass over the c = ceil(L/bs) − sink − recent candidate blocks, per KV head:
-               one landmark (d, or 2d for min/max) read and scored (2·width FLOPs), and its
+               one landmark (d, or 2d for min/max, of kv_bytes each; mean_int8: d + 4 bytes) read and
+               scored (2·width FLOPs), and its
                score written and read back (`score_bytes`)
 
 eFLOPs = FLOPs + I·bytes (I = FLOP/s ÷ bytes/s); predicted seconds = max(FLOPs / FLOP/s,
@@ -21,11 +22,11 @@ the fact that real rollouts finish at different lengths.
 """
 
 from dataclasses import dataclass
-from typing import Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from sparrow.layout import LandmarkMode, SparseAttentionConfig
 from sparrow.schedule import SparsitySchedule
 
 from .hardware import Hardware
@@ -42,7 +43,8 @@ class RolloutSpec(BaseModel):
     samples: int = Field(8, ge=1, description="N: samples per prompt")
     batch: int = Field(1, ge=1, description="prompts decoded together (batch × samples sequences)")
     dense_layers: int = Field(2, ge=0, description="leading layers that always attend densely (Sparrow: 2)")
-    landmark: Literal["mean", "minmax"] = Field("mean", description="block summary: mean key (Sparrow) or Quest min/max")
+    landmark: LandmarkMode = Field("mean", description="block summary: mean key (Sparrow), Quest min/max, or the mean "
+                                   "key in int8 with a float32 scale (mean_int8)")
     kv_bytes: int = Field(2, ge=1, description="bytes per K/V/landmark element (bf16: 2)")
     weight_bytes: int = Field(2, ge=1, description="bytes per weight (bf16: 2)")
     score_bytes: int = Field(8, ge=0, description="per (block, KV head): fp32 score written by scoring, read by top-k")
@@ -162,7 +164,8 @@ class CostModel:
             tokens = np.where(sparse, L - (blocks - budget) * bs, L).astype(np.float64)
             candidates = np.where(sparse, blocks - schedule.sink - schedule.recent, 0).astype(np.float64)
             width = s.head_dim * (2 if spec.landmark == "minmax" else 1)
-            scoring_bytes = candidates * s.kv_heads * (width * spec.kv_bytes + spec.score_bytes)
+            lm_bytes = SparseAttentionConfig(landmark=spec.landmark).landmark_bytes(s.head_dim, spec.kv_bytes)
+            scoring_bytes = candidates * s.kv_heads * (lm_bytes + spec.score_bytes)
             scoring_flops = candidates * s.kv_heads * 2 * width
         n_sparse = s.layers - spec.dense_layers
         per_seq_bytes = spec.dense_layers * dense_bytes + n_sparse * (tokens * kv_token + scoring_bytes)

@@ -3,7 +3,7 @@ them; the benches import the engine only when chosen; decode-step and rollout-pa
 
 from pathlib import Path
 
-from sparrow.layout import BLOCK_SIZE, KV_CACHE_DTYPES
+from sparrow.layout import BLOCK_SIZE, KV_CACHE_DTYPES, LANDMARK_MODES
 
 
 def register_rollout(actions) -> None:
@@ -24,6 +24,7 @@ def register_rollout(actions) -> None:
     r.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "reference", "triton"])
     r.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="K/V pages: auto = the model's dtype; fp8_e4m3 halves them (and doubles --batch auto)")
+    r.add_argument("--landmark", default="mean", choices=LANDMARK_MODES, help="block summary: mean key (default), minmax (Quest), mean_int8 (the mean key in int8 + a float32 scale)")
     r.add_argument("--no-cuda-graphs", action="store_true", help="decode with eager launches on CUDA (default: graphs)")
     r.add_argument("--overlap-decode", action="store_true",
                    help="launch each decode step before reading the previous one's tokens (NativeEngineConfig.overlap_decode)")
@@ -73,6 +74,7 @@ def register_decode_step(actions) -> None:
     d.add_argument("--budget-tokens", type=int, default=1024, help="sparse budget incl. sink + recent (default 1024)")
     d.add_argument("--replays", type=int, default=50, help="graph replays per point (median reported)")
     d.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help="K/V pages (default: bf16)")
+    d.add_argument("--landmark", default="mean", choices=LANDMARK_MODES, help="block summary: mean key (default), minmax (Quest), mean_int8 (the mean key in int8 + a float32 scale)")
     d.add_argument("--out", type=Path, help="JSON path (default benchmarks/results/decode-step-<gpu>-<time>.json)")
     d.set_defaults(handler=run_decode_step)
 
@@ -154,7 +156,7 @@ def run_decode_step(args) -> int:
     if args.batch < 1 or args.replays < 1 or any(c < BLOCK_SIZE for c in args.contexts):
         raise ValueError(f"--batch and --replays must be >= 1 and --contexts >= {BLOCK_SIZE} tokens")
     run(args.model, args.batch, tuple(args.contexts), args.budget_tokens, args.replays,
-        args.out, bench_command("decode-step"), kv_cache_dtype=args.kv_cache_dtype)
+        args.out, bench_command("decode-step"), kv_cache_dtype=args.kv_cache_dtype, landmark=args.landmark)
     return 0
 
 

@@ -16,12 +16,12 @@ from .floor import step_bytes, weight_bytes
 
 def run_decode_step(model_name: str = "qwen3-1.7b", batch: int = 8, contexts=(16384, 24576, 32768),
                     budget_tokens: int = 1024, replays: int = 50, out_path: Path | None = None, command: str = "",
-                    log=print, kv_cache_dtype: str = "auto") -> dict:
+                    log=print, kv_cache_dtype: str = "auto", landmark: str = "mean") -> dict:
     from sparrow.kernels.triton.bench import copy_bandwidth
 
     require_cuda("decode-step")
     out_path = out_path or default_out_path("decode-step")
-    attention = SparseAttentionConfig()
+    attention = SparseAttentionConfig(landmark=landmark)
     bs = attention.block_size
     if budget_tokens % bs or budget_tokens < bs * attention.reserved_blocks:
         raise ValueError(f"--budget-tokens {budget_tokens}: use a multiple of {bs} of at least {bs * attention.reserved_blocks}")
@@ -33,11 +33,11 @@ def run_decode_step(model_name: str = "qwen3-1.7b", batch: int = 8, contexts=(16
     model = DecoderModel(spec, max_len + bs, device=DEVICE, dtype=DTYPE).init_random(0)
     log(f"{report['device']}: copy {copy_gbps:.0f} GB/s; {model_name} ({spec.num_layers} layers), batch {batch}, "
         f"budget {budget} blocks ({budget_tokens} tokens incl. sink + recent), "
-        f"weights {weight_bytes(model) / 1e9:.2f} GB, KV pages {kv_cache_dtype}")
+        f"weights {weight_bytes(model) / 1e9:.2f} GB, KV pages {kv_cache_dtype}, landmarks {landmark}")
     filled = FilledDecode(model, attention, batch, max_len, kv_cache_dtype=kv_cache_dtype)
     schedule = SparsitySchedule.fixed_budget(budget, "--budget-tokens / block size")
     filled.graphs.set_schedule(schedule)
-    report.update(model=model_name, batch=batch, budget_blocks=budget, kv_cache_dtype=kv_cache_dtype,
+    report.update(model=model_name, batch=batch, budget_blocks=budget, kv_cache_dtype=kv_cache_dtype, landmark=landmark,
                   copy_GBps=copy_gbps, replays=replays,
                   weights_bytes=weight_bytes(model), results=[], profiles={})
     points = [(bs, False)] + [(c, s) for c in contexts for s in (False, True)]

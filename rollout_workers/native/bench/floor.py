@@ -35,9 +35,9 @@ def step_bytes(model: DecoderModel, attention: SparseAttentionConfig, batch: int
     else:
         attended = (budget_blocks - 1) * bs + context - (n - 1) * bs
         candidates = n - attention.sink - attention.recent
-        width = attention.landmark_width(spec.head_dim)
         out.update(sparse_kv=sparse_layers * batch * attended * kv_tok,
-                   landmarks=sparse_layers * batch * candidates * spec.num_kv_heads * width * item,
+                   landmarks=sparse_layers * batch * candidates * spec.num_kv_heads
+                   * attention.landmark_bytes(spec.head_dim, item),
                    scores=sparse_layers * batch * candidates * spec.num_kv_heads * 8)
     out["total"] = sum(out.values())
     return out

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from sparrow.layout import DEFAULT_LAYOUT
+from sparrow.layout import SparseAttentionConfig
 from sparrow.schedule import SparsitySchedule, load_schedule
 from sparrow.tables import format_table
 
@@ -42,8 +42,8 @@ from .real_run import (common_steps_speedup, join_segments, protocol_requests, r
 
 MODES = ("dense", "sparse")
 RUN_KEYS = ("model", "device", "device_name", "dtype", "backend", "cuda_graphs", "overlap_decode", "sampler",
-            "kv_cache_dtype", "tensor_parallel", "all_reduce", "prompt_len", "gen_len", "batch", "samples", "seed",
-            "schedule")
+            "kv_cache_dtype", "landmark", "tensor_parallel", "all_reduce", "prompt_len", "gen_len", "batch", "samples",
+            "seed", "schedule")
 """What two single-mode results must share to be merged into one comparison."""
 SPARE_BLOCKS = 16
 TEARDOWN_GRACE_S = 15.0
@@ -58,13 +58,19 @@ def bench_schedule(schedule_name: str, budget: int | None) -> SparsitySchedule:
     return load_schedule(schedule_name) if budget is None else SparsitySchedule.fixed_budget(budget, "--budget")
 
 
-def largest_batch(model, total: int, samples: int, memory_fraction: float, kv_cache_dtype: str = "auto") -> int:
+def bench_layout(args) -> SparseAttentionConfig:
+    """The layout a run uses: Sparrow's, with the block summary `--landmark` names."""
+    return SparseAttentionConfig(landmark=args.landmark)
+
+
+def largest_batch(model, layout: SparseAttentionConfig, total: int, samples: int, memory_fraction: float,
+                  kv_cache_dtype: str = "auto") -> int:
     """`--batch auto`: the most whole groups of `samples` whose `total`-token KV fits the free GPU memory."""
     from .rollout_paper import protocol_batch
 
     if model.device.type != "cuda":
         raise ValueError("--batch auto sizes the batch from free GPU memory; give a number on the CPU")
-    return protocol_batch(model, DEFAULT_LAYOUT, total, samples, memory_fraction, kv_cache_dtype)
+    return protocol_batch(model, layout, total, samples, memory_fraction, kv_cache_dtype)
 
 
 def build_engine(args, model, batch: int):
@@ -72,13 +78,14 @@ def build_engine(args, model, batch: int):
     from ..engine import NativeEngine
 
     total = args.prompt_len + args.gen_len
-    config = NativeEngineConfig(
+    layout = bench_layout(args)
+    config = NativeEngineConfig(landmark=layout.landmark,
         device=str(model.device), dtype=args.dtype, attention_backend=args.attention_backend, max_num_seqs=batch,
         cuda_graphs=False if args.no_cuda_graphs else None, tensor_parallel_size=args.tensor_parallel,
         symmetric_memory_all_reduce=not args.nccl_all_reduce,
         overlap_decode=args.overlap_decode, fused_sampling=not args.eager_sampler, kv_cache_dtype=args.kv_cache_dtype,
-        num_kv_blocks=batch * DEFAULT_LAYOUT.blocks_for(total + 1) + SPARE_BLOCKS,
-        max_model_len=min(total + DEFAULT_LAYOUT.block_size, model.rope.cos.shape[0]),
+        num_kv_blocks=batch * layout.blocks_for(total + 1) + SPARE_BLOCKS,
+        max_model_len=min(total + layout.block_size, model.rope.cos.shape[0]),
         prefill_chunk_size=max(2048, args.prompt_len),
     )
     engine = NativeEngine(config, model=model)
@@ -87,8 +94,8 @@ def build_engine(args, model, batch: int):
     return engine
 
 
-def replayed_steps(model, batch: int, total: int, schedule: SparsitySchedule | None, profile: list[dict],
-                   points: int, replays: int = 20, kv_cache_dtype: str = "auto") -> list[dict]:
+def replayed_steps(model, layout: SparseAttentionConfig, batch: int, total: int, schedule: SparsitySchedule | None,
+                   profile: list[dict], points: int, replays: int = 20, kv_cache_dtype: str = "auto") -> list[dict]:
     """The real run's median step in `points` windows of its profile next to the graph-replayed step (model +
     sampler) at the window's middle context on a filled cache of the same batch."""
     from .filled import FilledDecode, free_gpu_memory
@@ -97,7 +104,7 @@ def replayed_steps(model, batch: int, total: int, schedule: SparsitySchedule | N
     picks = replay_windows(profile, schedule, points)
     contexts = [(w["first_context"] + w["last_context"]) // 2 for w in picks]
     free_gpu_memory()
-    filled = FilledDecode(model, DEFAULT_LAYOUT, batch, total + 1, kv_cache_dtype=kv_cache_dtype)
+    filled = FilledDecode(model, layout, batch, total + 1, kv_cache_dtype=kv_cache_dtype)
     times = measure_step_times(filled, schedule, [(c, c) for c in contexts], replays)
     filled.release()
     return [{"context": c, "path": "sparse" if sparse_step(schedule, c) else "dense",
@@ -250,7 +257,8 @@ def measure(args, device: torch.device) -> dict:
         raise ValueError(f"{exc} (--prompt-len + --gen-len = {total}, --tensor-parallel {args.tensor_parallel})") from None
     tp = model.tensor_parallel
     free_after_model = free_gpu_memory() if device.type == "cuda" else None
-    batch = (largest_batch(model, total, args.samples, args.memory_fraction, args.kv_cache_dtype) if args.batch == "auto"
+    batch = (largest_batch(model, bench_layout(args), total, args.samples, args.memory_fraction, args.kv_cache_dtype)
+             if args.batch == "auto"
              else int(args.batch))
     if tp is not None:  # every rank must run the same batch: the smallest any rank's memory holds
         batch = tp.smallest(batch, device)
@@ -283,15 +291,16 @@ def measure(args, device: torch.device) -> dict:
     del engine
     if args.replayed:
         for mode, sched in modes:
-            results[mode]["replayed"] = replayed_steps(model, batch, total, sched, results[mode]["step_profile"],
-                                                       args.replayed, kv_cache_dtype=args.kv_cache_dtype)
+            results[mode]["replayed"] = replayed_steps(model, bench_layout(args), batch, total, sched,
+                                                       results[mode]["step_profile"], args.replayed,
+                                                       kv_cache_dtype=args.kv_cache_dtype)
     report = {
         "command": bench_command("rollout"), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "model": args.model, "device": device.type,
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads() if device.type == "cpu" else None,
         "backend": stats["attention_backend"], "cuda_graphs": stats["cuda_graphs"],
-        "kv_cache_dtype": stats["kv_cache_dtype"],
+        "kv_cache_dtype": stats["kv_cache_dtype"], "landmark": args.landmark,
         "overlap_decode": args.overlap_decode, "sampler": stats["sampler"],
         "tensor_parallel": args.tensor_parallel, "all_reduce": stats["all_reduce"],
         "prompt_len": args.prompt_len, "gen_len": args.gen_len, "batch": batch, "samples": args.samples, "seed": args.seed,
@@ -317,7 +326,7 @@ def protocol_byte_floor(args, batch: int, schedule: SparsitySchedule) -> float:
     from ..shapes import model_spec
     from .floor import byte_floor_speedup
 
-    return byte_floor_speedup(model_spec(args.model), schedule, DEFAULT_LAYOUT, batch, args.prompt_len + 1,
+    return byte_floor_speedup(model_spec(args.model), schedule, bench_layout(args), batch, args.prompt_len + 1,
                               args.prompt_len + args.gen_len - 1, args.kv_cache_dtype)
 
 
@@ -385,6 +394,7 @@ def render(report: dict) -> str:
     lines = [f"{report['model']} on {report['device_name']}{ranks}{threads} ({report['dtype']}, {report['backend']} attention"
              f"{', CUDA graphs' if report['cuda_graphs'] else ''}"
              f"{', FP8 KV pages' if report.get('kv_cache_dtype', 'auto') != 'auto' else ''}"
+             f"{', int8 landmarks' if report.get('landmark') == 'mean_int8' else ''}"
              f"{', overlapped decode' if report.get('overlap_decode') else ''}"
              f"{', fused sampler' if report.get('sampler') == 'fused' else ''}), batch {report['batch']} "
              f"({report['batch'] // report['samples']} prompts x {report['samples']}), prompt {report['prompt_len']} "
