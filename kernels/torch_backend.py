@@ -17,7 +17,7 @@ from .reference import (
     KVScales,
     dequantize,
     encode_mean,
-    read_pages,
+    mean_keys,
     score_paged_blocks,
     select_blocks,
     store_pages,
@@ -45,9 +45,7 @@ class TorchBackend(AttentionBackend):
             return
         # A mean landmark changes only when its block's last slot is written (slots are distinct).
         full = blocks[offsets == bs - 1]
-        acc = torch.promote_types(k_cache.dtype if k_scale is None else torch.float32, torch.float32)
-        landmarks[full] = encode_mean(read_pages(k_cache, k_scale, full, acc).mean(dim=2), config.landmark,
-                                      landmarks.dtype)
+        landmarks[full] = encode_mean(mean_keys(k_cache, k_scale, full), config.landmark, landmarks.dtype)
 
     def decode(self, q, k_cache, v_cache, landmarks, block_tables, seq_lens, budgets, config, scale, kv_scales=None):
         bs = k_cache.shape[2]

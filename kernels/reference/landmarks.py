@@ -48,6 +48,12 @@ def encode_mean(mean: torch.Tensor, mode: str, dtype: torch.dtype) -> torch.Tens
     return torch.cat([values.to(torch.int8), scale.view(torch.int8), padding], dim=-1)
 
 
+def mean_keys(k_cache: torch.Tensor, k_scale: torch.Tensor | None, blocks: torch.Tensor) -> torch.Tensor:
+    """The mean of each of `blocks`' stored keys `[n, H_kv, D]`, accumulated in float32 or wider (FP8 pages dequantized)."""
+    acc = torch.promote_types(k_cache.dtype if k_scale is None else torch.float32, torch.float32)
+    return read_pages(k_cache, k_scale, blocks, acc).mean(dim=2)
+
+
 def decode_landmarks(landmarks: torch.Tensor, mode: str, head_dim: int) -> torch.Tensor:
     """Stored landmarks as the scores read them: `mean_int8` rows dequantized to float32 `[..., head_dim]`, others as
     they are."""
@@ -101,8 +107,7 @@ def update_landmarks(
     if mode in ("mean", "mean_int8"):
         full = touched[last == block_size - 1]
         if full.numel():
-            acc = torch.promote_types(k_cache.dtype if k_scale is None else torch.float32, torch.float32)
-            landmarks[full] = encode_mean(read_pages(k_cache, k_scale, full, acc).mean(dim=2), mode, landmarks.dtype)
+            landmarks[full] = encode_mean(mean_keys(k_cache, k_scale, full), mode, landmarks.dtype)
         return
     if mode != "minmax":
         raise ValueError(f"landmark mode {mode!r}: use 'mean', 'minmax' or 'mean_int8'")

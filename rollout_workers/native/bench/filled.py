@@ -42,9 +42,9 @@ class FilledDecode:
         for t in (self.cache.k, self.cache.v, self.cache.landmarks):
             if t.dtype == FP8_KV_DTYPE:  # random finite e4m3 bytes (0x7f is NaN), positive up to 448
                 t.view(torch.uint8).random_(0, 0x7F, generator=gen)
-            elif t.dtype == torch.int8:  # mean_int8 rows: random steps, then each row's float32 scale
+            elif t.dtype == torch.int8:  # mean_int8 rows: random steps, then the float32 scale after the D values
                 t.random_(-127, 128, generator=gen)
-                t.view(torch.float32)[..., -1].uniform_(0.01, 0.02, generator=gen)
+                t.view(torch.float32)[..., model.spec.head_dim // 4].uniform_(0.01, 0.02, generator=gen)
             else:
                 t.normal_(generator=gen)
         for t in (self.cache.k_scale, self.cache.v_scale):
