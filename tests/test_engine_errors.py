@@ -131,6 +131,10 @@ def test_bench_rollout_one_mode_per_run_then_merge(tmp_path, capsys):
     assert json.loads((tmp_path / "fp8.json").read_text())["kv_cache_dtype"] == "fp8_e4m3"
     assert main(["bench", "rollout-merge", str(tmp_path / "dense.json"), str(tmp_path / "fp8.json")]) == 2
     assert "kv_cache_dtype='fp8_e4m3' but" in capsys.readouterr().err
+    assert main([*common, "--mode", "sparse", "--landmark", "mean_int8", "--out", str(tmp_path / "int8.json")]) == 0
+    assert "int8 landmarks" in capsys.readouterr().out
+    assert main(["bench", "rollout-merge", str(tmp_path / "dense.json"), str(tmp_path / "int8.json")]) == 2
+    assert "landmark='mean_int8' but" in capsys.readouterr().err
 
 
 def test_replayed_windows_take_one_path():
