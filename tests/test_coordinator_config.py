@@ -71,8 +71,8 @@ def test_cross_section_rules():
     assert "controller.statistic='exact' needs trainer.exact_alpha=true" in _error(["controller.statistic=exact"])
     load_config(None, ["controller.statistic=exact", "trainer.exact_alpha=true", "rollout.sampling.logprobs=0"])
     assert "leave top_p=1 and top_k=0 with rollout.engine='vllm'" in _error(["rollout.engine=vllm", "rollout.sampling.top_p=0.9"])
-    assert "rollout.vllm.landmark=mean_int8: the vLLM backend keeps landmarks in the model's dtype" in _error(
-        ["rollout.engine=vllm", "rollout.vllm.landmark=mean_int8"])
+    assert "rollout.vllm.landmark: landmark=mean_int8: the vLLM backend keeps landmarks in the model's dtype" in _error(
+        ["rollout.vllm.landmark=mean_int8"])
     assert load_config(None, ["rollout.native.landmark=mean_int8"]).rollout.native.landmark == "mean_int8"
     assert "landmark" in _error(["rollout.native.landmark=int8"])
     assert "weights_channel='collective' needs mode='sync'" in _error(["run.weights_channel=collective"])

@@ -50,12 +50,8 @@ class VllmEngineConfig(EngineSettings):
     engine_args: dict[str, Any] = Field(default_factory=dict, description="extra vllm AsyncEngineArgs (escape hatch)")
 
     def check_job(self, sampling: SamplingParams, schedule: SparsitySchedule, section: str, name: str) -> None:
-        """The shared rules, and vLLM's: unfiltered logprobs (no top-p / top-k), enough top-k logprobs, landmarks in the
-        model's dtype."""
+        """The shared rules, and vLLM's: unfiltered logprobs (no top-p / top-k) and enough top-k logprobs."""
         super().check_job(sampling, schedule, section, name)
-        if self.landmark == "mean_int8":
-            raise ValueError(f"{section}.{name}.landmark=mean_int8: the vLLM backend keeps landmarks in the model's "
-                             f"dtype; use mean with {section}.engine={name!r}, or the native engine")
         if sampling.top_p != 1.0 or sampling.top_k != 0:
             raise ValueError(
                 f"{section}.sampling.top_p/top_k: the vLLM backend returns renormalised logprobs under top-p/top-k; "
@@ -65,6 +61,14 @@ class VllmEngineConfig(EngineSettings):
             raise ValueError(
                 f"{section}.sampling.logprobs={sampling.logprobs} exceeds {section}.{name}.max_logprobs={self.max_logprobs}"
             )
+
+    @field_validator("landmark")
+    @classmethod
+    def _landmark(cls, value: str) -> str:
+        if value == "mean_int8":
+            raise ValueError("landmark=mean_int8: the vLLM backend keeps landmarks in the model's dtype; use mean here, "
+                             "or the native engine")
+        return value
 
     @field_validator("block_size")
     @classmethod
