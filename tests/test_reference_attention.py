@@ -11,6 +11,7 @@ from sparrow.kernels import ReferenceBackend, SparseAttentionConfig
 from sparrow.kernels.reference import (
     block_sparse_causal_attention,
     block_sparse_decode,
+    check_landmark_dtype,
     decode_landmarks,
     landmark_dtype,
     landmarks_from_keys,
@@ -239,6 +240,10 @@ def test_int8_landmarks_round_the_mean_key(length):
     assert SparseAttentionConfig(landmark="mean_int8").landmark_bytes(128, 2) == 144  # bf16 mean key: 256 bytes
     with pytest.raises(ValueError, match="multiple of 4"):
         SparseAttentionConfig(landmark="mean_int8").landmark_width(30)
+    with pytest.raises(ValueError, match="mean_int8 landmarks, and only they, are int8"):
+        check_landmark_dtype(lm.float(), "mean_int8")
+    with pytest.raises(ValueError, match="mean_int8 landmarks, and only they, are int8"):
+        check_landmark_dtype(lm, "mean")
 
 
 @pytest.mark.parametrize("mode", ["mean", "minmax", "mean_int8"])

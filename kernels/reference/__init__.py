@@ -25,6 +25,7 @@ from .kv_quant import (
     vector_bytes,
 )
 from .landmarks import (
+    check_landmark_dtype,
     decode_landmarks,
     encode_mean,
     landmark_dtype,
@@ -47,6 +48,7 @@ __all__ = [
     "block_sparse_causal_sdpa_batch",
     "first_sparse_query",
     "block_sparse_decode",
+    "check_landmark_dtype",
     "decode_landmarks",
     "dense_block_ids",
     "dequantize",

@@ -35,6 +35,13 @@ def landmark_dtype(mode: str, dtype: torch.dtype) -> torch.dtype:
     return torch.int8 if mode == "mean_int8" else dtype
 
 
+def check_landmark_dtype(landmarks: torch.Tensor, mode: str) -> None:
+    """Refuse landmarks whose dtype does not fit `mode`: `mean_int8` rows, and only they, are int8."""
+    if (mode == "mean_int8") != (landmarks.dtype == torch.int8):
+        raise ValueError(f"landmarks of dtype {landmarks.dtype} for landmark={mode!r}: mean_int8 landmarks, and only "
+                         "they, are int8 (sparrow.kernels.reference.landmark_dtype)")
+
+
 def encode_mean(mean: torch.Tensor, mode: str, dtype: torch.dtype) -> torch.Tensor:
     """Mean keys `[..., D]` (float32 or wider) as landmarks of `mode` stored in `dtype` (`landmark_dtype`)."""
     if mode != "mean_int8":

@@ -25,6 +25,7 @@ import triton
 from sparrow.layout import SparseAttentionConfig
 
 from ..backend import AttentionBackend
+from ..reference import check_landmark_dtype
 from .attention import AttentionTiling, cache_strides, decode_attention
 from .kv_write import write_kv as triton_write_kv
 from .scoring import score_blocks
@@ -204,8 +205,6 @@ def _check_decode_inputs(q, k_cache, v_cache, landmarks, block_tables, seq_lens,
             f"landmarks {tuple(landmarks.shape)}: expected contiguous [{k_cache.shape[0]}, {num_kv_heads}, {width}] "
             f"for landmark={config.landmark!r}"
         )
-    if (config.landmark == "mean_int8") != (landmarks.dtype == torch.int8):
-        raise ValueError(f"landmarks of dtype {landmarks.dtype} for landmark={config.landmark!r}: mean_int8 landmarks, "
-                         "and only they, are int8 (sparrow.kernels.reference.landmark_dtype)")
+    check_landmark_dtype(landmarks, config.landmark)
     if triton.next_power_of_2(k_cache.shape[2]) != k_cache.shape[2]:
         raise ValueError(f"block_size={k_cache.shape[2]}: the Triton kernels need a power of two")

@@ -24,7 +24,7 @@ import triton.language as tl
 
 from sparrow.layout import SparseAttentionConfig
 
-from ..reference import KVScales
+from ..reference import KVScales, check_landmark_dtype
 from ..reference.kv_quant import INV_FP8_MAX
 from ..reference.landmarks import INT8_MAX, INV_INT8_MAX
 from .attention import cache_strides, scale_strides
@@ -164,12 +164,10 @@ def write_kv(
                 f"landmarks {tuple(landmarks.shape)}: expected a contiguous [{k_cache.shape[0]}, {cache_heads}, {width}] "
                 f"for mode {mode!r}"
             )
-        if (mode_id == MODE_MEAN_INT8) != (landmarks.dtype == torch.int8):
-            raise ValueError(f"landmarks of dtype {landmarks.dtype} for mode {mode!r}: mean_int8 landmarks, and only "
-                             "they, are int8")
+        check_landmark_dtype(landmarks, mode)
         lm = lm_scale = landmarks
         if mode_id == MODE_MEAN_INT8:
-            lm_scale = landmarks.view(torch.float32)  # each row's last 4 bytes: its scale
+            lm_scale = landmarks.view(torch.float32)  # the float32 scale after each row's D int8 values
     scale_offsets = scale_strides(kv_scales, k_cache)
     if num_tokens == 0:
         return
