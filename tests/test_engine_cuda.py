@@ -151,6 +151,19 @@ def test_fp8_kv_graph_replay_equals_the_torch_backend(tiny_qwen3):
 
 
 @gpu
+def test_int8_landmarks_graph_replay_equals_the_torch_backend(tiny_qwen3):
+    """`landmark=mean_int8` on CUDA: the Triton write (int8 rows + float32 scale) and scoring under CUDA graphs pick
+    the blocks the torch backend picks eagerly, and decode the same tokens."""
+    pytest.importorskip("sparrow.kernels.triton")
+    config = dict(device="cuda", dtype="float32", num_kv_blocks=256, max_num_seqs=6, landmark="mean_int8")
+    graphs = NativeEngine.from_pretrained(tiny_qwen3, attention_backend="triton", cuda_graphs=True, **config)
+    eager = NativeEngine.from_pretrained(tiny_qwen3, attention_backend="torch", **config)
+    assert graphs.runner.cache.landmarks.dtype == torch.int8
+    assert_same_samples(drive(eager), drive(graphs), 1e-3)
+    assert graphs.stats()["cuda_graphs_captured"] >= 2
+
+
+@gpu
 def test_cuda_graphs_need_the_triton_backend(tiny_qwen3):
     with pytest.raises(ValueError, match="cuda_graphs=True needs"):
         NativeEngine.from_pretrained(tiny_qwen3, device="cuda", attention_backend="torch", cuda_graphs=True)
