@@ -99,11 +99,14 @@ def test_fp8_pages_take_0_53_of_bfloat16s_bytes():
     assert round(fp8 / bf16, 3) == 0.529
 
 
-def test_an_fp8_engine_rolls_out_what_its_replay_recomputes(tiny_qwen3):
+@pytest.mark.parametrize("landmark", ["mean", "mean_int8"])
+def test_an_fp8_engine_rolls_out_what_its_replay_recomputes(tiny_qwen3, landmark):
     """The engine (chunked prefill, sparse decode) reads K/V as stored; the calibration replay rounds them the same
     way, so on the 4-layer model it reproduces the sampled tokens' log-probabilities (on deep models last-bit
-    differences flip some roundings: calibration.md); the dense recompute (unrounded) does not."""
-    engine = NativeEngine.from_pretrained(tiny_qwen3, num_kv_blocks=128, kv_cache_dtype="fp8_e4m3", prefill_chunk_size=64)
+    differences flip some roundings: calibration.md); the dense recompute (unrounded) does not. Int8 landmarks over
+    FP8 pages too."""
+    engine = NativeEngine.from_pretrained(tiny_qwen3, num_kv_blocks=128, kv_cache_dtype="fp8_e4m3", prefill_chunk_size=64,
+                                          landmark=landmark)
     engine.set_schedule(SparsitySchedule(name="s", topk_blocks=(4,), edges=()))
     request = RolloutRequest("r", tuple(range(5, 105)), SamplingParams(max_tokens=40, ignore_eos=True, n=2, seed=1))
     samples = engine.generate([request])

@@ -343,7 +343,7 @@ def test_workspace_holds_the_partials_of_either_page_format(tk):
 
 
 @interp
-@pytest.mark.parametrize("mode", ["mean", "minmax"])
+@pytest.mark.parametrize("mode", ["mean", "minmax", "mean_int8"])
 def test_interp_fp8_write_kv_matches_reference(tk, mode):
     """FP8 pages: the kernel quantizes bit for bit as the reference, and its landmarks are the stored keys'."""
     p = Paged([1, 15, 16, 17, 47], 2, 32, torch.float32, "cpu", mode, seed=11)
@@ -359,26 +359,30 @@ def test_interp_fp8_write_kv_matches_reference(tk, mode):
     for name, want, have in zip(("k", "v"), expect[:2], got[:2]):
         assert torch.equal(have.view(torch.uint8), want.view(torch.uint8)), name
     assert torch.equal(got[2].k, expect[2].k) and torch.equal(got[2].v, expect[2].v)
-    torch.testing.assert_close(got[3], expect[3], rtol=1e-6, atol=1e-6)
+    if mode == "mean_int8":
+        assert_int8_landmarks_close(got[3], expect[3], 32)
+    else:
+        torch.testing.assert_close(got[3], expect[3], rtol=1e-6, atol=1e-6)
 
 
 @interp
 @pytest.mark.parametrize("budgets", [None, [3, 3, 3, 3, 5, 6]])
 @pytest.mark.parametrize("q_dtype", [torch.float32, torch.float16])
-def test_interp_fp8_decode_matches_reference(tk, budgets, q_dtype):
+@pytest.mark.parametrize("mode", ["mean", "mean_int8"])
+def test_interp_fp8_decode_matches_reference(tk, budgets, q_dtype, mode):
     """float32 queries dot the pages in float32; half-precision ones in float16 (the GPU path: pre-scaled query,
-    weights over the tile's largest value scale), to float16 accuracy."""
+    weights over the tile's largest value scale), to float16 accuracy; int8 landmarks score over FP8 pages too."""
     lengths = [1, 16, 17, 63, 95, 160]
-    p = Paged(lengths, 2, 32, torch.float32, "cpu", "mean", seed=12)
+    p = Paged(lengths, 2, 32, torch.float32, "cpu", mode, seed=12)
     k_cache, v_cache, scales, landmarks = fp8_pages(p)
     for k, v, slots in zip(p.keys, p.values, p.slots):
-        ref.write_kv(k_cache, v_cache, landmarks, slots, k, v, "mean", scales)
+        ref.write_kv(k_cache, v_cache, landmarks, slots, k, v, mode, scales)
     q = torch.randn(len(lengths), 4, 32).to(q_dtype)
-    cfg = SparseAttentionConfig()
+    cfg = SparseAttentionConfig(landmark=mode)
     budgets = None if budgets is None else torch.tensor(budgets)
     out, counts = tk.TritonBackend(splits=3).decode(q, k_cache, v_cache, landmarks, p.tables, p.seq_lens, budgets, cfg,
                                                     0.2, scales)
-    expect, expect_counts = ReferenceBackend().decode(q.double(), k_cache, v_cache, landmarks.double(), p.tables,
+    expect, expect_counts = ReferenceBackend().decode(q.double(), k_cache, v_cache, as_read(landmarks, mode), p.tables,
                                                       p.seq_lens, budgets, cfg, 0.2, scales)
     assert counts.tolist() == expect_counts.tolist()
     assert relative_error(out, expect) <= (1e-5 if q_dtype == torch.float32 else 1e-3)
@@ -702,7 +706,7 @@ def test_gpu_decode_matches_reference_bf16(tk, mode, group):
 
 
 @gpu
-@pytest.mark.parametrize("mode", ["mean", "minmax"])
+@pytest.mark.parametrize("mode", ["mean", "minmax", "mean_int8"])
 def test_gpu_fp8_pages_write_and_decode_match_reference(tk, mode):
     """e4m3 pages on the GPU: the write kernel stores what the reference stores, bit for bit (the hardware cast
     and the kernel's own rounding agree), and bf16 decode over them matches the reference to bf16 accuracy."""
@@ -716,14 +720,17 @@ def test_gpu_fp8_pages_write_and_decode_match_reference(tk, mode):
     for want, have in zip(expect[:2], got[:2]):
         assert torch.equal(have.view(torch.uint8), want.view(torch.uint8))
     assert torch.equal(got[2].k, expect[2].k) and torch.equal(got[2].v, expect[2].v)
-    torch.testing.assert_close(got[3], expect[3])
+    if mode == "mean_int8":
+        assert_int8_landmarks_close(got[3], expect[3], 128)
+    else:
+        torch.testing.assert_close(got[3], expect[3])
     cfg = SparseAttentionConfig(landmark=mode)
     k_cache, v_cache, scales, landmarks = expect
     for budget_arg in (budgets, None):
         out, _ = tk.TritonBackend().decode(q, k_cache, v_cache, landmarks, p.tables, p.seq_lens, budget_arg, cfg,
                                            128**-0.5, scales)
-        want, _ = ReferenceBackend().decode(q.double(), k_cache, v_cache, landmarks.double(), p.tables, p.seq_lens,
-                                            budget_arg, cfg, 128**-0.5, scales)
+        want, _ = ReferenceBackend().decode(q.double(), k_cache, v_cache, as_read(landmarks, mode), p.tables,
+                                            p.seq_lens, budget_arg, cfg, 128**-0.5, scales)
         _assert_attention_close(out, want)
 
 
