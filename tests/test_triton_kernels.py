@@ -116,6 +116,14 @@ def assert_int8_landmarks_close(got, want, d):
     assert torch.equal(got[..., d + 4 :], want[..., d + 4 :]), "the padding is untouched"
 
 
+def assert_landmarks_close(got, want, mode, d, rtol=None, atol=None):
+    """A kernel's landmarks against the reference's: `mean_int8` rows within an int8 step, others to float tolerance."""
+    if mode == "mean_int8":
+        assert_int8_landmarks_close(got, want, d)
+    else:
+        torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
+
+
 def physical_rows(ids, tables):
     """Reference logical block lists [B, H, K] (-1 padded) → python lists of physical ids per row."""
     rows = []
@@ -359,10 +367,7 @@ def test_interp_fp8_write_kv_matches_reference(tk, mode):
     for name, want, have in zip(("k", "v"), expect[:2], got[:2]):
         assert torch.equal(have.view(torch.uint8), want.view(torch.uint8)), name
     assert torch.equal(got[2].k, expect[2].k) and torch.equal(got[2].v, expect[2].v)
-    if mode == "mean_int8":
-        assert_int8_landmarks_close(got[3], expect[3], 32)
-    else:
-        torch.testing.assert_close(got[3], expect[3], rtol=1e-6, atol=1e-6)
+    assert_landmarks_close(got[3], expect[3], mode, 32, rtol=1e-6, atol=1e-6)
 
 
 @interp
@@ -642,10 +647,8 @@ def test_gpu_write_kv_matches_reference_bf16(tk, mode):
     assert torch.equal(got.k_cache, expect.k_cache) and torch.equal(got.v_cache, expect.v_cache)
     if mode == "minmax":
         assert torch.equal(got.landmarks, expect.landmarks), "running min/max equals the recompute bit for bit"
-    elif mode == "mean_int8":
-        assert_int8_landmarks_close(got.landmarks, expect.landmarks, 128)
     else:
-        torch.testing.assert_close(got.landmarks, expect.landmarks)
+        assert_landmarks_close(got.landmarks, expect.landmarks, mode, 128)
 
 
 @gpu
@@ -720,10 +723,7 @@ def test_gpu_fp8_pages_write_and_decode_match_reference(tk, mode):
     for want, have in zip(expect[:2], got[:2]):
         assert torch.equal(have.view(torch.uint8), want.view(torch.uint8))
     assert torch.equal(got[2].k, expect[2].k) and torch.equal(got[2].v, expect[2].v)
-    if mode == "mean_int8":
-        assert_int8_landmarks_close(got[3], expect[3], 128)
-    else:
-        torch.testing.assert_close(got[3], expect[3])
+    assert_landmarks_close(got[3], expect[3], mode, 128)
     cfg = SparseAttentionConfig(landmark=mode)
     k_cache, v_cache, scales, landmarks = expect
     for budget_arg in (budgets, None):
