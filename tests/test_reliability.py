@@ -221,15 +221,20 @@ def test_a_job_survives_a_rollout_node_removal_and_a_trainer_rank_kill(cluster, 
     assert [r.step for r in _records(run_dir)] == [0, 1, 2, 3]
 
 
-@pytest.mark.parametrize("prompts,speculate_after_s", [(16, None), (8, 1.0)], ids=["pending-groups", "speculation"])
-def test_a_slow_worker_gives_its_share_to_the_others(cluster, tiny_qwen3, tmp_path, prompts, speculate_after_s):
+@pytest.mark.parametrize("prompts,speculate_after_s,max_tokens", [(16, None, 32), (8, 1.0, 128)],
+                         ids=["pending-groups", "speculation"])
+def test_a_slow_worker_gives_its_share_to_the_others(cluster, tiny_qwen3, tmp_path, prompts, speculate_after_s,
+                                                     max_tokens):
     """4 groups a worker at a time (8 sequences, n = 2). With 16 groups a step each worker leases 4 at once, and the
     fast one comes back for the 8 still pending while the slow one works through its first 4. With 8, both workers'
     first leases take everything: only speculation (the fast worker, idle, backs up groups held 1 s) moves them.
     The slow node runs at full speed while it holds no lease, so it asks for its share of every step (stopped
-    between steps, it would lose that race to the fast worker and there would be nothing to back up)."""
+    between steps, it would lose that race to the fast worker and there would be nothing to back up). Speculation
+    needs groups the slow worker holds for seconds: at 32 tokens it could finish them in one of its 0.1 s running
+    slices, before or just after the backup started, and its own attempt won (seen once on a 2-core CI machine)."""
     settings = {} if speculate_after_s is None else {"run.recovery.speculate_after_s": speculate_after_s}
-    config, run_dir = _job(tmp_path, tiny_qwen3, "slow", steps=2, prompts=prompts, max_tokens=32, settings=settings)
+    config, run_dir = _job(tmp_path, tiny_qwen3, "slow", steps=2, prompts=prompts, max_tokens=max_tokens,
+                           settings=settings)
     with TrainingJob(config, run_dir, progress=False, log=_log) as job:
         info = ray.get(job.fleet.pool.slots[0].actor.info.remote())
         pid, slow = info["pid"], info["worker_id"]
