@@ -30,7 +30,7 @@ from ..reference.landmarks import INT8_MAX, INV_INT8_MAX
 from .attention import cache_strides, scale_strides
 
 MODE_NONE, MODE_MEAN, MODE_MINMAX, MODE_MEAN_INT8 = 0, 1, 2, 3
-LANDMARK_MODES = {"mean": MODE_MEAN, "minmax": MODE_MINMAX, "mean_int8": MODE_MEAN_INT8}
+_MODE_IDS = {"mean": MODE_MEAN, "minmax": MODE_MINMAX, "mean_int8": MODE_MEAN_INT8}
 _INV_FP8_MAX = tl.constexpr(INV_FP8_MAX)
 _INV_INT8_MAX = tl.constexpr(INV_INT8_MAX)
 _INT8_MAX = tl.constexpr(float(INT8_MAX))
@@ -155,10 +155,8 @@ def write_kv(
     mode_id = MODE_NONE
     lm = lm_scale = k_cache  # placeholder pointers, never dereferenced without landmarks
     if landmarks is not None:
-        mode_id = LANDMARK_MODES.get(mode)
-        if mode_id is None:
-            raise ValueError(f"landmark mode {mode!r}: use one of {', '.join(LANDMARK_MODES)}")
-        width = SparseAttentionConfig(landmark=mode).landmark_width(head_dim)
+        width = SparseAttentionConfig(landmark=mode).landmark_width(head_dim)  # refuses an unknown mode by name
+        mode_id = _MODE_IDS[mode]
         if landmarks.shape != (k_cache.shape[0], cache_heads, width) or not landmarks.is_contiguous():
             raise ValueError(
                 f"landmarks {tuple(landmarks.shape)}: expected a contiguous [{k_cache.shape[0]}, {cache_heads}, {width}] "

@@ -5,6 +5,8 @@ from pathlib import Path
 
 from sparrow.layout import BLOCK_SIZE, KV_CACHE_DTYPES, LANDMARK_MODES
 
+LANDMARK_HELP = "block summary: mean key (default), minmax (Quest), mean_int8 (the mean key in int8 + a float32 scale)"
+
 
 def register_rollout(actions) -> None:
     r = actions.add_parser("rollout", help="native engine: dense vs sparse rollout tokens/s, end to end")
@@ -24,7 +26,7 @@ def register_rollout(actions) -> None:
     r.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "reference", "triton"])
     r.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="K/V pages: auto = the model's dtype; fp8_e4m3 halves them (and doubles --batch auto)")
-    r.add_argument("--landmark", default="mean", choices=LANDMARK_MODES, help="block summary: mean key (default), minmax (Quest), mean_int8 (the mean key in int8 + a float32 scale)")
+    r.add_argument("--landmark", default="mean", choices=LANDMARK_MODES, help=LANDMARK_HELP)
     r.add_argument("--no-cuda-graphs", action="store_true", help="decode with eager launches on CUDA (default: graphs)")
     r.add_argument("--overlap-decode", action="store_true",
                    help="launch each decode step before reading the previous one's tokens (NativeEngineConfig.overlap_decode)")
@@ -74,7 +76,7 @@ def register_decode_step(actions) -> None:
     d.add_argument("--budget-tokens", type=int, default=1024, help="sparse budget incl. sink + recent (default 1024)")
     d.add_argument("--replays", type=int, default=50, help="graph replays per point (median reported)")
     d.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help="K/V pages (default: bf16)")
-    d.add_argument("--landmark", default="mean", choices=LANDMARK_MODES, help="block summary: mean key (default), minmax (Quest), mean_int8 (the mean key in int8 + a float32 scale)")
+    d.add_argument("--landmark", default="mean", choices=LANDMARK_MODES, help=LANDMARK_HELP)
     d.add_argument("--out", type=Path, help="JSON path (default benchmarks/results/decode-step-<gpu>-<time>.json)")
     d.set_defaults(handler=run_decode_step)
 

@@ -80,10 +80,11 @@ def build_engine(args, model, batch: int):
     total = args.prompt_len + args.gen_len
     layout = bench_layout(args)
     config = NativeEngineConfig(
-        landmark=layout.landmark, device=str(model.device), dtype=args.dtype, attention_backend=args.attention_backend, max_num_seqs=batch,
+        device=str(model.device), dtype=args.dtype, attention_backend=args.attention_backend, max_num_seqs=batch,
         cuda_graphs=False if args.no_cuda_graphs else None, tensor_parallel_size=args.tensor_parallel,
         symmetric_memory_all_reduce=not args.nccl_all_reduce,
         overlap_decode=args.overlap_decode, fused_sampling=not args.eager_sampler, kv_cache_dtype=args.kv_cache_dtype,
+        landmark=layout.landmark,
         num_kv_blocks=batch * layout.blocks_for(total + 1) + SPARE_BLOCKS,
         max_model_len=min(total + layout.block_size, model.rope.cos.shape[0]),
         prefill_chunk_size=max(2048, args.prompt_len),
