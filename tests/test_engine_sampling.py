@@ -84,3 +84,24 @@ def test_stop_conditions(tiny_qwen3):
     assert eos.finish_reason == "stop" and len(eos.token_ids) == first + 1
     no_logprobs = run(engine, [prompt], max_tokens=3, temperature=0, logprobs=0, ignore_eos=True)[0]
     assert no_logprobs.top_ids.shape == (3, 0)
+
+
+def test_each_sample_keeps_its_own_number_of_top_logprobs_past_the_history_growth(tiny_qwen3):
+    """A batch's top lists are as wide as its widest request; each sample keeps its own k, for every one of its
+    tokens (100 here: the host record grows past its first 64 rows), and matches the same request run alone."""
+    engine = NativeEngine.from_pretrained(tiny_qwen3, num_kv_blocks=128)
+    prompt = list(range(5, 30))
+    requests = [RolloutRequest(f"k{k}", tuple(prompt), SamplingParams(max_tokens=100, temperature=1.0, seed=3,
+                                                                       logprobs=k, ignore_eos=True)) for k in (2, 5)]
+    together = engine.generate(requests)
+    for request, sample in zip(requests, together):
+        k = request.sampling.logprobs
+        alone = engine.generate([request])[0]
+        assert sample.top_ids.shape == sample.top_logprobs.shape == (100, k)
+        assert sample.logprobs.shape == sample.blocks_attended.shape == (100,)
+        assert torch.equal(sample.token_ids, alone.token_ids) and torch.equal(sample.top_ids, alone.top_ids)
+        assert torch.allclose(sample.top_logprobs, alone.top_logprobs, atol=1e-5)
+        assert torch.equal(sample.blocks_attended, alone.blocks_attended)
+        assert (sample.top_logprobs[:, :-1] >= sample.top_logprobs[:, 1:]).all()
+        sampled = sample.top_ids == sample.token_ids[:, None]
+        assert torch.allclose(sample.top_logprobs[sampled], sample.logprobs[sampled.any(1)], atol=1e-6)

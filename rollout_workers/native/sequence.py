@@ -2,6 +2,7 @@
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from sparrow.rollout_workers.api import RolloutRequest, RolloutSample
@@ -12,40 +13,76 @@ from .sampler import SampleOutput
 
 @dataclass
 class Draws:
-    """One step's draw for a batch of sequences: the tokens and whether each row's logits were finite (on the
-    host), and what a sample keeps per token (the sampler's output and the blocks attended, on the device)."""
+    """One step's draws for a batch of sequences, on the host: the tokens and whether each row's logits were finite,
+    and what a sample keeps per token, packed by type. `output` stays on the device: its tokens feed the next step."""
 
     output: SampleOutput
-    blocks: torch.Tensor
     tokens: list[int]
     finite: list[int]
+    floats: np.ndarray
+    """`[R, 1 + K]` float32: the sampled token's logprob, then the top-K logprobs."""
+    ints: np.ndarray
+    """`[R, 1 + K]` int64: blocks attended, then the top-K token ids."""
 
 
 class PendingDraws:
-    """A step's draws on their way to the host: the tokens and finiteness flags (the step's only
-    device-to-host copy; logprobs and top-k lists stay on the device until a sample ends) are copied into
-    pinned memory without waiting, so the host can launch the next step before reading them (`resolve`)."""
+    """A step's draws on their way to the host: tokens, finiteness flags, logprobs, top-k lists and blocks attended
+    are packed into two tensors (one per type) and copied into pinned memory without waiting, so the host can launch
+    the next step before reading them (`resolve`). A sample's per-token record is then written on the host while the
+    GPU runs the next step, instead of gathered from every step's device tensors when the sample ends (that gather,
+    ~15 us a token, made the last step of a 24-sample 32K rollout of the 8B shape on an H200 take 12-16 s)."""
 
-    def __init__(self, output: SampleOutput, blocks: torch.Tensor, host: torch.Tensor, ready):
-        self.output, self.blocks, self._host, self._ready = output, blocks, host, ready
+    def __init__(self, output: SampleOutput, floats: torch.Tensor, ints: torch.Tensor, ready):
+        self.output, self._floats, self._ints, self._ready = output, floats, ints, ready
 
     @classmethod
     def launch(cls, output: SampleOutput, blocks: torch.Tensor) -> "PendingDraws":
-        flags = torch.stack([output.tokens, output.finite.long()])
-        if flags.device.type != "cuda":
-            return cls(output, blocks, flags, None)
-        host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
-        host.copy_(flags, non_blocking=True)
+        floats = torch.cat([output.logprobs[:, None], output.top_logprobs], dim=1)
+        ints = torch.cat([output.tokens[:, None], output.finite[:, None].long(), blocks[:, None].long(),
+                          output.top_ids.long()], dim=1)
+        if floats.device.type != "cuda":
+            return cls(output, floats, ints, None)
+        host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in (floats, ints)]
+        for dst, src in zip(host, (floats, ints)):
+            dst.copy_(src, non_blocking=True)
         ready = torch.cuda.Event()
         ready.record()
-        return cls(output, blocks, host, ready)
+        return cls(output, *host, ready)
 
     def resolve(self) -> Draws:
-        """Wait for the copy; the draws with their tokens on the host."""
+        """Wait for the copies; the draws on the host."""
         if self._ready is not None:
             self._ready.synchronize()
-        tokens, finite = self._host.tolist()
-        return Draws(self.output, self.blocks, tokens, finite)
+        ints = self._ints.numpy()
+        return Draws(self.output, ints[:, 0].tolist(), ints[:, 1].tolist(), self._floats.numpy(), ints[:, 2:])
+
+
+class TokenHistory:
+    """What a sample keeps per generated token (its logprob, top-k lists and blocks attended) in host arrays that
+    grow by doubling: one row written per token as its step is read, one copy out when the sample ends."""
+
+    def __init__(self, num_logprobs: int):
+        self.k, self.n = num_logprobs, 0
+        self.floats = np.empty((0, 1 + num_logprobs), np.float32)
+        self.ints = np.empty((0, 1 + num_logprobs), np.int64)
+
+    def append(self, draws: Draws, row: int) -> None:
+        if self.n == len(self.floats):
+            self.floats, self.ints = (_grown(a, max(64, 2 * self.n)) for a in (self.floats, self.ints))
+        self.floats[self.n] = draws.floats[row, : 1 + self.k]
+        self.ints[self.n] = draws.ints[row, : 1 + self.k]
+        self.n += 1
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(logprobs [n], top_ids [n, k], top_logprobs [n, k], blocks_attended [n] int32), each its own copy."""
+        floats, ints = torch.from_numpy(self.floats[: self.n]), torch.from_numpy(self.ints[: self.n])
+        return (floats[:, 0].clone(), ints[:, 1:].clone(), floats[:, 1:].clone(), ints[:, 0].to(torch.int32))
+
+
+def _grown(a: np.ndarray, rows: int) -> np.ndarray:
+    out = np.empty((rows, *a.shape[1:]), a.dtype)
+    out[: len(a)] = a
+    return out
 
 
 @dataclass(eq=False)
@@ -70,9 +107,12 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     reserved_blocks: list[int] = field(default_factory=list)
     budgets: list[int] = field(default_factory=list)
-    records: list[tuple[SampleOutput, torch.Tensor, int]] = field(default_factory=list)
     schedule_versions: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    history: TokenHistory = field(init=False)
+
+    def __post_init__(self):
+        self.history = TokenHistory(self.sampling.logprobs)
 
     @property
     def num_tokens(self) -> int:
@@ -101,13 +141,12 @@ class Sequence:
     def record(self, draws: Draws, row: int, schedule_version: int) -> None:
         """Append the token drawn for this sequence at `row` of a step's batch."""
         self.token_ids.append(draws.tokens[row])
-        self.records.append((draws.output, draws.blocks, row))
+        self.history.append(draws, row)
         if not self.schedule_versions or self.schedule_versions[-1] != schedule_version:
             self.schedule_versions.append(schedule_version)
 
     def to_sample(self, policy_version: int) -> RolloutSample:
-        k = self.sampling.logprobs
-        recs = self.records
+        logprobs, top_ids, top_logprobs, blocks = self.history.tensors()
         metadata = dict(self.request.metadata)
         if len(self.schedule_versions) > 1:
             metadata["schedule_versions"] = ",".join(map(str, self.schedule_versions))
@@ -116,10 +155,10 @@ class Sequence:
             sample_index=self.sample_index,
             prompt_token_ids=list(self.token_ids[: self.prompt_len]),
             token_ids=torch.tensor(self.token_ids[self.prompt_len :], dtype=torch.long),
-            logprobs=torch.stack([o.logprobs[r] for o, _, r in recs]).cpu(),
-            top_ids=torch.stack([o.top_ids[r, :k] for o, _, r in recs]).cpu(),
-            top_logprobs=torch.stack([o.top_logprobs[r, :k] for o, _, r in recs]).cpu(),
-            blocks_attended=torch.stack([b[r] for _, b, r in recs]).to(torch.int32).cpu(),
+            logprobs=logprobs,
+            top_ids=top_ids,
+            top_logprobs=top_logprobs,
+            blocks_attended=blocks,
             finish_reason=self.finish_reason,
             policy_version=policy_version,
             schedule_version=self.schedule_versions[-1],
