@@ -14,9 +14,9 @@ from .sampler import SampleOutput
 @dataclass
 class Draws:
     """One step's draws for a batch of sequences, on the host: the tokens and whether each row's logits were finite,
-    and what a sample keeps per token, packed by type. `output` stays on the device: its tokens feed the next step."""
+    and what a sample keeps per token, packed by type (the device copy of the tokens, which feeds the next step, stays
+    with `PendingDraws`)."""
 
-    output: SampleOutput
     tokens: list[int]
     finite: list[int]
     floats: np.ndarray
@@ -54,7 +54,7 @@ class PendingDraws:
         if self._ready is not None:
             self._ready.synchronize()
         ints = self._ints.numpy()
-        return Draws(self.output, ints[:, 0].tolist(), ints[:, 1].tolist(), self._floats.numpy(), ints[:, 2:])
+        return Draws(ints[:, 0].tolist(), ints[:, 1].tolist(), self._floats.numpy(), ints[:, 2:])
 
 
 class TokenHistory:
