@@ -1,6 +1,7 @@
-"""Block selection alone at the Table 4 decode shape (batch 8 × 8 KV heads, 1024-token budget) and at the Qwen3-4B
-protocol's (batch 24 × 8 KV heads, the 0.86 schedule's 384 blocks at 32K), per warp count, checked against the
-reference selection. CUDA-graph replays, cold L2; prints a table last.
+"""Block selection alone at the Table 4 decode shape (batch 8 × 8 KV heads, 1024-token budget), at the Qwen3-4B
+protocol's (batch 24 × 8 KV heads, the 0.86 schedule's 384 blocks at 32K) and at the Qwen3-8B protocol's with FP8 pages
+(batch 40, 320 blocks), per warp count, checked against the reference selection. CUDA-graph replays, cold L2; prints a
+table last.
 
 Usage (CUDA machine, repo root): python benchmarks/select_sweep.py [out.json]
 """
@@ -17,7 +18,7 @@ from sparrow.kernels.triton.selection import select_blocks
 from sparrow.tables import format_table
 
 HEADS, BS = 8, 16
-SHAPES = ((8, 64), (24, 384))  # (batch, budget in blocks)
+SHAPES = ((8, 64), (24, 384), (40, 320))  # (batch, budget in blocks)
 
 
 def main(out: str | None = None) -> None:
@@ -35,7 +36,7 @@ def main(out: str | None = None) -> None:
         ids, _ = ref.select_blocks(scores.view(batch, HEADS, -1), torch.full((batch,), n, device="cuda"), budgets, 1, 2)
         expect = torch.gather(tables.long()[:, None, :].expand(-1, HEADS, -1), 2, ids.clamp(min=0)).view(batch * HEADS, -1)
         expect = expect.sort(dim=1).values.cpu()
-        for warps in (4, 8, 16):
+        for warps in (1, 2, 4, 8, 16):
             def run(warps=warps):
                 select_blocks(scores, tables, lens, budgets, selected, counts, num_kv_heads=HEADS, block_size=BS,
                               sink=1, recent=2, num_warps=warps)
