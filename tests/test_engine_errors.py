@@ -119,7 +119,9 @@ def test_bench_rollout_one_mode_per_run_then_merge(tmp_path, capsys):
                                 "peak_reserved_gb": 119.0}
         (tmp_path / f"{mode}-gpu.json").write_text(json.dumps(report))
     assert main(["bench", "rollout-merge", str(tmp_path / "dense-gpu.json"), str(tmp_path / "sparse-gpu.json")]) == 0
-    assert "GPU memory: 131.0 of 150.0 GB in use with the engine" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "GPU memory: 131.0 of 150.0 GB in use with the engine" in text
+    assert "last step ms" in text  # the step that hands out the samples: where an end-of-run cost shows
     other = json.loads((tmp_path / "sparse.json").read_text()) | {"gen_len": 7}
     (tmp_path / "other.json").write_text(json.dumps(other))
     assert main(["bench", "rollout-merge", str(tmp_path / "dense.json"), str(tmp_path / "other.json")]) == 2

@@ -386,7 +386,7 @@ def render(report: dict) -> str:
     modes = report["modes"]
     rows = [[mode if mode == "dense" else f"sparse ({report['schedule']})", f"{r['prefill_seconds']:.2f}",
              f"{r['decode_seconds']:.2f}", f"{r['decode_tok_s']:.1f}", f"{r['total_tok_s']:.1f}",
-             f"{r['median_step_ms']:.2f}", "-" if r["mean_blocks"] is None else f"{r['mean_blocks']:.1f}",
+             f"{r['median_step_ms']:.2f}", f"{r['last_step_ms']:.2f}", "-" if r["mean_blocks"] is None else f"{r['mean_blocks']:.1f}",
              "yes" if r["truncated"] else "no"]
             for mode, r in modes.items()]
     threads = f", {report['threads']} threads" if report.get("threads") else ""
@@ -401,7 +401,7 @@ def render(report: dict) -> str:
              f"({report['batch'] // report['samples']} prompts x {report['samples']}), prompt {report['prompt_len']} "
              f"+ gen {report['gen_len']} tokens",
              format_table(["mode", "prefill s", "decode s", "decode tok/s", "total tok/s", "median step ms",
-                           "blocks/token", "truncated"], rows)]
+                           "last step ms", "blocks/token", "truncated"], rows)]
     if report.get("start_step") or report.get("end_step"):
         span = f"up to decode step {report['end_step'] - 1}" if report.get("end_step") else "on"
         lines.append(f"from decode step {report.get('start_step', 0)} {span} (other steps not measured here)")
