@@ -59,16 +59,18 @@ class PendingDraws:
 
 class TokenHistory:
     """What a sample keeps per generated token (its logprob, top-k lists and blocks attended) in host arrays that
-    grow by doubling: one row written per token as its step is read, one copy out when the sample ends."""
+    grow by doubling up to `max_tokens` rows: one row written per token as its step is read, one copy out when the
+    sample ends."""
 
-    def __init__(self, num_logprobs: int):
-        self.k, self.n = num_logprobs, 0
+    def __init__(self, num_logprobs: int, max_tokens: int):
+        self.k, self.n, self.max_tokens = num_logprobs, 0, max_tokens
         self.floats = np.empty((0, 1 + num_logprobs), np.float32)
         self.ints = np.empty((0, 1 + num_logprobs), np.int64)
 
     def append(self, draws: Draws, row: int) -> None:
         if self.n == len(self.floats):
-            self.floats, self.ints = (_grown(a, max(64, 2 * self.n)) for a in (self.floats, self.ints))
+            rows = max(self.n + 1, min(max(64, 2 * self.n), self.max_tokens))
+            self.floats, self.ints = (_grown(a, rows) for a in (self.floats, self.ints))
         self.floats[self.n] = draws.floats[row, : 1 + self.k]
         self.ints[self.n] = draws.ints[row, : 1 + self.k]
         self.n += 1
@@ -112,7 +114,7 @@ class Sequence:
     history: TokenHistory = field(init=False)
 
     def __post_init__(self):
-        self.history = TokenHistory(self.sampling.logprobs)
+        self.history = TokenHistory(self.sampling.logprobs, self.sampling.max_tokens)
 
     @property
     def num_tokens(self) -> int:
