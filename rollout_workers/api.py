@@ -181,10 +181,6 @@ class RequestFeed:
         self._wake()
 
     @property
-    def closed(self) -> bool:
-        return self._closed
-
-    @property
     def exhausted(self) -> bool:
         """Closed, and every request taken."""
         with self._lock:

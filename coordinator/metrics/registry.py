@@ -337,10 +337,6 @@ class SparrowMetrics:
     def record_reward_error(self, reason: str) -> None:
         self.reward_errors.labels(worker=self.worker, pool=self.pool, reason=reason).inc()
 
-    def record_staleness(self, trainer_version: int, policy_versions: Iterable[int]) -> None:
-        for v in policy_versions:
-            self.staleness.labels(pool="trainer").observe(trainer_version - v)
-
     # trainer ranks -------------------------------------------------------------------------------
     def record_train_step(self, metrics: Mapping[str, float], skipped_updates: int | None = None) -> None:
         """A rank's `StepResult.metrics` (train/tokens_per_s, train/seconds, train/pg_loss,

@@ -47,10 +47,6 @@ class ModelSpec:
     rope: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
     eos_token_ids: tuple[int, ...] = ()
 
-    @property
-    def group_size(self) -> int:
-        return self.num_heads // self.num_kv_heads
-
 
 def _read_json(path: Path, what: str) -> dict:
     if not path.is_file():

@@ -59,10 +59,6 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    @property
-    def num_in_flight(self) -> int:
-        return len(self.running) + len(self.waiting)
-
     # ------------------------------------------------------------------ admission
 
     def check(self, request: RolloutRequest) -> None:
