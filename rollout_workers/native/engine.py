@@ -351,7 +351,7 @@ class NativeEngine(RolloutEngine):
         chained = self._chain(prev)
         if chained:
             row = {seq: i for i, seq in enumerate(prev.seqs)}
-            fed = prev.draws.output.tokens[to_device([row[s] for s in chained], self.runner.device)]
+            fed = prev.draws.device_tokens[to_device([row[s] for s in chained], self.runner.device)]
             self._inflight = _InFlight(chained, self.runner.launch_decode(chained, fed), self.schedule_version)
             self._counters["decode_steps"] += 1
             self._counters["decode_steps_overlapped"] += 1
