@@ -43,7 +43,7 @@ from sparrow.schedule import SparsitySchedule
 from .config import SparrowConfig
 from .data import PromptSource, eval_prompts
 from .dispatcher import Dispatcher
-from .fleet import JobFailed, RolloutFleet, WorkerSetup, describe
+from .fleet import JobFailed, RolloutFleet, WorkerSetup, describe, settled
 from .pools import TrainerPool
 from .progress import Progress, fmt, step_line
 from .ray_session import RaySession
@@ -460,7 +460,7 @@ class TrainingJob:
             trainer = [a.publish_weights.remote(self.version, "collective") for a in self.trainers.actors]
             workers = self.fleet.submit("receive_weights", rollback, slots=self.group_members)
             report = self._trainer_call(trainer)[0]
-            loads = _settled(workers)
+            loads = settled(workers)
             if report.refused:
                 raise PublishRefused(report.refused)
             self.fleet.setup.weights = None  # a worker joining later gets an object-store copy (`_weights_for_joiners`)
@@ -487,17 +487,17 @@ class TrainingJob:
         self.loads += self.fleet.submit("load_weights", report.handle, slots=joining)
 
     def _settle_loads(self) -> list[dict]:
-        loads, self.loads = _settled(self.loads), []
+        loads, self.loads = settled(self.loads), []
         return loads
 
     def _push_schedule(self, schedule: SparsitySchedule) -> None:
         """The schedule to every rollout worker and every trainer rank (α bins). A worker applies it at its
         next barrier; sync mode waits for that (the workers are idle between steps), async mode does not."""
         self.fleet.setup.schedule = schedule
-        _settled(self.schedule_pushes)
+        settled(self.schedule_pushes)
         self.schedule_pushes = self.fleet.submit("set_schedule", schedule)
         if self.config.run.mode == "sync":
-            _settled(self.schedule_pushes)
+            settled(self.schedule_pushes)
             self.schedule_pushes = []
         self.trainers.call("set_schedule", schedule.to_dict())
         self.metrics.set_schedule(schedule, self.controller_config.target)
@@ -589,7 +589,7 @@ class TrainingJob:
         """Back to version 0 (no checkpoint yet): the initial weights, published from the fresh trainer pool."""
         report = self.trainers.call("publish_weights", 0, "object_store")[0]
         self.fleet.setup.weights = report.handle
-        _settled(self.fleet.submit("load_weights", report.handle, True))
+        settled(self.fleet.submit("load_weights", report.handle, True))
         report.handle = None
 
     # ControlHandler: the coordinator's ControlService (`sparrow pool`), called on transport threads
@@ -652,14 +652,3 @@ def _rollout_seconds(work) -> float:
     if work.first_lease is None or work.last_done is None:
         return 0.0
     return work.last_done - work.first_lease
-
-
-def _settled(refs: list) -> list:
-    """Results of the refs whose actors are still alive (a worker lost meanwhile is replaced by the fleet)."""
-    out = []
-    for ref in refs:
-        try:
-            out.append(ray.get(ref))
-        except RayActorError:
-            continue
-    return out

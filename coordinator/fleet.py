@@ -258,14 +258,7 @@ class RolloutFleet:
 
     def broadcast(self, method: str, *args) -> list:
         """Call `method` on every worker and wait; workers that died meanwhile are skipped (check() replaces them)."""
-        refs = self.submit(method, *args)
-        out = []
-        for ref in refs:
-            try:
-                out.append(ray.get(ref))
-            except RayActorError:
-                continue
-        return out
+        return settled(self.submit(method, *args))
 
     def submit(self, method: str, *args, slots: list[WorkerSlot] | None = None) -> list:
         """Call `method` on `slots` (default: every worker, joining ones included); the refs."""
@@ -290,3 +283,14 @@ def describe(exc: BaseException) -> str:
         exc = cause
     text = str(exc).strip().splitlines()
     return f"{exc.__class__.__name__}: {text[-1]}" if text else exc.__class__.__name__
+
+
+def settled(refs: list) -> list:
+    """Results of the refs whose actors are still alive (a worker lost meanwhile is replaced by `RolloutFleet.check`)."""
+    out = []
+    for ref in refs:
+        try:
+            out.append(ray.get(ref))
+        except RayActorError:
+            continue
+    return out
