@@ -69,14 +69,17 @@ def _decode_attention_kernel(
     h = row % H
     seq_len = tl.load(seq_len_ptr + b).to(tl.int32)
     n = (seq_len + BS - 1) // BS
+    # The row's block list is chosen once, not per tile: two masked loads a tile (one always empty) made FP8 sparse
+    # layers 19 % slower per token than dense ones (H200, docs/performance.md).
+    row_table = block_table_ptr + b * stride_bt
     if DENSE:
-        dense_row = n >= 0
+        ids_ptr = row_table
         count = n
         if WRITE_COUNT:  # blocks attended, so a dense step needs no extra launches to report them
             tl.store(count_ptr + b, n.to(count_ptr.dtype.element_ty), mask=(h == 0) & (split == 0))
     else:
         budget = tl.maximum(tl.minimum(tl.load(budget_ptr + b), 1 << 30).to(tl.int32), sink + recent)
-        dense_row = n <= budget
+        ids_ptr = tl.where(n <= budget, row_table, sel_ptr + row * stride_sel)
         count = tl.minimum(n, budget)
     per_split = tl.cdiv(tl.cdiv(count, num_splits), PPI) * PPI
     lo = split * per_split
@@ -105,12 +108,7 @@ def _decode_attention_kernel(
     for start in range(lo, hi, PPI):
         entry = start + tok_block
         in_range = entry < hi
-        if DENSE:
-            ids = tl.load(block_table_ptr + b * stride_bt + entry, mask=in_range, other=0).to(tl.int64)
-        else:
-            from_table = tl.load(block_table_ptr + b * stride_bt + entry, mask=entry < tl.where(dense_row, hi, 0), other=0)
-            from_sel = tl.load(sel_ptr + row * stride_sel + entry, mask=entry < tl.where(dense_row, 0, hi), other=0)
-            ids = tl.where(dense_row, from_table.to(tl.int64), from_sel.to(tl.int64))
+        ids = tl.load(ids_ptr + entry, mask=in_range, other=0).to(tl.int64)
         valid = in_range & ((entry != count - 1) | (tok_off < last_len))
         offs = ids * stride_cb + head_base + tok_off * stride_ct
         if VEC > 1:  # rows start on 16-byte boundaries: one vector load per thread and row
