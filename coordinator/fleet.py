@@ -265,15 +265,10 @@ class RolloutFleet:
         return [getattr(s.actor, method).remote(*args) for s in (self.reachable if slots is None else slots)]
 
     def progress(self) -> list[dict]:
+        """Best effort: the reports that arrive within a second; any failed one is skipped, not only a lost actor's."""
         refs = [s.actor.progress.remote() for s in self.live]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=1.0)
-        out = []
-        for ref in ready:
-            try:
-                out.append(ray.get(ref))
-            except RayError:
-                continue
-        return out
+        return settled(ready, skip=RayError)
 
 
 def describe(exc: BaseException) -> str:
@@ -285,12 +280,13 @@ def describe(exc: BaseException) -> str:
     return f"{exc.__class__.__name__}: {text[-1]}" if text else exc.__class__.__name__
 
 
-def settled(refs: list) -> list:
-    """Results of the refs whose actors are still alive (a worker lost meanwhile is replaced by `RolloutFleet.check`)."""
+def settled(refs: list, skip: type[Exception] = RayActorError) -> list:
+    """Results of the refs whose actors are still alive (a worker lost meanwhile is replaced by `RolloutFleet.check`);
+    a ref failing with `skip` is left out."""
     out = []
     for ref in refs:
         try:
             out.append(ray.get(ref))
-        except RayActorError:
+        except skip:
             continue
     return out
