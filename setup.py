@@ -13,6 +13,7 @@ FOLDERS = {
     "sparrow.trainer": "trainer",
     "sparrow.coordinator": "coordinator",
     "sparrow.protos": "protos",
+    "sparrow.bench": "benchmarks",
 }
 
 packages, package_dir = [], {}

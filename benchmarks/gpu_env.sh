@@ -15,5 +15,6 @@ fi
 # missing PYTHONPATH once the symlinks exist).
 if ! python3 -P -c "import sparrow.rollout_workers.native" 2>/dev/null; then
   for pkg in coordinator kernels protos rollout_workers trainer; do [ -e "sparrow/$pkg" ] || ln -s "../$pkg" "sparrow/$pkg"; done
+  [ -e sparrow/bench ] || ln -s ../benchmarks sparrow/bench
   export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 fi
