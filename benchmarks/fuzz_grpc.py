@@ -1,4 +1,4 @@
-"""Fuzz every RPC with hypothesis-generated malformed messages (sparrow.coordinator.transport.fuzz) against
+"""Fuzz every RPC with hypothesis-generated malformed messages (sparrow.bench.fuzz) against
 a trajectory server and a coordinator-like control server (ResizePool; Drain answered UNIMPLEMENTED) in
 child processes; prints tables last.
 
@@ -15,10 +15,10 @@ import argparse
 import time
 from collections import Counter
 
+from sparrow.bench.fuzz.cases import cases, fuzz_config
+from sparrow.bench.fuzz.fuzzer import Fuzzer, FuzzReport, FuzzTargets, valid_traffic
+from sparrow.bench.fuzz.harness import ServerProcess
 from sparrow.coordinator.transport import JobCredentials
-from sparrow.coordinator.transport.fuzz import Fuzzer, FuzzReport, FuzzTargets, valid_traffic
-from sparrow.coordinator.transport.fuzz_cases import cases, fuzz_config
-from sparrow.coordinator.transport.harness import ServerProcess
 from sparrow.tables import format_table
 
 HANDLER_FAILURES = ("UNKNOWN", "INTERNAL")

@@ -13,8 +13,8 @@ import statistics
 import sys
 import time
 
+from sparrow.bench.fuzz.harness import ServerProcess, StreamLoad, send_latencies
 from sparrow.coordinator.transport import JobCredentials, TransportConfig
-from sparrow.coordinator.transport.harness import ServerProcess, StreamLoad, send_latencies
 from sparrow.tables import format_table
 
 

@@ -2,10 +2,10 @@
 gets the answer its mutation calls for and valid traffic still flows afterwards.
 benchmarks/fuzz_grpc.py runs the same with >= 10,000 messages against servers in child processes."""
 
+from sparrow.bench.fuzz.cases import cases, fuzz_config
+from sparrow.bench.fuzz.fuzzer import Fuzzer, FuzzTargets, valid_traffic
+from sparrow.bench.fuzz.harness import PoolRecorder
 from sparrow.coordinator.transport import ControlServer, JobCredentials, TrajectoryServer
-from sparrow.coordinator.transport.fuzz import Fuzzer, FuzzTargets, valid_traffic
-from sparrow.coordinator.transport.fuzz_cases import cases, fuzz_config
-from sparrow.coordinator.transport.harness import PoolRecorder
 
 
 def test_malformed_messages_are_answered_naming_the_field_and_the_servers_keep_serving():

@@ -3,8 +3,8 @@ nor add server threads (before grpc.aio, 20 idle streams took 16 pool threads an
 
 import statistics
 
+from sparrow.bench.fuzz.harness import ServerProcess, StreamLoad, send_latencies
 from sparrow.coordinator.transport import JobCredentials, TransportConfig
-from sparrow.coordinator.transport.harness import ServerProcess, StreamLoad, send_latencies
 
 
 def test_256_streams_neither_starve_a_valid_sender_nor_grow_the_server_threads():

@@ -13,6 +13,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from sparrow.bench.fuzz.harness import PoolRecorder
 from sparrow.coordinator.config import ConfigError, load_config
 from sparrow.coordinator.transport import (
     ControlClient,
@@ -27,7 +28,6 @@ from sparrow.coordinator.transport import (
     TransportError,
     trajectory_to_proto,
 )
-from sparrow.coordinator.transport.harness import PoolRecorder
 from sparrow.coordinator.transport.pki import issue, new_ca
 from sparrow.protos import sparrow_v1_pb2 as pb
 from sparrow.protos import sparrow_v1_pb2_grpc as pb_grpc

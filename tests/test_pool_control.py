@@ -12,6 +12,7 @@ import threading
 import grpc
 import pytest
 
+from sparrow.bench.fuzz.harness import PoolRecorder
 from sparrow.cli.main import main
 from sparrow.coordinator.transport import (
     ControlClient,
@@ -24,7 +25,6 @@ from sparrow.coordinator.transport import (
     read_endpoint,
 )
 from sparrow.coordinator.transport.endpoint import CONTROL_DIR, EndpointError
-from sparrow.coordinator.transport.harness import PoolRecorder
 from sparrow.coordinator.transport.pki import issue, new_ca
 from sparrow.protos import sparrow_v1_pb2 as pb
 from sparrow.protos import sparrow_v1_pb2_grpc as pb_grpc

@@ -3,7 +3,7 @@ handler that resizes pools like the coordinator's and records what it was asked.
 
 Shared by tests/test_grpc_load.py and the benchmarks grpc_many_clients.py and fuzz_grpc.py. The
 server runs in its own process so that its threads and memory are measured
-alone and a crash shows as a dead process. Run as `python -m sparrow.coordinator.transport.harness`
+alone and a crash shows as a dead process. Run as `python -m sparrow.bench.fuzz.harness`
 it is that child: it reads its config and credentials from stdin, prints its port, empties its queue
 and answers `stats` / `resume` lines with one JSON line each.
 """
@@ -25,12 +25,13 @@ import psutil
 from sparrow.protos import sparrow_v1_pb2 as pb
 from sparrow.protos import sparrow_v1_pb2_grpc as pb_grpc
 
-from .auth import HEADER, bearer
-from .client import TrajectoryClient
-from .config import TransportConfig
-from .control import Health, PoolStatus
+from sparrow.coordinator.transport.auth import HEADER, bearer
+from sparrow.coordinator.transport.client import TrajectoryClient
+from sparrow.coordinator.transport.config import TransportConfig
+from sparrow.coordinator.transport.control import Health, PoolStatus
+from sparrow.coordinator.transport.security import JobCredentials
+
 from .examples import valid_sample
-from .security import JobCredentials
 
 SEPARATE_CONNECTION = ("grpc.use_local_subchannel_pool", 1)
 """Channel option: a channel of its own TCP connection (gRPC shares one between equal channels otherwise)."""
@@ -126,7 +127,7 @@ class ServerProcess:
 
 
 def _serve_child() -> None:
-    from .servers import ControlServer, TrajectoryServer
+    from sparrow.coordinator.transport.servers import ControlServer, TrajectoryServer
 
     config_json, credentials, kind = pickle.loads(base64.b64decode(sys.stdin.readline()))
     config = TransportConfig.model_validate_json(config_json)

@@ -1,4 +1,4 @@
-"""Sending fuzz cases (`fuzz_cases.py`) to real servers and judging every answer.
+"""Sending fuzz cases (`cases.py`) to real servers and judging every answer.
 
 Used by benchmarks/fuzz_grpc.py (>= 10,000 messages) and tests/test_grpc_fuzz.py (a small sample).
 """
@@ -11,11 +11,12 @@ import grpc
 
 from sparrow.protos import sparrow_v1_pb2 as pb
 
-from .client import ControlClient, TrajectoryClient
-from .config import TransportConfig
+from sparrow.coordinator.transport.client import ControlClient, TrajectoryClient
+from sparrow.coordinator.transport.config import TransportConfig
+from sparrow.coordinator.transport.security import JobCredentials
+
+from .cases import STREAMS, Answer, Call, Payload
 from .examples import valid_sample
-from .fuzz_cases import STREAMS, Answer, Call, Payload
-from .security import JobCredentials
 
 BATCH = 16
 """Stream payloads sent on one stream (below the granted window, so all are in flight at once)."""

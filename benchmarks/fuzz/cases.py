@@ -8,7 +8,7 @@ bytes) and unary requests each get a call of their own (`Call`) and must end wit
 details start with the field. ResizePool goes to a coordinator-like control server (`FuzzTargets.control`)
 and, valid, to the trajectory server too, which cannot resize (UNIMPLEMENTED). Random bytes that happen
 to parse are judged by what they parse to (there the validator is the oracle). Generation only:
-`fuzz.py` sends the cases.
+`fuzzer.py` sends the cases.
 """
 
 import itertools
@@ -20,11 +20,11 @@ from google.protobuf.message import DecodeError
 from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 
+from sparrow.coordinator.transport.config import TransportConfig
+from sparrow.coordinator.transport.validate import MAX_ID_CHARS, MAX_POOL_SIZE, MAX_TEXT_CHARS, InvalidMessage, validate_resize_pool, validate_sample
 from sparrow.protos import sparrow_v1_pb2 as pb
 
-from .config import TransportConfig
 from .examples import valid_sample
-from .validate import MAX_ID_CHARS, MAX_POOL_SIZE, MAX_TEXT_CHARS, InvalidMessage, validate_resize_pool, validate_sample
 
 INT32 = (-(2**31), 2**31 - 1)
 INT64 = (-(2**63), 2**63 - 1)
