@@ -90,6 +90,35 @@ def test_each_invalid_field_is_named(field):
     assert exc.value.field == field
 
 
+def failed_with_top_k(k: int) -> pb.Sample:
+    failed = RolloutSample.failed(RolloutRequest("r1", (1, 2)), 0, "engine crashed", policy_version=1, schedule_version=0)
+    msg = trajectory_to_proto(Trajectory.of(failed))
+    msg.top_k = k
+    return msg
+
+
+@pytest.mark.parametrize("k", [-1, -(2**31), 65, 100_000])
+def test_a_failed_sample_is_held_to_the_top_k_rule_too(k):
+    """The ERROR branch used to return before the top_k rule: -1 crashed the conversion, 100000 was queued."""
+    with pytest.raises(InvalidMessage, match=rf"top_k: ={k} must be in \[0, max_top_k=64\]") as exc:
+        validate_sample(failed_with_top_k(k), CONFIG)
+    assert exc.value.field == "top_k"
+
+
+@pytest.mark.parametrize("field,mutate", [
+    ("top_k", lambda m: setattr(m, "top_k", -1)),
+    ("top_ids", lambda m: m.top_ids.pop()),
+    ("top_logprobs", lambda m: m.top_logprobs.append(-1.0)),
+    ("finish_reason", lambda m: setattr(m, "finish_reason", 7)),
+])
+def test_conversion_of_an_unvalidated_message_names_the_field_instead_of_crashing(field, mutate):
+    """trajectory_from_proto stands on its own: a message it cannot convert is an InvalidMessage, not a
+    RuntimeError/KeyError that would end the stream with UNKNOWN."""
+    with pytest.raises(InvalidMessage) as exc:
+        trajectory_from_proto(corrupt(mutate))
+    assert exc.value.field == field
+
+
 def test_logprob_shape_and_positive_logprob_messages_say_what_to_fix():
     with pytest.raises(InvalidMessage, match=r"top_ids: has 47 values; expected num_tokens\*top_k = 12\*4 = 48"):
         validate_sample(corrupt(lambda m: m.top_ids.pop()), CONFIG)

@@ -17,11 +17,15 @@ from sparrow.coordinator.transport import (
     TrajectoryServer,
     TransportConfig,
     TransportError,
+    trajectory_from_proto,
     trajectory_to_proto,
+    validate_sample,
 )
+from sparrow.coordinator.transport import loop as transport_loop
+from sparrow.coordinator.transport.ingest import AckedIngest
 from sparrow.protos import sparrow_v1_pb2 as pb
 from sparrow.protos import sparrow_v1_pb2_grpc as pb_grpc
-from sparrow.rollout_workers.api import RolloutSample
+from sparrow.rollout_workers.api import RolloutRequest, RolloutSample
 
 
 def trajectory(i: int, n: int = 16, k: int = 4, worker: str = "w0") -> Trajectory:
@@ -161,6 +165,40 @@ def test_invalid_samples_get_invalid_argument_naming_the_field_and_the_stream_go
         assert "[0]=500 is out of range" in report.rejected[1].message
         assert server.stats()["invalid_argument"] == 3
         assert client.send([trajectory(9)]).accepted == 1  # still serving
+
+
+def test_a_failed_sample_with_a_bad_top_k_is_rejected_and_the_stream_delivers_the_next():
+    """Before: top_k=-1 on a FINISH_REASON_ERROR sample skipped validation, crashed the conversion and ended the
+    stream with UNKNOWN (TransportError), so the third sample was never delivered."""
+    failed = RolloutSample.failed(RolloutRequest("w0-p9", (1, 2)), 0, "engine crashed", policy_version=1, schedule_version=0)
+    bad = trajectory_to_proto(Trajectory.of(failed))
+    bad.top_k = -1
+    with TrajectoryServer(config(), CREDS) as server, TrajectoryClient(server.address, server.config, CREDS) as client:
+        report = client.send([trajectory_to_proto(trajectory(0)), bad, trajectory_to_proto(trajectory(1))])
+        assert (report.accepted, [(r.id, r.field) for r in report.rejected], report.streams) == (2, [("w0-p9#0", "top_k")], 1)
+        assert [t.sample_id for t in drain_all(server, 2, timeout=2)] == ["w0-p0#0", "w0-p0#1"]
+
+
+def test_any_conversion_error_rejects_that_sample_alone_naming_the_error():
+    """A converter that fails on one message (a bug any sample could trigger) rejects that message; before,
+    the exception left the stream handler and ended the stream with UNKNOWN."""
+    cfg = config()
+
+    def convert(msg):
+        if msg.sample_id == "w0-p0#1":
+            raise ZeroDivisionError("division by zero")
+        return trajectory_from_proto(msg)
+
+    ingest = AckedIngest("sample", "sample_id", lambda msg: validate_sample(msg, cfg), convert, cfg, "t")
+    ingest.open()
+    try:
+        acks = [transport_loop.run(ingest.ingest(trajectory_to_proto(trajectory(i)))) for i in range(3)]
+    finally:
+        ingest.close()
+    assert [(pb.AckStatus.Name(a.status), a.field) for a in acks] == [
+        ("ACK_STATUS_ACCEPTED", ""), ("ACK_STATUS_INVALID_ARGUMENT", "sample"), ("ACK_STATUS_ACCEPTED", "")]
+    assert "ZeroDivisionError: division by zero" in acks[1].message
+    assert [t.sample_id for t in ingest.get_batch(10, timeout=1)] == ["w0-p0#0", "w0-p0#2"]
 
 
 def test_stream_must_open_first():

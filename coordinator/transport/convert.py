@@ -13,6 +13,8 @@ import torch
 from sparrow.protos import sparrow_v1_pb2 as pb
 from sparrow.rollout_workers.api import RolloutSample
 
+from .validate import InvalidMessage, check_finish_reason, check_rows
+
 FINISH_TO_PROTO = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "error": pb.FINISH_REASON_ERROR}
 FINISH_FROM_PROTO = {v: k for k, v in FINISH_TO_PROTO.items()}
 
@@ -71,17 +73,27 @@ def trajectory_to_proto(t: Trajectory) -> pb.Sample:
     return msg
 
 
+def _rows(values, n: int, k: int, field: str, dtype: np.dtype, torch_dtype: torch.dtype) -> torch.Tensor:
+    check_rows(field, len(values), n, k)
+    return _tensor(values, dtype, torch_dtype).view(n, k)
+
+
 def trajectory_from_proto(msg: pb.Sample) -> Trajectory:
-    """Assumes `validate_sample` passed."""
+    """The sample a validated message carries (`validate_sample` checks the values). On its own it still never
+    crashes: what it cannot convert (a negative `top_k`, top-k arrays of another size, an unknown finish
+    reason) raises `InvalidMessage` naming the field, so the server rejects that sample and the stream goes on."""
     n, k = len(msg.token_ids), msg.top_k
+    if k < 0:
+        raise InvalidMessage("top_k", f"={k} must be >= 0")
+    check_finish_reason(msg.finish_reason)
     sample = RolloutSample(
         request_id=msg.prompt_id,
         sample_index=msg.sample_index,
         prompt_token_ids=list(msg.prompt_token_ids),
         token_ids=_tensor(msg.token_ids, np.int64, torch.long),
         logprobs=_tensor(msg.logprobs, np.float32, torch.float32),
-        top_ids=_tensor(msg.top_ids, np.int64, torch.long).view(n, k),
-        top_logprobs=_tensor(msg.top_logprobs, np.float32, torch.float32).view(n, k),
+        top_ids=_rows(msg.top_ids, n, k, "top_ids", np.int64, torch.long),
+        top_logprobs=_rows(msg.top_logprobs, n, k, "top_logprobs", np.float32, torch.float32),
         blocks_attended=_tensor(msg.blocks_attended, np.int32, torch.int32),
         finish_reason=FINISH_FROM_PROTO[msg.finish_reason],
         policy_version=msg.policy_version,

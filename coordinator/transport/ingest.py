@@ -22,7 +22,7 @@ from sparrow.protos import sparrow_v1_pb2 as pb
 
 from .config import TransportConfig
 from .handoff import HandoffQueue
-from .validate import InvalidMessage, validate_stream_open
+from .validate import MAX_ID_CHARS, InvalidMessage, validate_stream_open
 from .wire import Undecodable
 
 POLL_S = 0.05
@@ -165,8 +165,16 @@ class AckedIngest:
     # ------------------------------------------------------------------ one message
 
     def _accepted_form(self, msg):
+        """Validated and converted. The message came off the network: whatever its conversion raises rejects
+        this message alone (named in its ack), never the stream it came on."""
         self._validate(msg)
-        return self._convert(msg)
+        try:
+            return self._convert(msg)
+        except InvalidMessage:
+            raise
+        except Exception as exc:
+            reason = f"{type(exc).__name__}: {exc}"[:MAX_ID_CHARS]  # bounded: answers never quote unbounded input
+            raise InvalidMessage(self.payload, f"could not be converted ({reason})") from exc
 
     async def ingest(self, msg) -> pb.Ack:
         key = getattr(msg, self.id_field)

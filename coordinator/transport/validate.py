@@ -83,6 +83,19 @@ def _check_logprobs(values: np.ndarray, field: str) -> None:
         raise InvalidMessage(field, f"[{i}]={float(values[i])} must be a finite log-probability <= 0")
 
 
+def check_finish_reason(value: int) -> None:
+    _check(
+        value in (pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH, pb.FINISH_REASON_ERROR),
+        "finish_reason",
+        f"={value} must be FINISH_REASON_STOP, FINISH_REASON_LENGTH or FINISH_REASON_ERROR",
+    )
+
+
+def check_rows(field: str, count: int, n: int, k: int) -> None:
+    """`count` values of a flattened top-k array make `n` rows of `k`."""
+    _check(count == n * k, field, f"has {count} values; expected num_tokens*top_k = {n}*{k} = {n * k} (row-major)")
+
+
 def validate_stream_open(msg: pb.StreamOpen) -> None:
     _check_text(msg.client_id, "open.client_id", MAX_ID_CHARS)
 
@@ -98,11 +111,7 @@ def validate_sample(msg: pb.Sample, config: TransportConfig) -> None:
     _check(msg.sample_index >= 0, "sample_index", f"={msg.sample_index} must be >= 0")
     _check_version(msg.policy_version, "policy_version")
     _check_version(msg.schedule_version, "schedule_version")
-    _check(
-        msg.finish_reason in (pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH, pb.FINISH_REASON_ERROR),
-        "finish_reason",
-        f"={msg.finish_reason} must be FINISH_REASON_STOP, FINISH_REASON_LENGTH or FINISH_REASON_ERROR",
-    )
+    check_finish_reason(msg.finish_reason)
     if msg.HasField("reward"):
         _check(math.isfinite(msg.reward), "reward", f"={msg.reward} must be finite")
 
@@ -112,8 +121,10 @@ def validate_sample(msg: pb.Sample, config: TransportConfig) -> None:
     _check(n_prompt <= limit, "prompt_token_ids", f"has {n_prompt} tokens; at most max_sample_tokens={limit}")
     _check(n <= limit, "token_ids", f"has {n} tokens; at most max_sample_tokens={limit}")
     _check_token_ids(_array(msg.prompt_token_ids, np.int64), "prompt_token_ids", config.vocab_size)
+    k = msg.top_k
+    _check(0 <= k <= config.max_top_k, "top_k", f"={k} must be in [0, max_top_k={config.max_top_k}]")
 
-    if msg.finish_reason == pb.FINISH_REASON_ERROR:
+    if msg.finish_reason == pb.FINISH_REASON_ERROR:  # every rule that protects the server is checked above
         _check(bool(msg.error), "error", "must say why the sample failed when finish_reason is FINISH_REASON_ERROR")
         for name in ("token_ids", "logprobs", "top_ids", "top_logprobs", "blocks_attended"):
             _check(len(getattr(msg, name)) == 0, name, "must be empty for a failed sample (finish_reason ERROR)")
@@ -126,11 +137,8 @@ def validate_sample(msg: pb.Sample, config: TransportConfig) -> None:
         "blocks_attended",
         f"has {len(msg.blocks_attended)} values for {n} tokens; give one per token",
     )
-    k = msg.top_k
-    _check(0 <= k <= config.max_top_k, "top_k", f"={k} must be in [0, max_top_k={config.max_top_k}]")
     for name in ("top_ids", "top_logprobs"):
-        got = len(getattr(msg, name))
-        _check(got == n * k, name, f"has {got} values; expected num_tokens*top_k = {n}*{k} = {n * k} (row-major)")
+        check_rows(name, len(getattr(msg, name)), n, k)
 
     _check_token_ids(_array(msg.token_ids, np.int64), "token_ids", config.vocab_size)
     _check_logprobs(_array(msg.logprobs, np.float32), "logprobs")
