@@ -20,11 +20,11 @@ from sparrow.coordinator.controller import ControllerConfig
 from sparrow.coordinator.metrics import MetricsConfig
 from sparrow.coordinator.tasks import TASKS, ArithmeticConfig, LookupConfig, NeedleConfig
 from sparrow.coordinator.transport import TransportConfig
+from sparrow.rollout_workers import registry
 from sparrow.rollout_workers.api import SamplingParams
-from sparrow.rollout_workers.native import NativeEngineConfig
-from sparrow.rollout_workers.vllm_backend import VllmEngineConfig
+from sparrow.rollout_workers.engine_settings import EngineSettings
 from sparrow.schedule import SPARROW_EDGES, ScheduleError, SparsitySchedule, load_schedule
-from sparrow.trainer import TrainerConfig
+from sparrow.trainer import TrainerConfig, TrainerSettings
 
 from .user_reward import load_user_function
 
@@ -119,12 +119,15 @@ class SamplingConfig(_Section):
 
 
 class RolloutConfig(_Section):
-    engine: Literal["native", "vllm"] = Field("native", description="rollout backend")
+    """The rollout pool. Every backend registered in `sparrow.rollout_workers.registry` has a section named after it
+    (`rollout.native`, `rollout.vllm`, ...), validated by the backend's own config class; `engine` picks the one the
+    pool runs. A section given for another backend is validated too (a typo there is an error, not ignored)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    engine: str = Field(registry.DEFAULT, description=f"rollout backend, a name in sparrow.rollout_workers.registry "
+                        f"({', '.join(registry.names())})")
     pool: PoolConfig = Field(default_factory=PoolConfig)
-    native: NativeEngineConfig = Field(
-        default_factory=NativeEngineConfig, description="native engine settings (model defaults to the top-level model)"
-    )
-    vllm: VllmEngineConfig = Field(default_factory=VllmEngineConfig, description="vLLM engine settings")
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     schedule: str | dict[str, Any] = Field(
         "dense",
@@ -138,20 +141,67 @@ class RolloutConfig(_Section):
         None, description="bin edges (tokens) when schedule is 'dense'; None = Sparrow's 2000-token bins"
     )
 
-    def engine_config(self):
-        return self.native if self.engine == "native" else self.vllm
+    @classmethod
+    def section_class(cls, key: str) -> type[BaseModel] | None:
+        """The config class of the backend section `key` (None if no backend of that name is registered)."""
+        return registry.config_class(key) if key in registry.names() else None
+
+    @field_validator("engine")
+    @classmethod
+    def _registered(cls, value: str) -> str:
+        if value not in registry.names():
+            raise ValueError(f"engine={value!r} is not a registered rollout backend; use one of "
+                             f"{', '.join(registry.names())} (a backend registers with sparrow.rollout_workers.registry.register)")
+        return value
+
+    @model_validator(mode="after")
+    def _backend_sections(self):
+        """Each backend section as its own config class (the chosen engine's is always there, with its defaults)."""
+        sections = self.__pydantic_extra__
+        errors = []
+        for key in sorted(set(sections) | {self.engine}):
+            section_class = self.section_class(key)
+            value = sections.get(key, {})
+            if section_class is None:
+                errors.append({"type": "extra_forbidden", "loc": (key,), "input": value})
+                continue
+            try:
+                sections[key] = section_class.model_validate(value.model_dump() if isinstance(value, BaseModel) else value)
+            except ValidationError as exc:
+                errors += [{"type": e["type"], "loc": (key, *e["loc"]), "input": e["input"], "ctx": e.get("ctx", {})}
+                           for e in exc.errors()]
+        if errors:
+            raise ValidationError.from_exception_data(type(self).__name__, errors)
+        return self
+
+    def sections(self) -> dict[str, EngineSettings]:
+        """The backend sections of this config, by backend name."""
+        return dict(self.__pydantic_extra__)
+
+    def engine_config(self) -> EngineSettings:
+        """The section of the backend the pool runs."""
+        return self.__pydantic_extra__[self.engine]
 
 
-class TrainerSection(TrainerConfig):
-    """`TrainerConfig` (model optional: the top-level model by default) plus the pool it runs on."""
+class TrainerSection(TrainerSettings):
+    """`TrainerSettings` (model optional: the top-level model by default) plus the pool it runs on."""
 
     model: str | None = Field(None, description="HF model directory; None = the top-level model")
     pool: PoolConfig = Field(default_factory=PoolConfig)
 
-    def trainer_config(self, model: str) -> TrainerConfig:
-        """The trainer's own config; `temperature` was set to the rollout's when the job config was validated."""
+    @model_validator(mode="before")
+    @classmethod
+    def _pages_are_the_engines(cls, data):
+        if isinstance(data, dict) and "kv_cache_dtype" in data:
+            raise ValueError(f"kv_cache_dtype={data['kv_cache_dtype']!r}: the trainer's sparse forward reads K/V as the "
+                             "rollout engines store them, so it is set once, with rollout.<engine>.kv_cache_dtype; remove it here")
+        return data
+
+    def trainer_config(self, model: str, kv_cache_dtype: str) -> TrainerConfig:
+        """The trainer's own config; `temperature` was set to the rollout's when the job config was validated, and
+        `kv_cache_dtype` is the rollout engine's."""
         data = self.model_dump(exclude={"pool"})
-        data.update(model=self.model or model)
+        data.update(model=self.model or model, kv_cache_dtype=kv_cache_dtype)
         return TrainerConfig.model_validate(data)
 
 
@@ -399,19 +449,12 @@ class SparrowConfig(_Section):
                 "the trainer scores log-probs at the rollout temperature, so set only rollout.sampling.temperature"
             )
         self.trainer.temperature = s.temperature
-        pages = self.rollout.native.kv_cache_dtype if self.rollout.engine == "native" else "auto"  # our vLLM backend: auto only
-        if "kv_cache_dtype" in self.trainer.model_fields_set and self.trainer.kv_cache_dtype != pages:
-            raise ValueError(
-                f"trainer.kv_cache_dtype={self.trainer.kv_cache_dtype!r} differs from the rollout engines' K/V pages "
-                f"({pages!r}); the trainer's sparse forward reads K/V as the engines store them, so set only "
-                "rollout.native.kv_cache_dtype"
-            )
-        self.trainer.kv_cache_dtype = pages
-        for where, value in (("rollout.native.schedule", self.rollout.native.schedule),
-                             ("rollout.vllm.schedule", self.rollout.vllm.schedule),
-                             ("trainer.schedule", self.trainer.schedule)):
-            if value is not None:
-                raise ValueError(f"{where}={value!r}: the job's schedule is set once, with rollout.schedule")
+        for name, section in self.rollout.sections().items():
+            if section.schedule is not None:
+                raise ValueError(f"rollout.{name}.schedule={section.schedule!r}: the job's schedule is set once, with "
+                                 "rollout.schedule")
+        if self.trainer.schedule is not None:
+            raise ValueError(f"trainer.schedule={self.trainer.schedule!r}: the job's schedule is set once, with rollout.schedule")
         if self.controller.warm_start != "dense":
             raise ValueError(
                 f"controller.warm_start={self.controller.warm_start!r}: the initial schedule of a job is rollout.schedule "
@@ -456,6 +499,10 @@ class SparrowConfig(_Section):
                 )
 
     # ------------------------------------------------------------------ derived values
+
+    def trainer_config(self, model: str) -> TrainerConfig:
+        """The trainer ranks' config: the trainer section, with the rollout engine's K/V pages."""
+        return self.trainer.trainer_config(model, self.rollout.engine_config().kv_cache_dtype)
 
     def initial_schedule(self) -> SparsitySchedule | None:
         """`rollout.schedule` as a schedule (None = dense); its bins are the job's α length bins."""
@@ -503,12 +550,26 @@ TYPE_TAGS = {"str", "int", "float", "bool", "none", "dict", "list", "tuple"}
 def _model_at(model: type[BaseModel] | None, loc: tuple) -> type[BaseModel] | None:
     """The pydantic model class reached by following `loc` from `model` (None if it leaves models)."""
     for key in loc:
-        if model is None or not isinstance(key, str) or key not in model.model_fields:
+        if model is None or not isinstance(key, str):
             return None
+        if key not in model.model_fields:
+            model = _section_class(model, key)
+            continue
         annotation = model.model_fields[key].annotation
         candidates = [annotation, *getattr(annotation, "__args__", ())]
         model = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
     return model
+
+
+def _section_class(model: type[BaseModel], key: str) -> type[BaseModel] | None:
+    """The class of a section a model takes by name beyond its fields (`RolloutConfig`'s backend sections)."""
+    return model.section_class(key) if hasattr(model, "section_class") else None
+
+
+def _allowed_keys(model: type[BaseModel] | None) -> list[str]:
+    if model is None:
+        return []
+    return sorted(model.model_fields) + (registry.names() if model is RolloutConfig else [])
 
 
 def _dotted(loc: tuple) -> str:
@@ -525,7 +586,7 @@ def format_validation_error(exc: ValidationError, root: type[BaseModel] = Sparro
         key = _dotted(loc)
         if err["type"] == "extra_forbidden":
             parent = _model_at(root, loc[:-1])
-            allowed = sorted(parent.model_fields) if parent else []
+            allowed = _allowed_keys(parent)
             close = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
             hint = f"did you mean {_dotted(loc[:-1] + (close[0],))!r}? " if close else ""
             lines.append(f"{key}: unknown key; {hint}allowed here: {', '.join(allowed)}")
@@ -583,7 +644,8 @@ def read_trainer_config(path: str | Path) -> TrainerConfig:
         section = TrainerSection.model_validate(data.get("trainer") or {})
     except ValidationError as exc:
         raise ConfigError(f"invalid trainer section in {path}:\n{format_validation_error(exc, TrainerSection)}") from None
-    return section.trainer_config(data.get("model") or str(default_model_dir()))
+    model = data.get("model") or str(default_model_dir())
+    return section.trainer_config(model, kv_cache_dtype="auto")  # export reads dense weights only, never K/V pages
 
 
 def build_config(data: dict, origin: str = "config") -> SparrowConfig:

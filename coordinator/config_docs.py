@@ -13,7 +13,9 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from .config import BASE, SparrowConfig, build_config
+from sparrow.rollout_workers import registry
+
+from .config import BASE, SparrowConfig, build_config, merge
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "coordinator.md"
 START, END = "<!-- every-key:start -->", "<!-- every-key:end -->"
@@ -40,12 +42,15 @@ def _rows(model: BaseModel, prefix: str) -> list[tuple[str, str, str]]:
             continue
         meaning = (field.description or "").replace("|", "\\|").replace("\n", " ")
         rows.append((key, _shown(value), meaning))
+    for name, section in (model.__pydantic_extra__ or {}).items():  # the rollout backends' own sections
+        rows += _rows(section, f"{prefix}.{name}")
     return rows
 
 
 def tables() -> str:
     """One `####` section per top-level key, each a table of its dotted keys, defaults and meanings."""
-    defaults = build_config(copy.deepcopy(BASE), "the defaults of a config file")
+    every_backend = {"rollout": {name: {} for name in registry.names()}}
+    defaults = build_config(merge(copy.deepcopy(BASE), every_backend), "the defaults of a config file")
     out = []
     for name, field in SparrowConfig.model_fields.items():
         value = getattr(defaults, name)

@@ -24,7 +24,6 @@ checkpoint and redo the steps after it (`_recover_trainer`), up to run.recovery.
 """
 
 import dataclasses
-import json
 import time
 from pathlib import Path
 
@@ -33,6 +32,7 @@ from ray.exceptions import RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from sparrow.acceptance import AlphaHistogram
+from sparrow.architecture import read_model_config
 from sparrow.coordinator.controller import ControllerConfig, SparsityController, initial_schedule
 from sparrow.coordinator.loggers import open_loggers
 from sparrow.coordinator.metrics import ScrapeTargets, SparrowMetrics, busy_fractions, start_metrics_server
@@ -171,8 +171,8 @@ class TrainingJob:
 
     def _start_trainers(self) -> None:
         cfg = self.config
-        self.trainers = TrainerPool(cfg.trainer, self.model, self.credentials)
-        vocab = json.loads((Path(self.model) / "config.json").read_text())["vocab_size"]
+        self.trainers = TrainerPool(cfg.trainer.pool, cfg.trainer_config(self.model), self.credentials)
+        vocab = read_model_config(self.model)["vocab_size"]
         transport = cfg.transport.model_copy(update={"vocab_size": vocab})
         self.trainer_metrics_urls = self.trainers.call("start_metrics", cfg.metrics.model_dump(mode="json"))
         if self.scrape_targets is not None:

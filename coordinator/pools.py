@@ -20,7 +20,9 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from .config import PoolConfig, SparrowConfig, TrainerSection
+from sparrow.trainer import TrainerConfig
+
+from .config import PoolConfig, SparrowConfig
 
 ACTOR_ENV = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "RAY_DEDUP_LOGS": "0"}
 
@@ -143,13 +145,12 @@ class RolloutPool:
 class TrainerPool:
     """DeepSpeed ranks (`TrainerHost`) on one placement group, with their torch.distributed rendezvous done."""
 
-    def __init__(self, section: TrainerSection, model: str, credentials):
+    def __init__(self, pool: PoolConfig, trainer_config: TrainerConfig, credentials):
         from .trainer_host import TrainerHost
 
-        pool = section.pool
         check_feasible("trainer", pool, pool.size)
         self.config = pool
-        self.trainer_config = section.trainer_config(model)
+        self.trainer_config = trainer_config
         self.placement_group = placement_group([pool.bundle()] * pool.size, strategy=pool.strategy, name=f"sparrow-trainer-{os.getpid()}")
         _wait_ready(self.placement_group, "trainer", pool, pool.size, pool.ready_timeout_s)
         payload = self.trainer_config.model_dump(mode="json")

@@ -7,6 +7,7 @@ jobs they cannot run; an engine's config adds its own rules by extending `check_
 
 from pydantic import Field
 
+from sparrow.layout import KVCacheDType
 from sparrow.layout_settings import SparseLayoutSettings
 from sparrow.schedule import SparsitySchedule
 
@@ -16,6 +17,13 @@ from .api import SamplingParams
 class EngineSettings(SparseLayoutSettings):
     max_num_seqs: int = Field(64, ge=1, description="sequences decoded together (a GRPO group counts n)")
     schedule: str | None = Field(None, description="initial sparsity schedule (name or file); None = dense")
+    kv_cache_dtype: KVCacheDType = Field(
+        "auto",
+        description="K/V pages: auto = the model's dtype; fp8_e4m3 (native engine) = e4m3 with one float32 scale per stored vector "
+        "(0.53x bfloat16's bytes per token with the landmarks at Qwen3-1.7B's shape: ~1.9x the sequences per GPU), "
+        "read by every attention (prefill included); on CUDA it needs compute capability 8.9+ (Ada, Hopper). The "
+        "job's one setting of it: the trainer's sparse forward reads K/V as the engines store them",
+    )
 
     def check_job(self, sampling: SamplingParams, schedule: SparsitySchedule, section: str, name: str) -> None:
         """Raise ValueError if this engine cannot run a job whose requests all use `sampling` under `schedule`.

@@ -1,12 +1,16 @@
-"""Rollout backends by name: what `rollout.engine` selects.
+"""Rollout backends by name: what `rollout.engine` selects, and the only list of them.
 
 Each backend is registered as dotted paths to its engine and config classes and imported only when
 looked up, so importing this module (or the job config) imports neither engine, and vLLM only when the
-"vllm" backend is built. A new backend is one `register` call plus a `RolloutEngine` subclass.
+"vllm" backend is built. The job config takes its backend names and their sections (`rollout.<name>`)
+from here, so a new backend is its package plus one `register` call (docs/architecture.md). A package
+outside this repository makes that call from a function it names under the `sparrow.rollout_backends`
+entry-point group, which every process (the driver and each Ray worker) loads at its first lookup.
 """
 
 from dataclasses import dataclass
 from importlib import import_module
+from importlib.metadata import entry_points
 
 from .api import RolloutEngine
 from .engine_settings import EngineSettings
@@ -22,16 +26,34 @@ class Backend:
 
 _BACKENDS: dict[str, Backend] = {}
 
+DEFAULT = "native"
+"""The backend a job runs when `rollout.engine` is not set: the embedded engine, which needs no extra package."""
+
+
+ENTRY_POINT_GROUP = "sparrow.rollout_backends"
+_plugins_loaded = False
+
 
 def register(name: str, engine: str, config: str) -> None:
     _BACKENDS[name] = Backend(engine, config)
 
 
+def _load_plugins() -> None:
+    """Call every installed package's registration function (once per process)."""
+    global _plugins_loaded
+    if not _plugins_loaded:
+        _plugins_loaded = True
+        for point in entry_points(group=ENTRY_POINT_GROUP):
+            point.load()()
+
+
 def names() -> list[str]:
+    _load_plugins()
     return sorted(_BACKENDS)
 
 
 def _backend(name: str) -> Backend:
+    _load_plugins()
     if name not in _BACKENDS:
         raise ValueError(f"rollout engine {name!r}: not registered; registered: {', '.join(names())}")
     return _BACKENDS[name]

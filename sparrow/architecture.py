@@ -1,14 +1,50 @@
-"""What a Llama / Qwen2 / Qwen3 `config.json` says about its decoder's attention and projections.
+"""A model directory's `config.json`, and what a Llama / Qwen2 / Qwen3 one says about its decoder's
+attention and projections.
 
-Read one way for every user — the native engine's `ModelSpec`, the cost model's `ModelShape` and the
-vLLM backend's KV budget split — so the defaults (KV heads, head size) and the family rules (Qwen2's
-hard-wired q/k/v biases, Qwen3's q/k norm) cannot drift apart. Each user validates the raw sizes its
-own way before asking.
+Read one way for every user — the job (vocabulary size), the native engine's `ModelSpec`, the cost model's
+`ModelShape` and the vLLM backend's KV budget split — so the file's errors, the defaults (KV heads, head
+size) and the family rules (Qwen2's hard-wired q/k/v biases, Qwen3's q/k norm) cannot drift apart. Each
+user validates the raw sizes its own way before asking.
 """
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+
+class ModelConfigError(ValueError):
+    """A `config.json` that cannot be read: the message names the file and the fix."""
+
+
+class MissingModelConfig(ModelConfigError, FileNotFoundError):
+    """No such file: a `FileNotFoundError` too, for callers that treat a missing path as one."""
+
+
+def config_path(source: str | Path) -> Path:
+    """The `config.json` of a model directory, or the file itself."""
+    path = Path(source)
+    return path / "config.json" if path.is_dir() else path
+
+
+def read_json_object(path: Path, what: str) -> dict[str, Any]:
+    """A JSON object file of a model directory (`what` names it in errors: config.json, generation_config.json)."""
+    if not path.is_file():
+        raise MissingModelConfig(f"{path}: missing {what} (no such file); give a Hugging Face model directory "
+                                 "(config.json + *.safetensors)")
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ModelConfigError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise ModelConfigError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def read_model_config(source: str | Path) -> dict[str, Any]:
+    """The parsed `config.json` of a Hugging Face model directory (or of the file itself)."""
+    return read_json_object(config_path(source), "config.json")
 
 
 @dataclass(frozen=True)

@@ -83,10 +83,12 @@ def test_cross_section_rules():
     assert load_config(None, ["trainer.exact_alpha=true", "rollout.native.dense_layers=[0]",
                               "trainer.distill_sparse.dense_layers=[0]"]).trainer.exact_alpha
     fp8 = load_config(None, ["rollout.native.kv_cache_dtype=fp8_e4m3", "trainer.exact_alpha=true"])
-    assert fp8.trainer.kv_cache_dtype == "fp8_e4m3" and fp8.trainer.trainer_config("m").kv_cache_dtype == "fp8_e4m3"
-    assert load_config(None, []).trainer.kv_cache_dtype == "auto"
-    assert ("trainer.kv_cache_dtype='fp8_e4m3' differs from the rollout engines' K/V pages ('auto')"
-            in _error(["trainer.kv_cache_dtype=fp8_e4m3"]))
+    assert fp8.trainer_config("m").kv_cache_dtype == "fp8_e4m3"
+    assert load_config(None, []).trainer_config("m").kv_cache_dtype == "auto"
+    assert ("trainer: kv_cache_dtype='fp8_e4m3': the trainer's sparse forward reads K/V as the rollout engines store "
+            "them, so it is set once, with rollout.<engine>.kv_cache_dtype" in _error(["trainer.kv_cache_dtype=fp8_e4m3"]))
+    assert "rollout.vllm.kv_cache_dtype: kv_cache_dtype='fp8_e4m3': the vLLM backend stores K/V in the model's dtype" in _error(
+        ["rollout.engine=vllm", "rollout.vllm.kv_cache_dtype=fp8_e4m3"])
     several = _error(["run.steps=0", "trainer.zero_stage=5"])
     assert "run.steps" in several and "trainer.zero_stage" in several
 

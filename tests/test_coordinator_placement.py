@@ -48,7 +48,7 @@ def test_pools_land_on_their_labelled_nodes_and_resize_independently(two_nodes, 
     credentials = JobCredentials.create(config.transport)
     rollouts = RolloutPool(config, str(tiny_qwen3), credentials)
     rollouts.add_slot(wait_s=30)
-    trainers = TrainerPool(config.trainer, str(tiny_qwen3), credentials)
+    trainers = TrainerPool(config.trainer.pool, config.trainer_config(str(tiny_qwen3)), credentials)
     try:
         assert [w["node_id"] for w in _workers(rollouts)] == [two_nodes["rollout"]]
         assert [n["node_id"] for n in trainers.call("node")] == [two_nodes["trainer"]] * 2

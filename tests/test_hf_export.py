@@ -59,7 +59,7 @@ def _job(tmp: Path, model: Path, *overrides: str):
     ])
     run_dir = RunDir.create(tmp, "run")
     run_dir.config_file.write_text(config.dump())
-    return config, run_dir, TrainerPool(config.trainer, str(model), JobCredentials.create(config.transport))
+    return config, run_dir, TrainerPool(config.trainer.pool, config.trainer_config(str(model)), JobCredentials.create(config.transport))
 
 
 def _each_rank(pool, method: str, batch: TrajectoryBatch) -> list:

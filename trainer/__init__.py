@@ -9,7 +9,7 @@ import Ray.
 from .advantages import grpo_advantages
 from .alpha import AlphaReport
 from .batch import Trajectory, TrajectoryBatch
-from .config import DistillSparseConfig, LossConfig, OptimizerConfig, PublishConfig, TrainerConfig
+from .config import DistillSparseConfig, LossConfig, OptimizerConfig, PublishConfig, TrainerConfig, TrainerSettings
 from .losses import k3_kl, policy_loss
 from .rank import TrainerRank
 from .results import RecomputeResult, StepResult
@@ -23,6 +23,7 @@ __all__ = [
     "RecomputeResult",
     "StepResult",
     "TrainerConfig",
+    "TrainerSettings",
     "TrainerRank",
     "Trajectory",
     "TrajectoryBatch",

@@ -89,8 +89,8 @@ class PublishConfig(BaseModel):
     timeout_s: float = Field(600.0, gt=0, description="collective channel timeout")
 
 
-class TrainerConfig(BaseModel):
-    """One dense-policy trainer (all its DeepSpeed ranks share it)."""
+class TrainerSettings(BaseModel):
+    """What a job's `trainer` section sets: one dense-policy trainer (all its DeepSpeed ranks share it)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -104,12 +104,6 @@ class TrainerConfig(BaseModel):
     logprob_chunk_tokens: int = Field(2048, ge=1, description="positions per chunk of the fp32 vocabulary log-softmax")
     gradient_checkpointing: bool = True
     temperature: float = Field(1.0, gt=0, description="rollout temperature; logprobs are of logits / temperature")
-    kv_cache_dtype: KVCacheDType = Field(
-        "auto",
-        description="the rollout engines' K/V pages: with fp8_e4m3 the sparse forward (exact α, DistillSparse) reads "
-        "K/V rounded as the engines store them (the dense policy never does); a job sets it from "
-        "rollout.native.kv_cache_dtype",
-    )
     recompute_topk: int = Field(20, ge=1, description="top-k of the dense recompute (α against the rollout's top-k)")
     exact_alpha: bool = Field(
         False,
@@ -133,3 +127,15 @@ class TrainerConfig(BaseModel):
                 "stay replicated, which ZeRO-3 does not allow; use zero_stage 1 or 2"
             )
         return self
+
+
+class TrainerConfig(TrainerSettings):
+    """`TrainerSettings` plus what the trainer mirrors of the rollout engines, which a job takes from the engine's
+    own section (standalone users of `TrainerRank` set it here)."""
+
+    kv_cache_dtype: KVCacheDType = Field(
+        "auto",
+        description="the rollout engines' K/V pages: with fp8_e4m3 the sparse forward (exact α, DistillSparse) reads "
+        "K/V rounded as the engines store them (the dense policy never does); a job sets it from "
+        "rollout.<engine>.kv_cache_dtype",
+    )

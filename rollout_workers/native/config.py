@@ -4,7 +4,6 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from sparrow.layout import KVCacheDType
 from sparrow.schedule import SparsitySchedule
 
 from ..api import SamplingParams
@@ -34,12 +33,6 @@ class NativeEngineConfig(EngineSettings):
         description="replay the decode step from CUDA graphs (one per batch-size and block-table-width bucket); "
         "None = on for CUDA with the triton backend (with tensor parallelism too: its all-reduces are captured), "
         "False = eager launches",
-    )
-    kv_cache_dtype: KVCacheDType = Field(
-        "auto",
-        description="K/V pages: auto = the model's dtype; fp8_e4m3 = e4m3 with one float32 scale per stored vector "
-        "(0.53x bfloat16's bytes per token with the landmarks at Qwen3-1.7B's shape: ~1.9x the sequences per GPU), "
-        "read by every attention (prefill included); on CUDA it needs compute capability 8.9+ (Ada, Hopper)",
     )
     num_kv_blocks: int | None = Field(None, ge=1, description="KV pool size in blocks; None = from kv_memory_fraction")
     kv_memory_fraction: float = Field(0.3, gt=0, le=0.95, description="share of free memory for the KV pool")

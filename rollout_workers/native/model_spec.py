@@ -4,12 +4,11 @@ Supported: Llama, Qwen2 and Qwen3 causal LMs (GQA attention, SiLU-gated MLP, RMS
 Anything else fails here with the field and the value that rule it out, before weights are read.
 """
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sparrow.architecture import decoder_facts
+from sparrow.architecture import ModelConfigError, decoder_facts, read_json_object, read_model_config
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -19,7 +18,7 @@ SUPPORTED_ARCHITECTURES = {
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
-class ModelLoadError(ValueError):
+class ModelLoadError(ModelConfigError):
     """A model directory that cannot be served: the message names the file or field and the fix."""
 
 
@@ -46,18 +45,6 @@ class ModelSpec:
     qk_norm: bool
     rope: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
     eos_token_ids: tuple[int, ...] = ()
-
-
-def _read_json(path: Path, what: str) -> dict:
-    if not path.is_file():
-        raise ModelLoadError(f"{path}: missing {what}; a model directory needs config.json and *.safetensors")
-    try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ModelLoadError(f"{path}: not valid JSON ({exc})") from None
-    if not isinstance(data, dict):
-        raise ModelLoadError(f"{path}: expected a JSON object, got {type(data).__name__}")
-    return data
 
 
 def _eos_ids(*values: Any) -> tuple[int, ...]:
@@ -151,7 +138,7 @@ def load_spec(model_dir: str | Path) -> ModelSpec:
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise ModelLoadError(f"{model_dir}: not a directory; give an HF model directory (config.json + safetensors)")
-    config = _read_json(model_dir / "config.json", "config.json")
+    config = read_model_config(model_dir)
     gen_path = model_dir / "generation_config.json"
-    generation = _read_json(gen_path, "generation_config.json") if gen_path.is_file() else None
+    generation = read_json_object(gen_path, "generation_config.json") if gen_path.is_file() else None
     return spec_from_config(config, str(model_dir / "config.json"), generation)

@@ -70,6 +70,14 @@ class VllmEngineConfig(EngineSettings):
                              "or the native engine")
         return value
 
+    @field_validator("kv_cache_dtype")
+    @classmethod
+    def _kv_cache_dtype(cls, value: str) -> str:
+        if value != "auto":
+            raise ValueError(f"kv_cache_dtype={value!r}: the vLLM backend stores K/V in the model's dtype; use auto here, "
+                             "or the native engine for FP8 pages")
+        return value
+
     @field_validator("block_size")
     @classmethod
     def _block_size(cls, value: int | None) -> int | None:

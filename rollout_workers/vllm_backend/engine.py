@@ -15,7 +15,6 @@ import asyncio
 import functools
 import gc
 import itertools
-import json
 import random
 import shutil
 import tempfile
@@ -24,7 +23,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
-from sparrow.architecture import decoder_facts
+from sparrow.architecture import decoder_facts, read_model_config
 from sparrow.layout import BLOCK_SIZE
 from sparrow.rollout_workers.api import (
     ABORTED, EngineCounters, RequestFeed, RolloutEngine, RolloutRequest, RolloutSample, WeightsSource,
@@ -42,13 +41,6 @@ from .weights import save_checkpoint
 _STOP = object()
 
 
-def read_hf_config(model_dir: Path) -> dict:
-    path = Path(model_dir) / "config.json"
-    if not path.exists():
-        raise ValueError(f"model={str(model_dir)!r}: no config.json there; give a Hugging Face model directory")
-    return json.loads(path.read_text())
-
-
 class VllmEngine(RolloutEngine):
     """Rollouts on vLLM: stock attention in `dense_layers`, Sparrow block-sparse decode elsewhere."""
 
@@ -58,7 +50,7 @@ class VllmEngine(RolloutEngine):
         super().__init__(config.layout())
         self.config = config
         self.model_dir = Path(config.model)
-        self.hf_config = read_hf_config(self.model_dir)
+        self.hf_config = read_model_config(self.model_dir)
         self.architecture = self._architecture()
         self.platform = _vllm.current_platform
         if config.schedule:
@@ -230,7 +222,7 @@ class VllmEngine(RolloutEngine):
         """
         if isinstance(weights, (str, Path)):
             model_dir = Path(weights)
-            read_hf_config(model_dir)
+            read_model_config(model_dir)
         else:
             model_dir = self._weights_root / f"v{version}-{next(self._ids)}"
             save_checkpoint(weights, self.model_dir, model_dir)

@@ -5,12 +5,11 @@ Hugging Face hub; their parameter counts, computed here from those values, match
 (0.6B/0.44B, 1.7B/1.4B, 4.0B/3.6B, 8.2B/6.95B, 14.8B/13.2B total/non-embedding; see tests).
 """
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from sparrow.architecture import decoder_facts
+from sparrow.architecture import config_path, decoder_facts, read_model_config
 
 
 @dataclass(frozen=True)
@@ -91,15 +90,8 @@ class ModelShape:
         if isinstance(source, Mapping):
             config, origin = dict(source), name or "config"
         else:
-            path = Path(source)
-            path = path / "config.json" if path.is_dir() else path
-            if not path.is_file():
-                raise FileNotFoundError(f"model config {str(path)!r}: no such file; give a config.json or a model directory")
-            try:
-                config = json.loads(path.read_text())
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"model config {str(path)!r}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
-            origin = str(path)
+            path = config_path(source)
+            config, origin = read_model_config(path), str(path)
             name = name or path.parent.name
         config = config.get("text_config", config)
         model_type = config.get("model_type", "")
