@@ -5,6 +5,7 @@ import pickle
 import shutil
 import socket
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -13,7 +14,8 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from sparrow.bench.fuzz.harness import PoolRecorder
+from sparrow.bench.fuzz.harness import PoolRecorder, ServerProcess
+from sparrow.bench.fuzz.relay import CountingRelay
 from sparrow.coordinator.config import ConfigError, load_config
 from sparrow.coordinator.transport import (
     ControlClient,
@@ -28,6 +30,7 @@ from sparrow.coordinator.transport import (
     TransportError,
     trajectory_to_proto,
 )
+from sparrow.coordinator.transport.control import CONTROL_REQUEST_MAX_BYTES
 from sparrow.coordinator.transport.pki import issue, new_ca
 from sparrow.protos import sparrow_v1_pb2 as pb
 from sparrow.protos import sparrow_v1_pb2_grpc as pb_grpc
@@ -92,6 +95,71 @@ def test_calls_without_the_job_token_are_unauthenticated_and_the_server_keeps_se
         with TrajectoryClient(server.address, cfg, impostor) as client, pytest.raises(TransportError, match="UNAUTHENTICATED"):
             client.send([trajectory(3)])  # not retried: a wrong token stays wrong
         assert [t.sample_id for t in server.get_batch(10, timeout=2)] == ["p0#1", "p0#2"]
+
+
+def status_of(call, *args) -> grpc.StatusCode:
+    try:
+        call(*args, timeout=30)
+    except grpc.RpcError as exc:
+        return exc.code()
+    return grpc.StatusCode.OK
+
+
+CONTROL_METHODS = ("Drain", "Health", "ResizePool")
+
+
+def test_unary_calls_without_the_token_are_refused_before_their_body_is_read():
+    """12 calls with 60 MiB bodies (under max_message_mb=64) to the control methods from a client without the token,
+    through a relay that counts what the server takes off the wire. Before, each body was read before the refusal:
+    all 720 MiB crossed and the server process grew from ~320 MB to ~1.3 GB RSS; now a few MiB per call do
+    (what HTTP/2 flow control lets a client send before it hears the refusal)."""
+    cfg = TransportConfig(port=0, vocab_size=500)
+    creds = JobCredentials.create(cfg)
+    body, calls_made = bytes(60 * 2**20), 12
+    with ServerProcess(cfg, creds) as server, CountingRelay(server.port) as relay, \
+            grpc.insecure_channel(relay.address, [("grpc.max_send_message_length", -1)]) as no_token:
+        calls = [no_token.unary_unary(f"/sparrow.v1.ControlService/{m}") for m in CONTROL_METHODS]
+        before = server.stats()
+        with ThreadPoolExecutor(4) as pool:
+            codes = list(pool.map(lambda i: status_of(calls[i % 3], body), range(calls_made)))
+        after = server.stats()
+    assert set(codes) == {grpc.StatusCode.UNAUTHENTICATED} and after["unauthenticated"] == calls_made
+    assert relay.to_server < calls_made * len(body) / 8, f"{relay.to_server / 2**20:.0f} MiB reached the server"
+    assert after["rss_mb"] - before["rss_mb"] < 60, (before["rss_mb"], after["rss_mb"])  # less than one body
+
+
+def test_control_requests_over_their_size_limit_are_refused_unparsed():
+    """A control request is at most CONTROL_REQUEST_MAX_BYTES, whatever max_message_mb allows samples; before,
+    a 64 KiB ResizePool request was parsed and answered INVALID_ARGUMENT naming the pool."""
+    cfg = config()
+    creds = JobCredentials.create(cfg)
+    huge = pb.ResizePoolRequest(pool="x" * 65_536, size=2)
+    with ControlServer(cfg, creds, PoolRecorder()) as server, creds.channel(server.address) as channel:
+        control = pb_grpc.ControlServiceStub(channel)
+        error = refused(lambda: control.ResizePool(huge, timeout=5))
+        assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert error.details() == (f"request: {huge.ByteSize()} bytes; a sparrow.v1.ResizePoolRequest is at most "
+                                   f"{CONTROL_REQUEST_MAX_BYTES} bytes")
+        assert control.Health(pb.HealthRequest(), timeout=5).component == "coordinator"  # still serving
+
+
+@pytest.mark.parametrize("method", ["/sparrow.v1.ControlService/Shutdown", "/sparrow.v1.TrajectoryService/Stats",
+                                    "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"])
+def test_unknown_methods_are_unauthenticated_without_the_token_and_unimplemented_with_it(method):
+    """Before, an unknown method answered UNIMPLEMENTED to anyone, so a client without the token could list the
+    methods that exist."""
+    cfg = config()
+    creds = JobCredentials.create(cfg)
+    impostor = dataclasses.replace(creds, token="not-the-job-token-" + "x" * 20)
+    with TrajectoryServer(cfg, creds) as server, grpc.insecure_channel(server.address) as no_token, \
+            impostor.channel(server.address) as wrong_token, creds.channel(server.address) as job:
+        codes = {name: (status_of(channel.unary_unary(method), b""),
+                        status_of(lambda r, timeout: list(channel.stream_stream(method)(iter([r]), timeout=timeout)), b""))
+                 for name, channel in (("no token", no_token), ("wrong token", wrong_token), ("job token", job))}
+        assert codes == {"no token": (grpc.StatusCode.UNAUTHENTICATED,) * 2,
+                         "wrong token": (grpc.StatusCode.UNAUTHENTICATED,) * 2,
+                         "job token": (grpc.StatusCode.UNIMPLEMENTED,) * 2}
+        assert server.stats()["unauthenticated"] == 4
 
 
 def test_plaintext_and_untrusting_clients_cannot_talk_to_a_tls_server():

@@ -29,37 +29,33 @@ def token_problem(metadata, expected: bytes) -> str | None:
     return None
 
 
-def _refusal(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
-    """A handler of the same shape as `handler` that answers UNAUTHENTICATED without reading the request."""
+def _refusal(message: str) -> grpc.RpcMethodHandler:
+    """A handler that answers UNAUTHENTICATED without reading the request.
 
-    async def refuse(_request, context):
+    Registered as a stream handler whatever the method: a unary handler would have gRPC read the whole
+    request (up to max_message_mb) before it runs; a stream handler that never reads leaves the body unread.
+    """
+
+    async def refuse(_requests, context):
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
-    make = {
-        (False, False): grpc.unary_unary_rpc_method_handler,
-        (False, True): grpc.unary_stream_rpc_method_handler,
-        (True, False): grpc.stream_unary_rpc_method_handler,
-        (True, True): grpc.stream_stream_rpc_method_handler,
-    }[(handler.request_streaming, handler.response_streaming)]
-    return make(refuse)
+    return grpc.stream_stream_rpc_method_handler(refuse)
 
 
 class TokenCheck(grpc.aio.ServerInterceptor):
-    """Refuses every call without the job token (UNAUTHENTICATED); the server goes on serving the rest."""
+    """Refuses every call without the job token (UNAUTHENTICATED), unknown methods included (a caller without the
+    token learns nothing of which methods exist), before its request is read; the server goes on serving the rest."""
 
     def __init__(self, token: str, on_refusal: Callable[[], None] = lambda: None):
         self._expected = bearer(token).encode()
         self._on_refusal = on_refusal
 
     async def intercept_service(self, continuation, handler_call_details):
-        handler = await continuation(handler_call_details)
-        if handler is None:
-            return None
         problem = token_problem(handler_call_details.invocation_metadata, self._expected)
         if problem is None:
-            return handler
+            return await continuation(handler_call_details)
         self._on_refusal()
-        return _refusal(handler, problem)
+        return _refusal(problem)
 
 
 class TokenMetadata(

@@ -26,6 +26,11 @@ from sparrow.protos import sparrow_v1_pb2 as pb
 from . import wire
 from .validate import InvalidMessage, validate_resize_pool
 
+CONTROL_REQUEST_MAX_BYTES = 4096
+"""Largest ControlService request a server parses, whatever `max_message_mb` allows samples: a ResizePoolRequest
+is at most ~1 KiB (a pool name of <= 256 characters and a size), the others a few bytes. Larger ones are
+answered RESOURCE_EXHAUSTED unparsed."""
+
 SERVING_STATUS = {
     "serving": pb.SERVING_STATUS_SERVING,
     "draining": pb.SERVING_STATUS_DRAINING,
@@ -126,15 +131,15 @@ class ControlServicer:
 
     def service(self) -> grpc.GenericRpcHandler:
         return wire.service(pb.DESCRIPTOR.services_by_name["ControlService"].full_name, {
-            "Drain": wire.unary_unary(self.Drain, pb.DrainRequest, pb.DrainReply),
-            "Health": wire.unary_unary(self.Health, pb.HealthRequest, pb.HealthReply),
-            "ResizePool": wire.unary_unary(self.ResizePool, pb.ResizePoolRequest, pb.ResizePoolReply),
+            "Drain": wire.unary_unary(self.Drain, pb.DrainRequest, pb.DrainReply, CONTROL_REQUEST_MAX_BYTES),
+            "Health": wire.unary_unary(self.Health, pb.HealthRequest, pb.HealthReply, CONTROL_REQUEST_MAX_BYTES),
+            "ResizePool": wire.unary_unary(self.ResizePool, pb.ResizePoolRequest, pb.ResizePoolReply, CONTROL_REQUEST_MAX_BYTES),
         })
 
     @staticmethod
     async def _decoded(request, context: grpc.aio.ServicerContext):
-        if isinstance(request, wire.Undecodable):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.describe())
+        if isinstance(request, wire.Unreadable):
+            await context.abort(request.code, request.message)
         return request
 
     async def _call(self, context: grpc.aio.ServicerContext, rpc: str, method: Callable, *args):

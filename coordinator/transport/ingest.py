@@ -23,7 +23,7 @@ from sparrow.protos import sparrow_v1_pb2 as pb
 from .config import TransportConfig
 from .handoff import HandoffQueue
 from .validate import MAX_ID_CHARS, InvalidMessage, validate_stream_open
-from .wire import Undecodable
+from .wire import Unreadable
 
 POLL_S = 0.05
 """How often `wait_empty` re-checks the queue."""
@@ -145,8 +145,8 @@ class AckedIngest:
             )
         if request is grpc.aio.EOF:
             return None
-        if isinstance(request, Undecodable):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.describe())
+        if isinstance(request, Unreadable):
+            await context.abort(request.code, request.message)
         return request
 
     async def _write(self, context: grpc.aio.ServicerContext, reply: pb.StreamReply) -> None:
