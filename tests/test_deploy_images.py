@@ -1,8 +1,11 @@
 """deploy/docker/: hadolint finds nothing in either Dockerfile, and each image is what docs/deploy.md says:
-multi-stage, pinned base, installed by deploy/setup.sh, run as a non-root numeric user. No engine builds
-them here (no Docker daemon on these machines)."""
+multi-stage, pinned base, installed by deploy/setup.sh (with the tracking extra), run as a non-root numeric
+user. No engine builds them here (no Docker daemon on these machines): what setup.sh installs is read from
+the pip commands it runs against a stand-in interpreter."""
 
+import json
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -79,6 +82,55 @@ def test_dockerignore_keeps_local_state_out_of_the_build_context():
     assert {".git", ".venv", "runs"} <= ignored
 
 
-def test_setup_script_rejects_an_unknown_mode():
-    out = subprocess.run(["bash", str(ROOT / "deploy" / "setup.sh"), "--bogus"], capture_output=True, text=True, timeout=30)
-    assert out.returncode == 2 and "usage: bash deploy/setup.sh [--test | --gpu]" in out.stderr
+@pytest.mark.parametrize("args", [["--bogus"], ["--gpu", "--test"], ["--gpu", "--gpu"]])
+def test_setup_script_rejects_an_unknown_or_second_mode(args):
+    out = subprocess.run(["bash", str(ROOT / "deploy" / "setup.sh"), *args], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 2 and "usage: bash deploy/setup.sh [--test | --gpu] [--tracking]" in out.stderr
+
+
+# Records each call's arguments instead of running pip: setup.sh finds it as .venv/bin/python.
+STAND_IN_PYTHON = """#!/usr/bin/env python3
+import json, pathlib, sys
+with open(pathlib.Path(__file__).parents[2] / "calls.jsonl", "a") as log:
+    log.write(json.dumps(sys.argv[1:]) + "\\n")
+"""
+
+
+def editable_install(tmp_path: Path, args: list[str]) -> list[str]:
+    """The `pip install ... -e PROJECT` that `bash deploy/setup.sh ARGS` runs (in a copy of the script
+    beside a stand-in .venv/bin/python, so nothing is installed)."""
+    (tmp_path / "deploy").mkdir()
+    shutil.copy(ROOT / "deploy" / "setup.sh", tmp_path / "deploy" / "setup.sh")
+    python = tmp_path / ".venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text(STAND_IN_PYTHON)
+    python.chmod(0o755)
+    out = subprocess.run(["bash", str(tmp_path / "deploy" / "setup.sh"), *args], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    calls = [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
+    [install] = [c for c in calls if "-e" in c]
+    return install
+
+
+@pytest.mark.parametrize("args, constraints, project", [
+    ([], "constraints-cpu.txt", "."),
+    (["--tracking"], "constraints-cpu.txt", ".[tracking]"),
+    (["--gpu"], "constraints-gpu.txt", ".[vllm]"),
+    (["--gpu", "--tracking"], "constraints-gpu.txt", ".[vllm,tracking]"),
+    (["--tracking", "--gpu"], "constraints-gpu.txt", ".[vllm,tracking]"),
+], ids=["cpu", "cpu-tracking", "cuda", "cuda-tracking", "tracking-first"])
+def test_setup_script_installs_the_stack_and_extras_asked_for(tmp_path, args, constraints, project):
+    assert editable_install(tmp_path, args) == ["-m", "pip", "install", "-q", "-c", f"deploy/{constraints}", "-e", project]
+
+
+@pytest.mark.parametrize("name", DOCKERFILES)
+def test_each_image_installs_the_tracking_extra(tmp_path, name):
+    """run.loggers: [tensorboard] / [wandb] import these in the image; the build stage imports them too."""
+    runs = [a for op, a in instructions(DOCKERFILES[name]) if op == "RUN"]
+    setup = next(a for a in runs if a.startswith("bash deploy/setup.sh"))
+    install = editable_install(tmp_path, shlex.split(setup.split("&&")[0])[2:])
+    extras = Requirement("sparrow-rl" + install[-1].removeprefix(".")).extras
+    assert "tracking" in extras, f"{name}: `{setup.split('&&')[0].strip()}` installs {install[-1]}, without the tracking extra"
+    tracking = re.search(r'^tracking = \[(.+)\]', (ROOT / "pyproject.toml").read_text(), re.M)[1]
+    assert {Requirement(r.strip().strip('"')).name for r in tracking.split(",")} == {"tensorboard", "wandb"}
+    assert any('-c "import tensorboard, wandb"' in a for a in runs), f"{name}: the build must fail without them"
