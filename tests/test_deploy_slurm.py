@@ -134,7 +134,53 @@ def test_options_and_environment_choose_the_split_and_gpus(slurm_env):
     assert "trainer a01; rollout b1 b2" in out.stdout
 
 
+def head_start(env, *args) -> str:
+    """The head node's `ray start` line exactly as the dry run prints it."""
+    out = dry_run(env, "--config", CONFIG, *args)
+    assert out.returncode == 0, out.stderr
+    return next(line for line in out.stdout.splitlines() if line.startswith("srun") and " --head " in line)
+
+
+HEAD_START = ("srun --nodes=1 --ntasks=1 -w gpu01 ray start --head --node-ip-address=gpu01 --port={port} "
+              "--disable-usage-stats --num-gpus={gpus} --num-cpus=64 '--resources={{\"trainer_node\": 1}}' --block &")
+
+
+@pytest.mark.parametrize("env, args, gpus", [
+    ({"SLURM_GPUS_PER_TASK": "8"}, [], 8),
+    ({"SLURM_GPUS_PER_TASK": "h200:8"}, [], 8),  # sites with typed GRES
+    ({"SLURM_GPUS_PER_TASK": None, "SLURM_GPUS_PER_NODE": "h200:4"}, [], 4),
+    ({"SLURM_GPUS_PER_TASK": None, "SLURM_GPUS_PER_NODE": "4"}, [], 4),
+    ({"SLURM_GPUS_PER_NODE": "h200:4", "SLURM_GPUS_PER_TASK": "h200:8"}, [], 4),  # per node is what Ray declares
+    ({"SLURM_GPUS_PER_TASK": None, "SLURM_GPUS_ON_NODE": "2"}, [], 2),
+    ({"SLURM_GPUS_PER_TASK": None}, [], 8),
+    ({"SLURM_GPUS_PER_TASK": "h200:8"}, ["--gpus-per-node=h200:4"], 4),
+    ({}, ["--gpus-per-node", "gpu:h200:2"], 2),
+    ({}, ["--gpus-per-node", "gpu:3"], 3),
+    ({"SLURM_GPUS_PER_TASK": "h200:4,a100:2"}, [], 6),
+], ids=["untyped", "typed", "per-node-typed", "per-node", "per-node-first", "on-node", "default", "option-typed",
+        "gres-typed", "gres", "two-types"])
+def test_typed_and_untyped_gpu_requests_become_a_ray_gpu_count(slurm_env, env, args, gpus):
+    env = {k: v for k, v in {**slurm_env, **env}.items() if v is not None}
+    assert head_start(env, *args) == HEAD_START.format(port=6379, gpus=gpus)
+
+
+@pytest.mark.parametrize("args, env", [(["--port", "7000"], {}), (["--port=7000"], {}), ([], {"SPARROW_RAY_PORT": "7000"})])
+def test_port_from_the_option_or_the_environment(slurm_env, args, env):
+    assert head_start({**slurm_env, **env}, *args) == HEAD_START.format(port=7000, gpus=8)
+
+
 @pytest.mark.parametrize("args, env, message", [
+    (["--config", CONFIG, "--port", "abc"], {}, "--port/SPARROW_RAY_PORT 'abc': must be a whole number from 1 to 65535"),
+    (["--config", CONFIG, "--port", "0"], {}, "--port/SPARROW_RAY_PORT '0': must be a whole number from 1 to 65535"),
+    (["--config", CONFIG, "--port", "65536"], {}, "'65536': must be a whole number from 1 to 65535"),
+    (["--config", CONFIG, "--port", "010"], {}, "'010': must be a whole number from 1 to 65535"),
+    (["--config", CONFIG], {"SPARROW_RAY_PORT": "6379x"}, "--port/SPARROW_RAY_PORT '6379x'"),
+    (["--config", CONFIG, "--timeout", "0"], {}, "--timeout/SPARROW_RAY_TIMEOUT '0': must be a whole number of at least 1"),
+    (["--config", CONFIG, "--trainer-nodes", "two"], {}, "--trainer-nodes/SPARROW_TRAINER_NODES 'two': must be a whole number"),
+    (["--config", CONFIG], {"SLURM_GPUS_PER_TASK": "h200:x"},
+     "SLURM_GPUS_PER_TASK 'h200:x' is not a GPU count: give N, TYPE:N or gpu:TYPE:N (e.g. 8, h200:8, gpu:h200:8)"),
+    (["--config", CONFIG, "--gpus-per-node", "gpu:a:b:4"], {}, "--gpus-per-node 'gpu:a:b:4' is not a GPU count"),
+
     ([], {}, "--config JOB.yaml or --resume RUN_DIR is required"),
     (["--config", CONFIG], {"SLURM_JOB_NODELIST": "gpu01"}, "needs at least 2 nodes"),
     (["--config", CONFIG, "--trainer-nodes", "4"], {}, "must leave at least one node to each pool"),
