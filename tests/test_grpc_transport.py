@@ -3,6 +3,7 @@
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -264,6 +265,26 @@ def test_drain_refuses_new_samples_until_resumed():
         assert report.accepted == 4 and report.streams > 1
         assert server.stats()["unavailable"] >= 1
         assert control.health().status == "serving"
+
+
+def test_waiting_drains_hold_no_thread_so_health_and_a_short_drain_answer_at_once():
+    """16 drains wait for a queue nobody empties. Before, each held a thread of the loop's default executor
+    (6 on 2 cores), which Health shares: Health and a later drain waited for one of them to end (3 s)."""
+    with TrajectoryServer(config(), CREDS) as server, ControlClient(server.address, server.config, CREDS) as control:
+        with TrajectoryClient(server.address, server.config, CREDS) as client:
+            assert client.send([trajectory(0)]).accepted == 1  # never consumed: drains wait their whole timeout
+        with ThreadPoolExecutor(16) as pool:
+            waiting = [pool.submit(control.drain, 3.0) for _ in range(16)]
+            time.sleep(0.5)
+            start = time.monotonic()
+            health = control.health()
+            health_s = time.monotonic() - start
+            short = control.drain(0.2)
+            short_s = time.monotonic() - start - health_s
+            results = [w.result() for w in waiting]
+        assert (health.status, health.gauges["queue_depth"]) == ("draining", 1.0) and health_s < 1.0, health_s
+        assert short == (False, 1) and short_s < 1.0, short_s
+        assert results == [(False, 1)] * 16
 
 
 def test_drain_gives_up_after_attempts_with_a_clear_error():

@@ -5,9 +5,11 @@ and the coordinator (health and `sparrow pool resize`: `endpoint.JobControlServe
 handler). The job's own control (schedules, weights, leases, statistics) is Ray calls, not this service.
 
 A component implements `ControlHandler`; `ControlServicer` adapts it to gRPC (grpc.aio) and turns bad
-requests into INVALID_ARGUMENT naming the field. Handler methods run in a worker thread: they may
-block (a drain waits for pending work) and must not stall the transport loop. A handler without
-`resize_pool`, or whose method raises NotImplementedError, answers that RPC with UNIMPLEMENTED.
+requests into INVALID_ARGUMENT naming the field. Handler methods run in a worker thread, so a slow one
+does not stall the transport loop; none holds a thread while a drain waits (the servicer waits on the
+loop, asking the handler every DRAIN_POLL_S), so any number of waiting drains leave Health and resizes
+their threads. A handler without `resize_pool`, or whose method raises NotImplementedError, answers
+that RPC with UNIMPLEMENTED.
 
 No torch here, so the `sparrow pool` client starts fast.
 """
@@ -26,6 +28,8 @@ from sparrow.protos import sparrow_v1_pb2 as pb
 from . import wire
 from .validate import InvalidMessage, validate_resize_pool
 
+DRAIN_POLL_S = 0.05
+"""How often a waiting Drain asks its handler again (`drain(0.0)`)."""
 CONTROL_REQUEST_MAX_BYTES = 4096
 """Largest ControlService request a server parses, whatever `max_message_mb` allows samples: a ResizePoolRequest
 is at most ~1 KiB (a pool name of <= 256 characters and a size), the others a few bytes. Larger ones are
@@ -87,7 +91,8 @@ class Health:
 
 class ControlHandler(Protocol):
     def drain(self, timeout_s: float) -> tuple[bool, int]:
-        """Stop taking new work, wait up to `timeout_s` for pending work; returns (drained, pending)."""
+        """Stop taking new work, wait up to `timeout_s` for pending work; returns (drained, pending).
+        Idempotent; the servicer calls it with 0 (answer at once) and does the waiting itself."""
 
     def health(self) -> Health: ...
 
@@ -155,8 +160,13 @@ class ControlServicer:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"timeout_s: ={request.timeout_s} must be a finite number >= 0")
         remaining = context.time_remaining()  # no use waiting past the caller's deadline
         timeout_s = request.timeout_s if remaining is None else min(request.timeout_s, max(remaining, 0.0))
-        drained, pending = await self._call(context, "Drain", self.handler.drain, timeout_s)
-        return pb.DrainReply(drained=drained, pending=pending)
+        clock = asyncio.get_running_loop().time
+        deadline = clock() + timeout_s
+        while True:  # waits on the loop, not in a thread: waiting drains cannot starve other control calls
+            drained, pending = await self._call(context, "Drain", self.handler.drain, 0.0)
+            if drained or clock() >= deadline:
+                return pb.DrainReply(drained=drained, pending=pending)
+            await asyncio.sleep(min(DRAIN_POLL_S, deadline - clock()))
 
     async def Health(self, request, context: grpc.aio.ServicerContext) -> pb.HealthReply:
         await self._decoded(request, context)
