@@ -106,7 +106,7 @@ class Reference:
         return {k: p.detach().clone() for k, p in self.model.named_parameters()}
 
     def train_step(self, batch: TrajectoryBatch, loss_cfg: LossConfig, schedule=None, topk=8):
-        from sparrow.trainer.rank import _index_parts
+        from sparrow.trainer.update import mini_batch_indices
 
         model, params = self.model, dict(self.model.named_parameters())
         with torch.no_grad():
@@ -121,7 +121,7 @@ class Reference:
             mask = t.response_mask()
             alpha.setdefault(t.schedule_version, AlphaHistogram.empty(schedule.num_bins)).add(lo[mask], bins[mask])
         shards = [shard for _, shard in batch.shard(2)]
-        parts = [_index_parts(len(shard), loss_cfg.mini_batches) for shard in shards]
+        parts = [mini_batch_indices(len(shard), loss_cfg.mini_batches) for shard in shards]
         pg, tokens = 0.0, 0
         for _ in range(loss_cfg.epochs):
             for k in range(loss_cfg.mini_batches):

@@ -19,6 +19,8 @@ from sparrow.acceptance import AlphaHistogram, acceptance_bounds_topk, token_con
 from sparrow.schedule import SparsitySchedule
 
 from .batch import Trajectory
+from .collectives import all_gather_objects
+from .microbatch import MicroBatch
 
 
 @dataclass
@@ -84,3 +86,28 @@ def add_trajectory_alpha(
     bins = schedule.bins_for_lengths(token_context_lengths(trajectory.prompt_len, trajectory.response_len))
     report.add(trajectory.schedule_version, lower[keep], upper[keep], bins[keep])
     return lower, upper
+
+
+def add_micro_batch_alpha(
+    report: AlphaReport,
+    mb: MicroBatch,
+    trajectories: list[Trajectory],
+    dense_top_ids: torch.Tensor,
+    dense_top_logprobs: torch.Tensor,
+    schedule: SparsitySchedule,
+    bounds: dict[str, list] | None = None,
+) -> None:
+    """`add_trajectory_alpha` for every row of `mb`; with `bounds`, each row's per-token (lower, upper) goes into
+    `bounds["alpha_lower"]` / `bounds["alpha_upper"]` at its index (None without rollout top-k)."""
+    for i, ids, lp in zip(mb.indices, mb.per_row(dense_top_ids), mb.per_row(dense_top_logprobs)):
+        pair = add_trajectory_alpha(report, trajectories[i], ids, lp, schedule)
+        if bounds is not None:
+            bounds["alpha_lower"][i], bounds["alpha_upper"][i] = pair if pair is not None else (None, None)
+
+
+def merged_over_ranks(report: AlphaReport) -> AlphaReport:
+    """Every rank's report merged (collective: all ranks call it)."""
+    merged = AlphaReport(report.num_length_bins)
+    for part in all_gather_objects(report):
+        merged = merged.merge(part)
+    return merged

@@ -1,5 +1,5 @@
-"""The dense policy as a Hugging Face model directory, from live trainer ranks (`TrainerRank.export_hf`)
-or from a DeepSpeed checkpoint (`export_checkpoint`, behind `sparrow export`):
+"""The dense policy as a Hugging Face model directory, from live trainer ranks (`export_live`, behind
+`TrainerRank.export_hf`) or from a DeepSpeed checkpoint (`export_checkpoint`, behind `sparrow export`):
 
     OUT/config.json, generation_config.json    the source model's (dtype = the weights')
     OUT/model.safetensors, or model-0000k-of-0000n.safetensors + model.safetensors.index.json
@@ -15,14 +15,18 @@ and renamed into place, so OUT is at any moment absent, the previous export, or 
 """
 
 import shutil
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from sparrow.weight_sync import plan_buckets
+
 from .checkpoint import model_states
-from .config import DistillSparseConfig
+from .config import DistillSparseConfig, TrainerConfig
 from .lora import adapter_state, attach_lora, clean_name
+from .policy import Policy
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 
@@ -103,6 +107,27 @@ def write_hf_dir(
         "dtype": str(model.dtype).removeprefix("torch."),
         "sparse_lora": str(out / "sparse_lora") if adapter else None,
     }
+
+
+def export_live(policy: Policy, config: TrainerConfig, rank: int, out: str | Path, replace: bool = False,
+                max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> dict:
+    """`write_hf_dir` from the ranks' current weights, adapter unmerged. Collective under ZeRO-3 (every rank
+    gathers, bucket by bucket as publication does); rank 0 holds the full policy in CPU memory and writes, and
+    returns what it wrote ({} elsewhere)."""
+    state = {}
+    buckets = plan_buckets(policy.exporter.specs(), int(config.publish.bucket_mb * 2**20))
+    for bucket in buckets:
+        with policy.exporter.tensors([e.name for e in bucket.entries], merge_lora=False) as tensors:
+            if rank == 0:
+                state.update({n: t.detach().cpu().clone() for n, t in tensors.items()})
+    if rank != 0:
+        return {}
+    start = time.perf_counter()
+    adapter = None
+    if policy.lora is not None:
+        adapter = {n: t.detach().cpu().clone() for n, t in adapter_state(policy.engine.module.named_parameters()).items()}
+    written = write_hf_dir(state, config.model, out, adapter, config.distill_sparse, replace, max_shard_size)
+    return {**written, "seconds": time.perf_counter() - start}
 
 
 @dataclass

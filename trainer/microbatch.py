@@ -57,6 +57,22 @@ class MicroBatch:
         rows, cols = self.predicting_positions()
         return self.input_ids[rows, cols + 1]
 
+    def per_row(self, values: torch.Tensor) -> list[torch.Tensor]:
+        """A per-response-token tensor of this micro-batch cut into its rows."""
+        return list(values.split(self.response_lens))
+
+    def per_token(self, trajectories: list[Trajectory], attr: str, device: torch.device) -> torch.Tensor:
+        """One value per response token of the rows, on `device`: a trajectory field (`rollout_logprobs`), its
+        `advantage` repeated, or its loss `mask`."""
+        rows = [trajectories[i] for i in self.indices]
+        if attr == "advantage":
+            values = [torch.full((t.response_len,), float(t.advantage)) for t in rows]
+        elif attr == "mask":
+            values = [t.response_mask() for t in rows]
+        else:
+            values = [getattr(t, attr) for t in rows]
+        return torch.cat(values).to(device)
+
 
 def collate(trajectories: list[Trajectory], indices: list[int], pad_id: int) -> MicroBatch:
     rows = [trajectories[i] for i in indices]

@@ -26,6 +26,8 @@ from sparrow.kernels.reference import SparseRows, block_sparse_causal_sdpa_batch
 from sparrow.layout import KVCacheDType
 from sparrow.schedule import SparsitySchedule
 
+from .microbatch import MicroBatch
+
 ATTENTION_NAME = "sparrow_block_sparse"
 
 
@@ -61,6 +63,14 @@ def query_budgets(prompt_lens: list[int], seq_len: int, schedule: SparsitySchedu
     if len(schedules) != len(prompt_lens):
         raise ValueError(f"{len(schedules)} schedules for {len(prompt_lens)} rows")
     return torch.stack([s.query_budgets(p, seq_len) for s, p in zip(schedules, prompt_lens)])
+
+
+def micro_batch_forward(mb: MicroBatch, config: SparseAttentionConfig, schedule: SparsitySchedule | list[SparsitySchedule],
+                        device: torch.device, kv_cache_dtype: KVCacheDType = "auto") -> SparseForward:
+    """The sparse forward of a micro-batch under one schedule, or one schedule per row."""
+    budgets = query_budgets(mb.prompt_lens, mb.input_ids.shape[1], schedule)
+    lengths = [p + r for p, r in zip(mb.prompt_lens, mb.response_lens)]
+    return SparseForward.of(config, budgets, lengths, device, kv_cache_dtype)
 
 
 def sparrow_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sparrow_sparse=None, **kwargs):
