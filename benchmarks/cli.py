@@ -1,11 +1,11 @@
 """`sparrow bench ...`: the benchmarks (each prints a table; the GPU ones write JSON to benchmarks/results/).
-Each bench registers its own options where it lives; this command only gathers them."""
+Each bench registers its own options where it lives; this command only gathers them. `sparrow.cli.main` imports
+this module only when `sparrow bench` runs."""
 
-from sparrow.coordinator.publish_bench import register as register_publish
-from sparrow.kernels.bench_cli import register as register_kernels
-from sparrow.rollout_workers.native.bench.cli import (register_decode_step, register_rollout, register_rollout_merge,
-                                                      register_rollout_paper)
-from sparrow.trainer.cli import register as register_trainer
+from .decode_kernels.cli import register as register_kernels
+from .publish import register as register_publish
+from .rollout.cli import register_decode_step, register_rollout, register_rollout_merge, register_rollout_paper
+from .trainer import register as register_trainer
 
 
 def configure(p) -> None:

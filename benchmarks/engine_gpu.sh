@@ -16,9 +16,9 @@ mkdir -p "$OUT"
   -rfE 2>&1 | tee "$OUT/tests.log"
 [[ " $STAGES " == *" select "* ]] && timeout "$SELECT_S" python3 benchmarks/select_sweep.py "$OUT/select-sweep.json" 2>&1 \
   | tee "$OUT/select-sweep.log"
-[[ " $STAGES " == *" decode "* ]] && timeout "$DECODE_S" python3 -m sparrow.rollout_workers.native.bench decode-step --out "$OUT/decode-step.json" 2>&1 \
+[[ " $STAGES " == *" decode "* ]] && timeout "$DECODE_S" python3 -m sparrow.bench.rollout decode-step --out "$OUT/decode-step.json" 2>&1 \
   | tee "$OUT/decode-step.log"
-[[ " $STAGES " == *" decode-fp8 "* ]] && timeout "$DECODE_S" python3 -m sparrow.rollout_workers.native.bench decode-step \
+[[ " $STAGES " == *" decode-fp8 "* ]] && timeout "$DECODE_S" python3 -m sparrow.bench.rollout decode-step \
   --kv-cache-dtype fp8_e4m3 --out "$OUT/decode-step-fp8.json" 2>&1 | tee "$OUT/decode-step-fp8.log"
-[[ " $STAGES " == *" rollout "* ]] && timeout "$ROLLOUT_S" python3 -m sparrow.rollout_workers.native.bench rollout-paper --out "$OUT/rollout-paper.json" "$@" 2>&1 \
+[[ " $STAGES " == *" rollout "* ]] && timeout "$ROLLOUT_S" python3 -m sparrow.bench.rollout rollout-paper --out "$OUT/rollout-paper.json" "$@" 2>&1 \
   | tee "$OUT/rollout-paper.log"

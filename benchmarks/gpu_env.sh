@@ -13,7 +13,7 @@ fi
 [ -d /tmp/site ] && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 # -P: without the current folder on the path, as a script under benchmarks/ sees it (the cwd would hide a
 # missing PYTHONPATH once the symlinks exist).
-if ! python3 -P -c "import sparrow.rollout_workers.native" 2>/dev/null; then
+if ! python3 -P -c "import sparrow.bench, sparrow.rollout_workers.native" 2>/dev/null; then
   for pkg in coordinator kernels protos rollout_workers trainer; do [ -e "sparrow/$pkg" ] || ln -s "../$pkg" "sparrow/$pkg"; done
   [ -e sparrow/bench ] || ln -s ../benchmarks sparrow/bench
   export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"

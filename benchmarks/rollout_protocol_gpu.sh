@@ -14,6 +14,6 @@ start=${START_STEP:-0} end=${END_STEP:-}
 name="rollout-$model-b$batch-$mode$([ "$start" -gt 0 ] && echo "-from$start")${end:+-to$end}"
 OUT=${OUT:-/tmp/sparrow-rollout}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv | tee "$OUT/gpu.txt"
-python3 -m sparrow.rollout_workers.native.bench rollout --model "$model" --device cuda --prompt-len 256 \
+python3 -m sparrow.bench.rollout rollout --model "$model" --device cuda --prompt-len 256 \
   --gen-len 32768 --samples 8 --batch "$batch" --schedule "$model-0.86" --mode "$mode" --replayed 6 \
   --start-step "$start" ${end:+--end-step "$end"} --out "$OUT/$name.json" "$@" 2>&1 | tee "$OUT/$name.log"

@@ -12,8 +12,8 @@ import sys
 
 import torch
 
+from sparrow.bench.cuda_timing import graph_replay, median_us
 from sparrow.kernels import reference as ref
-from sparrow.kernels.triton.bench import _bench, _graph
 from sparrow.kernels.triton.selection import select_blocks
 from sparrow.tables import format_table
 
@@ -43,7 +43,7 @@ def main(out: str | None = None) -> None:
             selected.fill_(-1)
             run()
             exact = torch.equal(selected[:, :budget].long().sort(dim=1).values.cpu(), expect)
-            us = _bench(_graph(run), 40)
+            us = median_us(graph_replay(run), 40)
             rows.append({"batch": batch, "budget": budget, "context": context, "width": width, "warps": warps,
                          "us": us, "equals_reference": exact})
             print(rows[-1], flush=True)

@@ -12,10 +12,12 @@ import sys
 
 import torch
 
+from sparrow.bench.cuda_timing import DEVICE, graph_replay, median_us
+from sparrow.bench.decode_kernels.cases import Pool, make_case
 from sparrow.kernels import SparseAttentionConfig
 from sparrow.kernels.triton.attention import attention_tiling
 from sparrow.kernels.triton.backend import MAX_SPLITS, TritonBackend, choose_splits
-from sparrow.kernels.triton.bench import BLOCK_SIZE, DEVICE, Pool, _bench, _graph, make_case
+from sparrow.layout import BLOCK_SIZE
 from sparrow.tables import format_table
 
 BATCHES, CONTEXT, HEADS, DIM, GROUP, BUDGET_TOKENS = (8, 16, 24, 32, 40, 48, 56, 64), 32768, 8, 128, 4, 2048
@@ -32,7 +34,7 @@ def layer_times(pool: Pool, batch: int, splits: int, tiling, config: SparseAtten
         return lambda: backend.decode(case.q, pool.k, pool.v, landmarks, case.tables, case.seq_lens, budget, config,
                                       DIM**-0.5, pool.scales)
 
-    return _bench(_graph(layer(None, None)), 40), _bench(_graph(layer(pool.mean, budgets)), 40)
+    return median_us(graph_replay(layer(None, None)), 40), median_us(graph_replay(layer(pool.mean, budgets)), 40)
 
 
 def main(out: str | None = None) -> None:

@@ -26,7 +26,7 @@ case $stage in
     python3 -m pytest tests/test_engine_tensor_parallel.py -m gpu -q -p no:cacheprovider -rfE 2>&1 | tee "$OUT/tp-test.log" ;;
   tp-rollout)
     model=$1 mode=$2 batch=$3; shift 3
-    python3 -m sparrow.rollout_workers.native.bench rollout --model "$model" --device cuda --tensor-parallel 2 \
+    python3 -m sparrow.bench.rollout rollout --model "$model" --device cuda --tensor-parallel 2 \
       --prompt-len 256 --gen-len 32768 --samples 8 --batch "$batch" --schedule "$model-0.86" --mode "$mode" \
       --out "$OUT/rollout-tp2-$model-b$batch-$mode.json" "$@" 2>&1 | tee "$OUT/rollout-tp2-$model-b$batch-$mode.log" ;;
   publish)

@@ -20,7 +20,7 @@ import json
 import re
 from pathlib import Path
 
-from sparrow.rollout_workers.native.bench.real_run import profile_seconds
+from sparrow.bench.rollout.real_run import profile_seconds
 
 WINDOW = 512
 """Decode steps per step-profile window and between progress lines in the records read here."""

@@ -69,8 +69,8 @@ def test_unknown_command_is_a_usage_error(capsys):
 @pytest.mark.parametrize("argv", [["sparrow", "bench", "decode-step", "--batch", "24"],
                                   ["-m", "decode-step", "--batch", "24"], ["-m", "--batch", "24"]], ids=" ".join)
 def test_bench_records_the_sparrow_command_that_repeats_it(argv, monkeypatch):
-    """A result file names `sparrow bench ACTION ...` whether the run came from the CLI or `python -m ...bench`."""
-    from sparrow.rollout_workers.native.bench.common import bench_command
+    """A result file names `sparrow bench ACTION ...` whether the run came from the CLI or `python -m sparrow.bench.rollout`."""
+    from sparrow.bench.rollout.common import bench_command
 
     monkeypatch.setattr(sys, "argv", argv)
     assert bench_command("decode-step") == "sparrow bench decode-step --batch 24"

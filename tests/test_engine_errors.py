@@ -142,7 +142,7 @@ def test_bench_rollout_one_mode_per_run_then_merge(tmp_path, capsys):
 def test_replayed_windows_take_one_path():
     """`--replayed` compares a window's real steps with a replay of one path: a sparse run's first window, where its
     schedule turns sparse at 513 tokens, is skipped (its median mixes dense and sparse steps); dense runs keep it."""
-    from sparrow.rollout_workers.native.bench.real_run import STEP_WINDOW, replay_windows, sparse_step
+    from sparrow.bench.rollout.real_run import STEP_WINDOW, replay_windows, sparse_step
     from sparrow.schedule import load_schedule
 
     schedule = load_schedule("qwen3-8b-0.86")
@@ -158,7 +158,7 @@ def test_replayed_windows_take_one_path():
 def test_a_truncated_run_is_compared_over_the_steps_both_modes_made(tmp_path, capsys):
     """A dense run stopped at its time cap misses its slowest steps: the merge also reports sparse / dense over the
     whole step windows both runs have, and a run with no finished sample shows no blocks per token."""
-    from sparrow.rollout_workers.native.bench.real_run import STEP_WINDOW, common_steps_speedup
+    from sparrow.bench.rollout.real_run import STEP_WINDOW, common_steps_speedup
 
     def profile(ms_per_window, last_steps=STEP_WINDOW):
         windows = [{"first_context": 257 + i * STEP_WINDOW, "last_context": 256 + (i + 1) * STEP_WINDOW,
@@ -191,7 +191,7 @@ def test_a_truncated_run_is_compared_over_the_steps_both_modes_made(tmp_path, ca
 def test_a_run_measured_in_segments_is_joined_into_the_whole_run(tmp_path, capsys, monkeypatch):
     """`--start-step`: a segment's samples start from prompts carrying their first N tokens, so its steps have the
     contexts of the whole run's from step N; rollout-merge joins segments of a mode and refuses gaps between them."""
-    from sparrow.rollout_workers.native.bench import real_run
+    from sparrow.bench.rollout import real_run
 
     monkeypatch.setattr(real_run, "STEP_WINDOW", 4)
     args = ["bench", "rollout", "--model", "tiny", "--prompt-len", "40", "--gen-len", "13", "--batch", "4",
@@ -233,7 +233,7 @@ def test_a_run_measured_in_segments_is_joined_into_the_whole_run(tmp_path, capsy
 def test_end_step_cuts_a_segment_where_the_next_one_starts(tmp_path, capsys, monkeypatch):
     """`--end-step M`: a segment stops after decode step M - 1 (marked truncated), so segments [0, 4), [4, 8), [8, end)
     join into the whole run's steps with no gap or overlap, whatever the time each took."""
-    from sparrow.rollout_workers.native.bench import real_run
+    from sparrow.bench.rollout import real_run
 
     monkeypatch.setattr(real_run, "STEP_WINDOW", 4)
     args = ["bench", "rollout", "--model", "tiny", "--prompt-len", "40", "--gen-len", "13", "--batch", "4",
@@ -260,7 +260,7 @@ def test_end_step_cuts_a_segment_where_the_next_one_starts(tmp_path, capsys, mon
 def test_kernel_gaps_name_the_edges_where_the_gpu_idles():
     """The decode-step profile's idle time: gaps between one kernel's end and the next one's start, summed per pair
     of kernels; an overlapping kernel (a dependent launched early) leaves no gap, and the span covers them all."""
-    from sparrow.rollout_workers.native.bench.filled import kernel_gaps
+    from sparrow.bench.rollout.filled import kernel_gaps
 
     timeline = [("gemm", 0.0, 10.0), ("norm", 12.0, 13.0), ("gemm", 13.5, 23.5), ("norm", 25.5, 26.0),
                 ("merge", 25.8, 27.0), ("attn", 20.0, 24.0)]
@@ -275,7 +275,7 @@ def test_step_breakdown_puts_each_kernel_group_beside_the_bytes_it_must_move():
     """The decode-step profile grouped by job: attention against the K/V, GEMMs (cuBLAS families, the split-K reduce
     too) against the weights, scoring against landmarks + the scores it writes, selection against the scores it
     reads; merge, small kernels and idle time have no floor. Rows sum to the span; the span's excess is the step's."""
-    from sparrow.rollout_workers.native.bench.breakdown import kernel_kinds, step_breakdown
+    from sparrow.bench.rollout.breakdown import kernel_kinds, step_breakdown
 
     kinds = kernel_kinds([("_decode_attention_kernel", 36, 6426.0), ("nvjet_sm90_tst_192x24_64x7_4x1_v_bz_TNT", 36, 1075.0),
                           ("void cublasLt::splitKreduce_kernel<32, 16>", 72, 136.0), ("_score_kernel", 34, 934.0),
@@ -294,7 +294,7 @@ def test_step_breakdown_puts_each_kernel_group_beside_the_bytes_it_must_move():
     assert sum(r["us"] for r in rows.values()) == pytest.approx(6426 + 1211 + 934 + 492 + 143 + 196 + 279)
     dense_only = {r["kind"] for r in step_breakdown(kernel_kinds([("_decode_attention_kernel", 2, 5.0)]), 0.0, nbytes, 4000.0)}
     assert dense_only == {"attention", "idle between kernels"}  # groups without kernels get no row
-    from sparrow.rollout_workers.native.bench.decode_step import render_breakdown
+    from sparrow.bench.rollout.decode_step import render_breakdown
 
     text = render_breakdown("32768-sparse", {"breakdown": list(rows.values()), "kernels": 361, "span_us": 11293.0,
                                              "floor_us": 8977.0})
@@ -306,7 +306,7 @@ def test_segment_bounds_balance_the_growing_step_cost():
     """`--segments`: boundaries on the 512-step windows, later segments shorter (a dense step's cost grows with its
     context, and a later segment prefills a longer prompt first), each segment about the same estimated time; too
     many segments for the windows is refused."""
-    from sparrow.rollout_workers.native.bench.real_run import (SEGMENT_FIXED_TOKENS, SEGMENT_PREFILL_TOKENS,
+    from sparrow.bench.rollout.real_run import (SEGMENT_FIXED_TOKENS, SEGMENT_PREFILL_TOKENS,
                                                                segment_bounds)
 
     bounds = segment_bounds(0, 32767, 4, 256, "dense")
@@ -352,7 +352,7 @@ def test_real_rollout_times_the_whole_loop_host_work_included(tiny_qwen3, monkey
     next step while the host is outside the call. The overlapped loop's last step only reads the one in flight."""
     import time
 
-    from sparrow.rollout_workers.native.bench import real_run
+    from sparrow.bench.rollout import real_run
 
     monkeypatch.setattr(real_run, "STEP_WINDOW", 4)
     engine = NativeEngine.from_pretrained(tiny_qwen3, overlap_decode=True)

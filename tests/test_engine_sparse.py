@@ -123,7 +123,7 @@ def test_small_budget_on_smollm2_gives_alpha_below_one_on_some_tokens(smollm2):
 def test_byte_floor_speedup_counts_the_bytes_each_mode_must_move():
     """The rollout benchmark's bound: 1 when the budget covers every context; at one context, weights + dense
     layers' K/V + attended K/V + landmarks and scores of the candidates, per the step's byte count."""
-    from sparrow.rollout_workers.native.bench import byte_floor_speedup
+    from sparrow.bench.rollout import byte_floor_speedup
     from sparrow.rollout_workers.native.shapes import spec_for_shape
 
     config, spec = SparseAttentionConfig(), spec_for_shape("qwen3-1.7b")

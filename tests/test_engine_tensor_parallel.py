@@ -97,7 +97,7 @@ def biased_llama(out: Path) -> Path:
 
 
 def check_parity(models: dict[str, Path], workdir: Path, backend: str, tolerance: float, **options) -> None:
-    from sparrow.rollout_workers.native.bench.rollout import run_ranks
+    from sparrow.bench.rollout.rollout import run_ranks
 
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     run_ranks(rank_main, (workdir, models, backend, options), 2, [workdir / f"rank{r}.pt" for r in range(2)])
@@ -198,7 +198,7 @@ def _report_then_hang(rank: int, report: str) -> None:
 def test_ranks_hung_after_the_report_are_stopped_and_the_report_kept(tmp_path, capfd):
     """On 2 x H200 both 8B tensor-parallel runs decoded to the end but their ranks never returned, and the
     results were lost with them: once rank 0 has written the report, ranks get a grace period, then are killed."""
-    from sparrow.rollout_workers.native.bench.rollout import run_ranks
+    from sparrow.bench.rollout.rollout import run_ranks
 
     start = time.monotonic()
     run_ranks(_report_then_hang, (str(tmp_path / "report.json"),), 2, [tmp_path / "report.json"], grace_s=1.0)

@@ -1,10 +1,11 @@
-"""The FlashInfer comparison's page tables (sparrow.kernels.flashinfer_baseline): attention read through them, the
-way FlashInfer's "HND" paged decode reads a page table, equals Sparrow's reference attention over the same blocks."""
+"""The FlashInfer comparison's page tables (sparrow.bench.decode_kernels.flashinfer_baseline): attention read
+through them, the way FlashInfer's "HND" paged decode reads a page table, equals Sparrow's reference attention over
+the same blocks."""
 
 import pytest
 import torch
 
-from sparrow.kernels.flashinfer_baseline import (
+from sparrow.bench.decode_kernels.flashinfer_baseline import (
     PageTable,
     csr_page_table,
     dense_page_table,
@@ -88,7 +89,7 @@ def test_a_table_that_lists_more_pages_than_it_holds_is_refused():
 
 
 def test_the_kernel_tables_show_flashinfer_beside_ours_and_a_dash_where_it_did_not_run():
-    from sparrow.kernels.triton.bench import render_tables
+    from sparrow.bench.decode_kernels.tables import render_tables
 
     dense = {"kind": "dense", "batch": 8, "context": 32768, "group": 4, "splits": 2, "us": 90.0, "pct_copy": 95.0,
              "zero_flush_us": 100.0, "sdpa_us": 120.0, "sdpa_pct_copy": 70.0, "sdpa_backend": "flash",
@@ -112,7 +113,7 @@ def test_the_kernel_tables_show_flashinfer_beside_ours_and_a_dash_where_it_did_n
 
 @pytest.mark.gpu
 def test_flashinfer_reads_sparrows_pool_as_the_reference_does():
-    from sparrow.kernels import flashinfer_baseline as flashinfer
+    from sparrow.bench.decode_kernels import flashinfer_baseline as flashinfer
 
     missing = flashinfer.available()
     if missing:

@@ -1,8 +1,6 @@
 """The options of `sparrow bench kernels` (the CLI registers them). Triton-free, so the CLI builds its
-parser anywhere; the benchmark itself (`sparrow.kernels.triton.bench`) is imported only when chosen.
-`python -m sparrow.kernels.bench_cli [options]` runs it without the rest of the CLI."""
+parser anywhere; the benchmark itself (`measure.py`) is imported only when chosen."""
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -10,7 +8,7 @@ from sparrow.layout import BLOCK_SIZE, KV_CACHE_DTYPES
 
 
 def register(actions) -> None:
-    """`sparrow bench kernels`: the Triton decode kernels' bandwidth (logic in sparrow.kernels.triton.bench)."""
+    """`sparrow bench kernels`: the Triton decode kernels' bandwidth (logic in `measure.py`)."""
     k = actions.add_parser("kernels", help="decode attention kernels: achieved bandwidth vs the copy bandwidth, beside "
                            "torch SDPA and FlashInfer when installed (CUDA)")
     k.add_argument("--batches", type=int, nargs="+", help="batch sizes (default 8 64)")
@@ -28,18 +26,8 @@ def register(actions) -> None:
 
 
 def run_kernels(args, command: str | None = None) -> int:
-    from .triton.bench import run_from_args
+    from .measure import run_from_args
 
     run_from_args(args, command or "sparrow " + " ".join(sys.argv[1:]))
     return 0
 
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m sparrow.kernels.bench_cli")
-    register(parser.add_subparsers(dest="action", required=True))
-    argv = list(sys.argv[1:] if argv is None else argv)
-    return run_kernels(parser.parse_args(["kernels", *argv]), "python -m sparrow.kernels.bench_cli " + " ".join(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

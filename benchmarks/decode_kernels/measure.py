@@ -1,7 +1,7 @@
 """Kernel benchmark behind `sparrow bench kernels`: decode attention bandwidth against the copy ceiling.
 
 For each (batch, context, group size, budget) it times, as CUDA-graph replays with a cold, clean L2
-(median over CUDA events, see `_bench`): the dense Triton decode, torch SDPA (flash) on a contiguous cache, and the
+(median over CUDA events, see `cuda_timing.median_us`): the dense Triton decode, torch SDPA (flash) on a contiguous cache, and the
 sparse layer — score, select, split-K attention and merge, each alone and together. It reports the
 bytes each must move and the achieved fraction of the device-to-device copy bandwidth measured in the
 same run (bytes read + written), with V = bytes of one stored key or value vector (D · 2 B in bfloat16 pages,
@@ -12,7 +12,7 @@ D + 4 B in FP8 pages with their scales, `--kv-cache-dtype fp8_e4m3`):
 
 The peers (SDPA, FlashInfer) read bfloat16 pages only: FP8 runs time ours alone.
 
-Run: `sparrow bench kernels` or `python -m sparrow.kernels.bench_cli` (CUDA only).
+Run: `sparrow bench kernels` or `python -m sparrow.bench.decode_kernels` (CUDA only).
 """
 
 import datetime
@@ -23,19 +23,17 @@ from pathlib import Path
 
 import torch
 
+from sparrow.bench.cuda_timing import DEVICE, copy_bandwidth, graph_replay, median_us
+from sparrow.bench.result_files import default_out_path
+from sparrow.kernels.triton.attention import AttentionTiling, attention_partials, attention_tiling, merge_splits
+from sparrow.kernels.triton.backend import TritonBackend, choose_splits, split_waves
+from sparrow.kernels.triton.scoring import score_blocks
+from sparrow.kernels.triton.selection import select_blocks
 from sparrow.layout import BLOCK_SIZE, KVCacheDType, SparseAttentionConfig
-from sparrow.tables import format_table
 
-from .. import flashinfer_baseline as flashinfer
-from ..reference import KVScales, quantize, vector_bytes
-
-from .attention import AttentionTiling, attention_partials, attention_tiling, merge_splits
-from .backend import TritonBackend, choose_splits, split_waves
-from .scoring import score_blocks
-from .selection import select_blocks
-
-DEVICE = "cuda"
-RESULTS_DIR = Path("benchmarks/results")
+from . import flashinfer_baseline as flashinfer
+from .cases import Case, Pool, dense_bytes, make_case, sparse_bytes
+from .tables import format_or_dash, render_tables
 
 
 @dataclass
@@ -50,128 +48,6 @@ class BenchSpec:
     kv_cache_dtype: KVCacheDType = "auto"
     sweep: bool = True
     rep_ms: int = 60
-
-
-_FLUSH: dict[str, torch.Tensor] = {}
-
-
-def _bench(fn, rep_ms: int, flush: str = "read") -> float:
-    """Median microseconds of `fn`, timed with CUDA events, with L2 flushed before each call.
-
-    `flush="read"` streams a 512 MB buffer through L2 (a sum), leaving it cold and clean, as a layer finds it
-    after the previous layer's reads. `flush="zero"` is triton.testing.do_bench's flush (zeroing 256 MB): it
-    leaves up to a whole L2 of dirty lines that the timed kernel must write back first (~14 us on an H200),
-    which is an artifact of the method, kept measurable for comparison.
-    """
-    if flush not in _FLUSH:
-        size = 512 << 20 if flush == "read" else 256 << 20
-        _FLUSH[flush] = torch.ones(size // 4, dtype=torch.float32, device=DEVICE)
-    buf = _FLUSH[flush]
-    sink = torch.empty((), dtype=torch.float32, device=DEVICE)
-    wipe = (lambda: torch.sum(buf, dim=0, out=sink)) if flush == "read" else buf.zero_
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    reps = max(10, min(300, int(rep_ms / max(start.elapsed_time(end) / 5, 1e-3))))
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    for s_ev, e_ev in events:
-        wipe()
-        s_ev.record()
-        fn()
-        e_ev.record()
-    torch.cuda.synchronize()
-    times = sorted(s_ev.elapsed_time(e_ev) for s_ev, e_ev in events)
-    return 1e3 * times[len(times) // 2]
-
-
-def _graph(fn):
-    """Capture `fn` (already run once, so compiled) into a CUDA graph; returns its replay."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
-
-
-def copy_bandwidth(nbytes: int = 2 << 30, rep_ms: int = 200) -> float:
-    """Device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written."""
-    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=DEVICE).normal_()
-    dst = torch.empty_like(src)
-    us = _bench(lambda: dst.copy_(src), rep_ms)
-    return 2 * nbytes / us / 1e3
-
-
-class Pool:
-    """One paged K/V pool with landmarks (both widths), shared by all cases; block tables are random
-    permutations of its blocks, as in a long-running engine. FP8 pages hold the e4m3 values and scales of the
-    same random normals."""
-
-    def __init__(self, num_blocks: int, num_kv_heads: int, head_dim: int, kv_cache_dtype: KVCacheDType = "auto"):
-        shape = (num_blocks, num_kv_heads, BLOCK_SIZE, head_dim)
-        self.k = torch.empty(shape, dtype=torch.bfloat16, device=DEVICE).normal_()
-        self.v = torch.empty(shape, dtype=torch.bfloat16, device=DEVICE).normal_()
-        self.scales: KVScales | None = None
-        if kv_cache_dtype != "auto":
-            (self.k, k_scale), (self.v, v_scale) = quantize(self.k), quantize(self.v)
-            self.scales = KVScales(k_scale, v_scale)
-        self.vector_bytes = vector_bytes(head_dim, torch.bfloat16, kv_cache_dtype)
-        self.mean = torch.empty(num_blocks, num_kv_heads, head_dim, dtype=torch.bfloat16, device=DEVICE).normal_()
-        mid = torch.empty(num_blocks, num_kv_heads, head_dim, dtype=torch.bfloat16, device=DEVICE).normal_()
-        spread = torch.rand_like(mid) * 2
-        self.minmax = torch.cat([mid + spread, mid - spread], dim=-1).contiguous()
-        self.num_blocks = num_blocks
-
-
-@dataclass
-class Case:
-    batch: int
-    context: int
-    group: int
-    seq_lens: torch.Tensor
-    tables: torch.Tensor
-    q: torch.Tensor
-
-    @property
-    def lengths(self) -> list[int]:
-        return self.seq_lens.tolist()
-
-
-def make_case(pool: Pool, batch: int, context: int, group: int, num_kv_heads: int, head_dim: int, seed: int) -> Case:
-    gen = torch.Generator(device=DEVICE).manual_seed(seed)
-    lengths = [context - (7 * b) % BLOCK_SIZE for b in range(batch)]  # mixed partial blocks, about `context` tokens
-    width = math.ceil(context / BLOCK_SIZE)
-    perm = torch.randperm(pool.num_blocks, device=DEVICE, generator=gen)[: batch * width]
-    q = torch.randn(batch, num_kv_heads * group, head_dim, device=DEVICE, generator=gen).to(torch.bfloat16)
-    return Case(batch, context, group, torch.tensor(lengths, dtype=torch.int32, device=DEVICE),
-                perm.view(batch, width).int().contiguous(), q)
-
-
-def dense_bytes(case: Case, num_kv_heads: int, vec_bytes: int) -> int:
-    return sum(case.lengths) * num_kv_heads * 2 * vec_bytes
-
-
-def sparse_bytes(case: Case, budget_blocks: int, config: SparseAttentionConfig, num_kv_heads: int,
-                 head_dim: int, vec_bytes: int) -> dict[str, int]:
-    kv = scan = scores = 0
-    for length in case.lengths:
-        n = math.ceil(length / BLOCK_SIZE)
-        budget = max(budget_blocks, config.reserved_blocks)
-        if n <= budget:
-            kv += length
-            continue
-        kv += (budget - 1) * BLOCK_SIZE + length - (n - 1) * BLOCK_SIZE
-        candidates = n - config.reserved_blocks
-        scan += candidates * config.landmark_bytes(head_dim, 2)
-        scores += candidates * 4 * 2
-    kv *= num_kv_heads * 2 * vec_bytes
-    return {"kv": kv, "landmarks": scan * num_kv_heads, "scores": scores * num_kv_heads,
-            "total": kv + (scan + scores) * num_kv_heads}
 
 
 def sdpa_dense_us(pool: Pool, case: Case, num_kv_heads: int, head_dim: int, rep_ms: int,
@@ -189,7 +65,7 @@ def sdpa_dense_us(pool: Pool, case: Case, num_kv_heads: int, head_dim: int, rep_
             with sdpa_kernel([backend]):
                 fn = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)  # noqa: E731
                 out = fn()
-                us = _bench(fn, rep_ms)
+                us = median_us(fn, rep_ms)
         except RuntimeError:  # backend unsupported for these shapes (or out of memory): try the next
             continue
         err = None if check is None else ((check.float() - out[:, :, 0].float()).norm() / out.float().norm()).item()
@@ -218,7 +94,7 @@ def time_attention(pool: Pool, case: Case, tiling: AttentionTiling, splits: int,
         kwargs = dict(budgets=budgets, selected=selected, sink=config.sink, recent=config.recent)
     fn = lambda: attention_partials(case.q, pool.k, pool.v, case.tables, case.seq_lens, out, o_part, lse,  # noqa: E731
                                     scale=d**-0.5, splits=splits, tiling=tiling, kv_scales=pool.scales, **kwargs)
-    return _bench(_graph(fn), rep_ms)
+    return median_us(graph_replay(fn), rep_ms)
 
 
 def sweep_attention(pool: Pool, spec: BenchSpec, num_sms: int, log) -> tuple[AttentionTiling, int, list[dict]]:
@@ -262,7 +138,7 @@ def time_flashinfer(table: flashinfer.PageTable, q: torch.Tensor, k_cache: torch
         decode = flashinfer.FlashInferDecode(table, q.shape[1], num_kv_heads, head_dim, k_cache.shape[2], q.dtype,
                                              head_dim**-0.5)
         out = torch.empty_like(q)
-        us = _bench(_graph(lambda: decode.run(q, k_cache, v_cache, out)), rep_ms)
+        us = median_us(graph_replay(lambda: decode.run(q, k_cache, v_cache, out)), rep_ms)
     except Exception as exc:  # recorded: the rest of the benchmark still runs
         return {"flashinfer_us": None, "flashinfer_error": f"{type(exc).__name__}: {exc}"[:500]}
     ref = reference.reshape(out.shape).float()
@@ -279,7 +155,7 @@ def run(spec: BenchSpec, out_path: Path | None, command: str, log=print) -> dict
     h, d = spec.num_kv_heads, spec.head_dim
     copy_gbps = copy_bandwidth()
     tiny = torch.zeros(1, device=DEVICE)
-    launch_us = _bench(_graph(lambda: tiny.add_(1)), spec.rep_ms)
+    launch_us = median_us(graph_replay(lambda: tiny.add_(1)), spec.rep_ms)
     log(f"{props.name}: {num_sms} SMs, device-to-device copy {copy_gbps:.0f} GB/s (read + write); "
         f"a one-element kernel in a graph times {launch_us:.1f} us (the per-measurement floor)")
     fp8 = spec.kv_cache_dtype != "auto"
@@ -308,9 +184,9 @@ def run(spec: BenchSpec, out_path: Path | None, command: str, log=print) -> dict
 
         dense_fn = lambda: backend.decode(case.q, pool.k, pool.v, None, case.tables, case.seq_lens, None,  # noqa: E731
                                           mean_cfg, scale, pool.scales)
-        dense_graph = _graph(dense_fn)
-        dense_us = _bench(dense_graph, spec.rep_ms)
-        dense_zero_flush_us = _bench(dense_graph, spec.rep_ms, flush="zero")
+        dense_graph = graph_replay(dense_fn)
+        dense_us = median_us(dense_graph, spec.rep_ms)
+        dense_zero_flush_us = median_us(dense_graph, spec.rep_ms, flush="zero")
         nbytes = dense_bytes(case, h, pool.vector_bytes)
         sdpa_us, sdpa_name, sdpa_err = None, "-", None
         if not fp8:
@@ -331,8 +207,8 @@ def run(spec: BenchSpec, out_path: Path | None, command: str, log=print) -> dict
                         "flashinfer_pct_copy": None if peer["flashinfer_us"] is None else
                         100 * nbytes / peer["flashinfer_us"] / 1e3 / copy_gbps})
         log(f"[{i + 1}/{len(cases)}] B={batch} L={context} G={group}: dense {dense_us:.1f} us "
-            f"({results[-1]['pct_copy']:.0f}% of copy), sdpa[{sdpa_name}] {_fmt(sdpa_us, '.1f')} us, "
-            f"rel err vs sdpa {_fmt(sdpa_err, '.1e')}, flashinfer {_fmt(peer['flashinfer_us'], '.1f')} us"
+            f"({results[-1]['pct_copy']:.0f}% of copy), sdpa[{sdpa_name}] {format_or_dash(sdpa_us, '.1f')} us, "
+            f"rel err vs sdpa {format_or_dash(sdpa_err, '.1e')}, flashinfer {format_or_dash(peer['flashinfer_us'], '.1f')} us"
             + (f" ({peer['flashinfer_error']})" if "flashinfer_error" in peer else ""))
 
         modes = [("mean", mean_cfg, pool.mean)] + ([("minmax", minmax_cfg, pool.minmax)]
@@ -387,10 +263,10 @@ def time_sparse(backend: TritonBackend, pool: Pool, case: Case, landmarks: torch
     merge = lambda: merge_splits(ws.o_part, ws.lse_part, out, num_kv_heads=h, splits=splits)  # noqa: E731
     layer = lambda: backend.decode(case.q, pool.k, pool.v, landmarks, case.tables, case.seq_lens, budgets, cfg,  # noqa: E731
                                    d**-0.5, pool.scales)
-    times = {"score_us": _bench(_graph(score), rep_ms), "select_us": _bench(_graph(select), rep_ms),
-             "attn_us": _bench(_graph(attend), rep_ms),
-             "merge_us": _bench(_graph(merge), rep_ms) if splits > 1 else 0.0,
-             "layer_us": _bench(_graph(layer), rep_ms)}
+    times = {"score_us": median_us(graph_replay(score), rep_ms), "select_us": median_us(graph_replay(select), rep_ms),
+             "attn_us": median_us(graph_replay(attend), rep_ms),
+             "merge_us": median_us(graph_replay(merge), rep_ms) if splits > 1 else 0.0,
+             "layer_us": median_us(graph_replay(layer), rep_ms)}
     if peer:
         select()
         table = flashinfer.sparse_page_table(case.tables, case.seq_lens, ws.selected, counts, h, BLOCK_SIZE)
@@ -399,51 +275,6 @@ def time_sparse(backend: TritonBackend, pool: Pool, case: Case, landmarks: torch
                                      1, layer()[0], rep_ms))
     return {**times, "budget_blocks": budget_blocks,
             "bytes": sparse_bytes(case, budget_blocks, cfg, h, d, pool.vector_bytes)}
-
-
-def render_tables(report: dict) -> str:
-    dense = [r for r in report["results"] if r["kind"] == "dense"]
-    sparse = [r for r in report["results"] if r["kind"] == "sparse"]
-    pages = "FP8 (e4m3 + scales)" if report.get("kv_cache_dtype", "auto") != "auto" else "bfloat16"
-    lines = [f"{report['device']}, {pages} K/V pages, copy bandwidth {report['copy_GBps']:.0f} GB/s; times are medians of CUDA-graph "
-             f"replays after a read-only L2 flush (us; a one-element kernel times {report['launch_floor_us']:.1f} us); "
-             f"% = achieved bandwidth on the bytes that must move / copy bandwidth; 'zero-flush' = the same "
-             f"graph after do_bench's zeroing flush", ""]
-    lines.append(format_table(
-        ["B", "L", "G", "splits", "dense us", "dense %", "zero-flush us", "sdpa us", "sdpa %", "sdpa backend",
-         "rel err vs sdpa", "flashinfer us", "flashinfer %", "ours / flashinfer"],
-        [[r["batch"], r["context"], r["group"], r["splits"], f"{r['us']:.1f}", f"{r['pct_copy']:.0f}",
-          f"{r['zero_flush_us']:.1f}",
-          _fmt(r["sdpa_us"], ".1f"), _fmt(r["sdpa_pct_copy"], ".0f"), r["sdpa_backend"], _fmt(r["rel_err_vs_sdpa"], ".1e"),
-          _fmt(r.get("flashinfer_us"), ".1f"), _fmt(r.get("flashinfer_pct_copy"), ".0f"),
-          _fmt(_ratio(r["us"], r.get("flashinfer_us")), ".2f")]
-         for r in dense]))
-    lines.append("")
-    lines.append(format_table(
-        ["B", "L", "G", "lm", "budget", "score us", "score %", "select us", "attn us", "attn %", "merge us",
-         "layer us", "layer %", "vs dense", "flashinfer attn us", "attn+merge / flashinfer"],
-        [[r["batch"], r["context"], r["group"], r["landmark"], r["budget_tokens"], f"{r['score_us']:.1f}",
-          f"{r['score_pct_copy']:.0f}", f"{r['select_us']:.1f}", f"{r['attn_us']:.1f}", f"{r['attn_pct_copy']:.0f}",
-          f"{r['merge_us']:.1f}", f"{r['layer_us']:.1f}", f"{r['layer_pct_copy']:.0f}", f"{r['speedup_vs_dense']:.2f}x",
-          _fmt(r.get("flashinfer_us"), ".1f"), _fmt(_ratio(r["attn_us"] + r["merge_us"], r.get("flashinfer_us")), ".2f")]
-         for r in sparse]))
-    return "\n".join(lines)
-
-
-def _fmt(value, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
-def _ratio(ours: float, peer: float | None) -> float | None:
-    """Our time over the peer's (< 1: ours is faster)."""
-    return None if peer is None else ours / peer
-
-
-def default_out_path(device_name: str, kind: str = "kernels") -> Path:
-    """benchmarks/results/<kind>-<device>-<UTC time>.json, the naming every GPU benchmark uses."""
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
-    slug = "".join(c if c.isalnum() else "-" for c in device_name.lower()).strip("-")
-    return RESULTS_DIR / f"{kind}-{slug}-{stamp}.json"
 
 
 def run_from_args(args, command: str) -> dict:
@@ -458,5 +289,5 @@ def run_from_args(args, command: str) -> dict:
             raise ValueError(f"--budgets {budget}: use positive multiples of the block size {BLOCK_SIZE}")
     out = args.out
     if out is None and torch.cuda.is_available():
-        out = default_out_path(torch.cuda.get_device_properties(0).name)
+        out = default_out_path(torch.cuda.get_device_properties(0).name, "kernels")
     return run(spec, out, command)

@@ -1,4 +1,5 @@
-"""GPU benchmarks of the native engine: `sparrow bench decode-step` and `sparrow bench rollout-paper`.
+"""Benchmarks of the native engine: `sparrow bench rollout` and `rollout-merge` (end-to-end rollout throughput,
+dense vs sparse, `rollout.py`) and the GPU ones, `decode-step` and `rollout-paper`.
 
 decode-step: the full-model decode step at the points of Sparrow's Table 4 (one GPU, batch 8, past KV
 16K / 24K / 32K, a 1024-token budget), dense and sparse, replayed from the engine's CUDA graphs. The KV

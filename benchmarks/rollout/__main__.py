@@ -1,4 +1,4 @@
-"""`python -m sparrow.rollout_workers.native.bench rollout|rollout-merge|decode-step|rollout-paper ...` (the CLI without its other commands)."""
+"""`python -m sparrow.bench.rollout rollout|rollout-merge|decode-step|rollout-paper ...` (the CLI without its other commands)."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -6,7 +6,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from .cli import register_decode_step, register_rollout, register_rollout_merge, register_rollout_paper
 
-    parser = argparse.ArgumentParser(prog="python -m sparrow.rollout_workers.native.bench")
+    parser = argparse.ArgumentParser(prog="python -m sparrow.bench.rollout")
     actions = parser.add_subparsers(dest="action", required=True)
     register_rollout(actions)
     register_rollout_merge(actions)

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 
+from sparrow.bench.result_files import default_out_path as results_path
+
 DEVICE, DTYPE = "cuda", torch.bfloat16
 PAPER_STEP_MS = {16384: 4.59, 24576: 5.13, 32768: 5.41}
 """Sparrow Table 4: full decode step, one H200, batch 8, 1024-token budget (16 × 64-token pages)."""
@@ -31,8 +33,6 @@ def device_report(command: str) -> dict:
 
 
 def default_out_path(kind: str) -> Path:
-    from sparrow.kernels.triton.bench import default_out_path as results_path
-
     return results_path(torch.cuda.get_device_properties(0).name, kind)
 
 

@@ -2,12 +2,13 @@
 
 from pathlib import Path
 
+from sparrow.bench.cuda_timing import copy_bandwidth
 from sparrow.kernels import SparseAttentionConfig
+from sparrow.rollout_workers.native.model import DecoderModel
+from sparrow.rollout_workers.native.shapes import spec_for_shape
 from sparrow.schedule import SparsitySchedule
 from sparrow.tables import format_table
 
-from ..model import DecoderModel
-from ..shapes import spec_for_shape
 from .common import DEVICE, DTYPE, PAPER_STEP_MS, device_report, require_cuda, write_report, default_out_path
 from .breakdown import step_breakdown
 from .filled import FilledDecode, profile_kernels
@@ -17,8 +18,6 @@ from .floor import step_bytes, weight_bytes
 def run_decode_step(model_name: str = "qwen3-1.7b", batch: int = 8, contexts=(16384, 24576, 32768),
                     budget_tokens: int = 1024, replays: int = 50, out_path: Path | None = None, command: str = "",
                     log=print, kv_cache_dtype: str = "auto", landmark: str = "mean") -> dict:
-    from sparrow.kernels.triton.bench import copy_bandwidth
-
     require_cuda("decode-step")
     out_path = out_path or default_out_path("decode-step")
     attention = SparseAttentionConfig(landmark=landmark)

@@ -7,11 +7,11 @@ import torch
 from sparrow.kernels import SparseAttentionConfig
 from sparrow.kernels.reference import FP8_KV_DTYPE
 from sparrow.rollout_workers.api import SamplingParams
+from sparrow.rollout_workers.native.cuda_graphs import DecodeGraphs, DecodeStep
+from sparrow.rollout_workers.native.kv_cache import KVCache, bytes_per_block
+from sparrow.rollout_workers.native.model import DecoderModel
+from sparrow.rollout_workers.native.sampler import SamplingBatch, sample
 
-from ..cuda_graphs import DecodeGraphs, DecodeStep
-from ..kv_cache import KVCache, bytes_per_block
-from ..model import DecoderModel
-from ..sampler import SamplingBatch, sample
 from .breakdown import kernel_kinds
 
 

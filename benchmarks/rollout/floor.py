@@ -2,10 +2,10 @@
 
 from sparrow.kernels import SparseAttentionConfig
 from sparrow.kernels.reference import vector_bytes
+from sparrow.rollout_workers.native.model import DecoderModel
+from sparrow.rollout_workers.native.model_spec import ModelSpec
 from sparrow.schedule import SparsitySchedule
 
-from ..model import DecoderModel
-from ..model_spec import ModelSpec
 from .common import DTYPE
 
 

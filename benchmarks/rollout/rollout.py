@@ -74,8 +74,8 @@ def largest_batch(model, layout: SparseAttentionConfig, total: int, samples: int
 
 
 def build_engine(args, model, batch: int):
-    from ..config import NativeEngineConfig
-    from ..engine import NativeEngine
+    from sparrow.rollout_workers.native.config import NativeEngineConfig
+    from sparrow.rollout_workers.native.engine import NativeEngine
 
     total = args.prompt_len + args.gen_len
     layout = bench_layout(args)
@@ -115,7 +115,7 @@ def replayed_steps(model, layout: SparseAttentionConfig, batch: int, total: int,
 
 def run(args) -> dict:
     """Measure the modes `args.mode` names; returns the report (`--out` writes it as JSON)."""
-    from ..model_loader import resolve_device
+    from sparrow.rollout_workers.native.model_loader import resolve_device
 
     device = resolve_device(args.device)
     if args.replayed and (device.type != "cuda" or args.no_cuda_graphs or args.tensor_parallel > 1):
@@ -125,8 +125,8 @@ def run(args) -> dict:
         return measure_in_segments(args, device)
     if args.tensor_parallel == 1:
         return measure(args, device)
-    from ..shapes import model_spec
-    from ..tensor_parallel import check_size
+    from sparrow.rollout_workers.native.shapes import model_spec
+    from sparrow.rollout_workers.native.tensor_parallel import check_size
 
     try:
         check_size(model_spec(args.model), args.tensor_parallel)
@@ -246,8 +246,9 @@ def _rank_main(rank: int, args, device_type: str, workdir: str) -> None:
 
 def measure(args, device: torch.device) -> dict:
     """The measurement in this process: the whole engine, or one tensor-parallel rank's (rank 0 prints)."""
-    from ..model_loader import resolve_dtype
-    from ..shapes import build_model
+    from sparrow.rollout_workers.native.model_loader import resolve_dtype
+    from sparrow.rollout_workers.native.shapes import build_model
+
     from .filled import free_gpu_memory
 
     dtype = resolve_dtype(args.dtype, device)
@@ -324,7 +325,8 @@ def gpu_memory(device: torch.device, free_after_model: int | None) -> dict | Non
 def protocol_byte_floor(args, batch: int, schedule: SparsitySchedule) -> float:
     """The whole protocol's sparse / dense speedup if both modes moved only the bytes they must (`byte_floor_speedup`
     over its decode steps' contexts): the bound a measured ratio is read against, for segments and whole runs alike."""
-    from ..shapes import model_spec
+    from sparrow.rollout_workers.native.shapes import model_spec
+
     from .floor import byte_floor_speedup
 
     return byte_floor_speedup(model_spec(args.model), schedule, bench_layout(args), batch, args.prompt_len + 1,

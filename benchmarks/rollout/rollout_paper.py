@@ -5,12 +5,12 @@ from pathlib import Path
 import torch
 
 from sparrow.kernels import SparseAttentionConfig
+from sparrow.rollout_workers.native.kv_cache import bytes_per_block
+from sparrow.rollout_workers.native.model import DecoderModel
+from sparrow.rollout_workers.native.shapes import spec_for_shape
 from sparrow.schedule import SparsitySchedule, load_schedule
 from sparrow.tables import format_table
 
-from ..kv_cache import bytes_per_block
-from ..model import DecoderModel
-from ..shapes import spec_for_shape
 from .common import (DEVICE, DTYPE, PAPER_ROLLOUT_SPEEDUP, TARGET_OVER_PAPER, device_report, require_cuda, write_report,
                      default_out_path)
 from .filled import FilledDecode, free_gpu_memory
@@ -78,8 +78,8 @@ def measure_step_times(filled: FilledDecode, schedule: SparsitySchedule | None, 
 
 def run_model(name: str, schedules: list[str], real_prompt: int, real_gen: int, project_prompt: int,
               project_gen: int, samples: int, memory_fraction: float, time_cap_s: float, replays: int, log) -> dict:
-    from ..config import NativeEngineConfig
-    from ..engine import NativeEngine
+    from sparrow.rollout_workers.native.config import NativeEngineConfig
+    from sparrow.rollout_workers.native.engine import NativeEngine
 
     attention = SparseAttentionConfig()
     bs = attention.block_size

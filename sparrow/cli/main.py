@@ -9,14 +9,15 @@ import argparse
 import importlib
 import sys
 
-# name -> (module with configure(parser), the one-line help `sparrow --help` lists)
+# name -> (module with configure(parser), the one-line help `sparrow --help` lists); `bench` is the benchmark wing's
+# (benchmarks/, installed as sparrow.bench), which no product package imports.
 SUBCOMMANDS = {
     "schedule": ("sparrow.cli.schedule_cmd", "inspect sparsity schedules (KV budget per length bin)"),
     "fetch-model": ("sparrow.cli.fetch_model_cmd", "materialise a real pretrained model without a model hub"),
     "cost": ("sparrow.cli.cost_cmd",
              "predicted decode cost and speedup of a sparsity schedule (paper forms + per-step sum)"),
     "generate": ("sparrow.cli.generate_cmd", "generate with the native engine (dense or block-sparse decode)"),
-    "bench": ("sparrow.cli.bench_cmd",
+    "bench": ("sparrow.bench.cli",
               "benchmarks: rollout throughput, decode step, decode kernel bandwidth, trainer step, weight publication"),
     "train": ("sparrow.cli.train_cmd",
               "run a GRPO job: rollout pool, trainer pool, controller (embedded default without --config)"),
