@@ -1,15 +1,21 @@
-"""deploy/kuberay/: the manifests against the core Kubernetes schemas (kubernetes-validate) and, where
-given, KubeRay's own CRD schemas; and the wiring between them: each worker group declares the Ray
+"""deploy/kuberay/: the manifests against the core Kubernetes schemas (kubernetes-validate) and the
+vendored CRD schemas of KubeRay and the Prometheus Operator (tests/crds/); every pod against Pod Security
+"restricted" (tests/pod_security.py); and the wiring between them: each worker group declares the Ray
 resource its pool's node_label names with as many GPUs as it requests, the job config validates and
-reads its TLS files from the Secret's mount, the RayJob's --config is the ConfigMap's mount."""
+reads its TLS files from the Secret's mount, the RayJob's --config is the ConfigMap's mount, the
+PodMonitor scrapes what the scrape job does."""
 
+import copy
+import gzip
 import json
 import os
+import re
 from pathlib import Path
 
 import jsonschema
 import pytest
 import yaml
+from pod_security import restricted_violations
 
 from sparrow.coordinator.config import load_config
 
@@ -18,11 +24,8 @@ kubernetes_validate = pytest.importorskip(
 
 ROOT = Path(__file__).resolve().parents[1]
 KUBERAY = ROOT / "deploy" / "kuberay"
-CRDS_ENV = "SPARROW_KUBERAY_CRDS"
-NO_CRDS = (f"KubeRay's CRD schemas are not installed: no package registry these machines reach ships them "
-           f"(PyPI codeflare-sdk 0.40.1 and the ray 2.60.0 wheel have none). Set {CRDS_ENV} to a directory "
-           "holding ray.io_rayclusters.yaml and ray.io_rayjobs.yaml (ray-operator/config/crd/bases of a "
-           "KubeRay release) to validate against them")
+VENDORED_CRDS = Path(__file__).resolve().parent / "crds"
+CRDS_ENV = "SPARROW_KUBERAY_CRDS"  # a directory of other releases' CRD files, used instead where present
 
 
 def manifests() -> dict[str, dict]:
@@ -33,13 +36,19 @@ def manifests() -> dict[str, dict]:
 @pytest.fixture(scope="module")
 def objs():
     found = manifests()
-    assert set(found) == {"RayCluster", "RayJob", "ConfigMap"}
+    assert set(found) == {"RayCluster", "RayJob", "ConfigMap", "PodMonitor"}
     return found
 
 
 def groups(cluster: dict) -> dict[str, dict]:
     """head, rollout, trainer -> their group spec."""
     return {"head": cluster["spec"]["headGroupSpec"], **{g["groupName"]: g for g in cluster["spec"]["workerGroupSpecs"]}}
+
+
+def pod_templates(objs) -> dict[str, dict]:
+    """Every pod the manifests make: the cluster's groups and the RayJob's submitter."""
+    return {**{name: g["template"] for name, g in groups(objs["RayCluster"]).items()},
+            "submitter": objs["RayJob"]["spec"]["submitterPodTemplate"]}
 
 
 def container(group: dict) -> dict:
@@ -53,8 +62,8 @@ def job_config(objs) -> dict:
 def test_configmap_and_every_pod_template_match_the_core_schemas(objs):
     version = kubernetes_validate.utils.latest_version()
     kubernetes_validate.validate(objs["ConfigMap"], version, strict=True)
-    for name, group in groups(objs["RayCluster"]).items():
-        pod_template = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": name}, "template": group["template"]}
+    for name, template in pod_templates(objs).items():
+        pod_template = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": name}, "template": template}
         kubernetes_validate.validate(pod_template, version, strict=True)
 
 
@@ -71,12 +80,21 @@ def strict(schema):
     return schema
 
 
-@pytest.mark.parametrize("kind, crd_file", [("RayCluster", "ray.io_rayclusters.yaml"), ("RayJob", "ray.io_rayjobs.yaml")])
-def test_ray_resources_match_the_kuberay_crd_schemas(objs, kind, crd_file):
-    crds = os.environ.get(CRDS_ENV)
-    if not crds:
-        pytest.skip(NO_CRDS)
-    crd = yaml.safe_load((Path(crds) / crd_file).read_text())
+def load_crd(name: str) -> dict:
+    """The CRD NAME.yaml from $SPARROW_KUBERAY_CRDS where it has one (plain or gzipped), else the vendored one."""
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml's: ten times faster on these 1 MB files
+    for folder in ([Path(os.environ[CRDS_ENV])] if os.environ.get(CRDS_ENV) else []) + [VENDORED_CRDS]:
+        if (folder / name).exists():
+            return yaml.load((folder / name).read_bytes(), Loader=loader)
+        if (folder / f"{name}.gz").exists():
+            return yaml.load(gzip.decompress((folder / f"{name}.gz").read_bytes()), Loader=loader)
+    raise FileNotFoundError(f"{name}: not in {VENDORED_CRDS} (see its README.md)")
+
+
+@pytest.mark.parametrize("kind, crd_file", [("RayCluster", "ray.io_rayclusters.yaml"), ("RayJob", "ray.io_rayjobs.yaml"),
+                                            ("PodMonitor", "monitoring.coreos.com_podmonitors.yaml")])
+def test_custom_resources_match_their_crd_schemas(objs, kind, crd_file):
+    crd = load_crd(crd_file)
     assert crd["spec"]["names"]["kind"] == kind
     version = objs[kind]["apiVersion"].split("/")[1]
     schema = next(v for v in crd["spec"]["versions"] if v["name"] == version)["schema"]["openAPIV3Schema"]
@@ -100,7 +118,7 @@ def test_worker_groups_declare_their_pools_labels_and_gpus(objs):
 
 def test_one_image_and_the_pinned_ray_version_everywhere(objs):
     cluster = objs["RayCluster"]
-    images = {container(group)["image"] for group in groups(cluster).values()}
+    images = {c["image"] for template in pod_templates(objs).values() for c in template["spec"]["containers"]}
     assert len(images) == 1
     pins = dict(line.split("==") for line in (ROOT / "deploy" / "constraints-common.txt").read_text().splitlines()
                 if "==" in line and not line.startswith("#"))
@@ -167,3 +185,134 @@ def test_every_pod_is_scraped_on_its_metrics_ports(objs):
         first = metrics_config.for_role(role).port
         expected = 1 if name == "head" else int(group["rayStartParams"]["num-gpus"])
         assert metrics == set(range(first, first + expected)), name
+
+
+def kuberay_injected(template: dict) -> dict:
+    """The pod spec as KubeRay runs it: its wait-gcs-ready init container (and wait-for-tls-ip-san under
+    Ray TLS) copy the Ray container's image and securityContext (ray-operator/controllers/ray/common/pod.go
+    of v1.7.0)."""
+    spec = copy.deepcopy(template["spec"])
+    ray = spec["containers"][0]
+    spec.setdefault("initContainers", []).append(
+        {"name": "wait-gcs-ready", "image": ray["image"], "securityContext": copy.deepcopy(ray.get("securityContext"))})
+    return spec
+
+
+def test_every_pod_meets_pod_security_restricted(objs):
+    for name, template in pod_templates(objs).items():
+        annotations = template.get("metadata", {}).get("annotations")
+        assert restricted_violations(kuberay_injected(template), annotations) == [], name
+
+
+def test_pods_run_as_the_user_the_image_creates(objs):
+    """runAsNonRoot is only satisfiable if the image's user is not root: Dockerfile.gpu creates uid 1001
+    and switches to it; every pod names that uid and gid."""
+    dockerfile = (ROOT / "deploy" / "docker" / "Dockerfile.gpu").read_text()
+    uid = re.search(r"useradd .*--uid (\d+)", dockerfile)[1]
+    assert re.findall(r"^USER (.+)$", dockerfile, re.M)[-1] == f"{uid}:{uid}"
+    for name, template in pod_templates(objs).items():
+        pod = template["spec"]["securityContext"]
+        assert (pod["runAsUser"], pod["runAsGroup"], pod["runAsNonRoot"]) == (int(uid), int(uid), True), name
+
+
+GOOD_POD = {"securityContext": {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}},
+            "containers": [{"name": "c", "securityContext": {"allowPrivilegeEscalation": False,
+                                                             "capabilities": {"drop": ["ALL"]}}}],
+            "volumes": [{"name": "v", "emptyDir": {}}]}
+
+
+@pytest.mark.parametrize("path, value, violation", [
+    ("hostNetwork", True, "spec.hostNetwork: must be unset or false"),
+    ("volumes.0", {"name": "h", "hostPath": {"path": "/"}}, "spec.volumes[h]: type ['hostPath'] is not allowed"),
+    ("volumes.0", {"name": "n", "nfs": {"server": "s", "path": "/"}}, "spec.volumes[n]: type ['nfs'] is not allowed"),
+    ("securityContext.runAsNonRoot", False, "spec.containers[c].securityContext.runAsNonRoot: must be true"),
+    ("containers.0.securityContext.runAsNonRoot", False, "spec.containers[c].securityContext.runAsNonRoot: must be true"),
+    ("securityContext.runAsUser", 0, "spec.securityContext.runAsUser: must not be 0"),
+    ("securityContext.seccompProfile", {"type": "Unconfined"}, "spec.securityContext.seccompProfile.type: 'Unconfined'"),
+    ("securityContext.seccompProfile", None, "spec.containers[c].securityContext.seccompProfile.type: must be"),
+    ("containers.0.securityContext.allowPrivilegeEscalation", None,
+     "spec.containers[c].securityContext.allowPrivilegeEscalation: must be false"),
+    ("containers.0.securityContext.capabilities", {"drop": ["NET_RAW"]}, "capabilities.drop: must include ALL"),
+    ("containers.0.securityContext.capabilities", {"drop": ["ALL"], "add": ["SYS_ADMIN"]}, "['SYS_ADMIN'] not allowed"),
+    ("containers.0.securityContext.privileged", True, "securityContext.privileged: must be unset or false"),
+    ("containers.0.ports", [{"name": "p", "containerPort": 80, "hostPort": 80}], "ports[p].hostPort: must be unset or 0"),
+    ("securityContext.sysctls", [{"name": "kernel.msgmax", "value": "1"}], "kernel.msgmax is not a safe sysctl"),
+    ("initContainers", [{"name": "i"}], "spec.initContainers[i].securityContext.allowPrivilegeEscalation: must be false"),
+])
+def test_the_restricted_checker_finds_each_violation(path, value, violation):
+    spec = copy.deepcopy(GOOD_POD)
+    assert restricted_violations(spec) == []
+    *parents, last = path.split(".")
+    node = spec
+    for key in parents:
+        node = node[int(key)] if key.isdigit() else node[key]
+    if value is None:
+        del node[last]
+    else:
+        node[int(last) if last.isdigit() else last] = value
+    found = restricted_violations(spec)
+    assert any(violation in v for v in found), found
+
+
+def relabel(labels: dict, configs: list[dict]) -> dict | None:
+    """Prometheus' relabelling (replace, keep) of one target: its labels after, or None when dropped."""
+    labels = dict(labels)
+    for c in configs:
+        value = c.get("separator", ";").join(labels.get(l, "") for l in c.get("source_labels", []))
+        match = re.fullmatch(c.get("regex", "(.*)"), value)
+        if c.get("action", "replace") == "keep":
+            if not match:
+                return None
+        elif match:
+            labels[c["target_label"]] = match.expand(re.sub(r"\$\{?(\d+)\}?", r"\\g<\1>", c.get("replacement", "$1")))
+    return labels
+
+
+def sanitized(name: str) -> str:
+    """A Kubernetes label or annotation name as part of a Prometheus meta label name."""
+    return re.sub(r"[^a-zA-Z0-9_]", "_", name)
+
+
+def pod_targets(cluster: dict) -> list[dict]:
+    """What Kubernetes pod discovery offers Prometheus for one pod per group: a target per declared port."""
+    targets = []
+    for name, group in groups(cluster).items():
+        meta = group["template"]["metadata"]
+        pod_labels = {**meta["labels"], "ray.io/cluster": cluster["metadata"]["name"]}  # KubeRay adds it
+        base = {"__meta_kubernetes_namespace": "ml", "__meta_kubernetes_pod_name": f"sparrow-{name}-0",
+                **{f"__meta_kubernetes_pod_label_{sanitized(k)}": v for k, v in pod_labels.items()},
+                **{f"__meta_kubernetes_pod_labelpresent_{sanitized(k)}": "true" for k in pod_labels},
+                **{f"__meta_kubernetes_pod_annotation_{sanitized(k)}": v for k, v in meta["annotations"].items()}}
+        for port in container(group)["ports"]:
+            targets.append({**base, "__address__": f"{name}:{port['containerPort']}", "__metrics_path__": "/metrics",
+                            "__meta_kubernetes_pod_container_port_name": port["name"]})
+    return targets
+
+
+def scraped(targets: list[dict], configs: list[dict]) -> set[tuple]:
+    kept = (relabel(t, configs) for t in targets)
+    keys = ("__address__", "__metrics_path__", "role", "run", "ray_cluster", "namespace", "pod")
+    return {tuple(t.get(k) for k in keys) for t in kept if t is not None}
+
+
+def test_podmonitor_scrapes_what_the_scrape_job_does(objs):
+    """The Prometheus Operator turns the PodMonitor into a scrape job: its selector as keep rules, the
+    endpoint's relabelings, then namespace and pod labels (pkg/prometheus/promcfg.go of v0.93.0)."""
+    cluster = objs["RayCluster"]
+    (job,) = yaml.safe_load((ROOT / "deploy" / "prometheus-kubernetes.yml").read_text())["scrape_configs"]
+    monitor = objs["PodMonitor"]["spec"]
+    (endpoint,) = monitor["podMetricsEndpoints"]
+    snake = {"sourceLabels": "source_labels", "targetLabel": "target_label"}
+    operator_job = (
+        [{"action": "keep", "regex": f"({v});true",
+          "source_labels": [f"__meta_kubernetes_pod_label_{sanitized(k)}", f"__meta_kubernetes_pod_labelpresent_{sanitized(k)}"]}
+         for k, v in monitor["selector"]["matchLabels"].items()]
+        + [{snake.get(k, k): v for k, v in r.items()} for r in endpoint["relabelings"]]
+        + [{"source_labels": ["__meta_kubernetes_namespace"], "target_label": "namespace"},
+           {"source_labels": ["__meta_kubernetes_pod_name"], "target_label": "pod"}])
+    targets = pod_targets(cluster)
+    by_job = scraped(targets, job["relabel_configs"])
+    assert by_job == scraped(targets, operator_job) and endpoint["path"] == "/metrics"
+    assert {(address, role) for address, _, role, *_ in by_job} == {
+        ("head:9400", "coordinator"), *((f"{pool}:{port}", pool) for pool in ("rollout", "trainer") for port in range(9401, 9409))}
+    assert {(run, cluster_label) for _, _, _, run, cluster_label, *_ in by_job} == {("sparrow", "sparrow")}
