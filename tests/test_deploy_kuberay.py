@@ -238,6 +238,10 @@ GOOD_POD = {"securityContext": {"runAsNonRoot": True, "seccompProfile": {"type":
     ("containers.0.ports", [{"name": "p", "containerPort": 80, "hostPort": 80}], "ports[p].hostPort: must be unset or 0"),
     ("securityContext.sysctls", [{"name": "kernel.msgmax", "value": "1"}], "kernel.msgmax is not a safe sysctl"),
     ("initContainers", [{"name": "i"}], "spec.initContainers[i].securityContext.allowPrivilegeEscalation: must be false"),
+    ("securityContext.appArmorProfile", {"type": "Unconfined"}, "appArmorProfile.type: 'Unconfined' must be"),
+    ("securityContext.seLinuxOptions", {"type": "spc_t"}, "seLinuxOptions.type: 'spc_t' is not allowed"),
+    ("containers.0.securityContext.procMount", "Unmasked", "securityContext.procMount: must be unset or Default"),
+    ("securityContext.windowsOptions", {"hostProcess": True}, "windowsOptions.hostProcess: must be unset or false"),
 ])
 def test_the_restricted_checker_finds_each_violation(path, value, violation):
     spec = copy.deepcopy(GOOD_POD)
@@ -252,6 +256,13 @@ def test_the_restricted_checker_finds_each_violation(path, value, violation):
         node[int(last) if last.isdigit() else last] = value
     found = restricted_violations(spec)
     assert any(violation in v for v in found), found
+
+
+def test_the_restricted_checker_reads_apparmor_annotations():
+    annotation = "container.apparmor.security.beta.kubernetes.io/c"
+    assert restricted_violations(GOOD_POD, {annotation: "runtime/default"}) == []
+    assert restricted_violations(GOOD_POD, {annotation: "unconfined"}) == [
+        f"annotation {annotation}: 'unconfined' is not runtime/default or localhost/*"]
 
 
 def relabel(labels: dict, configs: list[dict]) -> dict | None:
