@@ -1,35 +1,40 @@
-"""Malformed messages for every RPC, generated with hypothesis, each with the answer it must get.
+"""Requests for every RPC, generated with hypothesis, each with the answer the oracle (`oracle.py`) says it
+must get. Generation only: `fuzzer.py` sends them.
 
-Field mutations change one field of a valid message (wrong lengths, NaN/inf, negative or huge ids and
-versions, bad enums, oversized strings); each mutation names the field the answer must name, so the
-oracle is not the validator under test. Stream payloads share a stream and must be acked naming the
-field (`Payload`); protocol mutations (no StreamOpen, the wrong kind, an oversized message, random
-bytes) and unary requests each get a call of their own (`Call`) and must end with a status whose
-details start with the field. ResizePool goes to a coordinator-like control server (`FuzzTargets.control`)
-and, valid, to the trajectory server too, which cannot resize (UNIMPLEMENTED). Random bytes that happen
-to parse are judged by what they parse to (there the validator is the oracle). Generation only:
-`fuzzer.py` sends the cases.
+Samples are drawn field by field. Each field is valid (boundaries included: empty where allowed, exactly
+at a limit, multi-byte characters at a character limit, every finish reason) or, now and then, not; so
+one sample may break several rules at once, on any finish reason, which is how a rule skipped on one
+path shows. Array contents come from a seeded generator (hypothesis draws their sizes, the seed and the
+odd bad value: drawing every token would be slow). A share of the requests is then rewritten on the wire
+(`_rewrites`: a field with the wrong wire type, a scalar twice, a packed field unpacked, unknown fields,
+invalid UTF-8, truncated or flipped bytes). Samples that parse share streams (`Payload`); everything else
+is a call of its own (`Call`): protocol breaches, unparsable or oversized requests, and every unary
+request, each sent to one of the two servers.
 """
 
 import itertools
 import math
-from collections.abc import Callable
+import random
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from google.protobuf.message import DecodeError
+import numpy as np
 from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 
 from sparrow.coordinator.transport.config import TransportConfig
-from sparrow.coordinator.transport.validate import MAX_ID_CHARS, MAX_POOL_SIZE, MAX_TEXT_CHARS, InvalidMessage, validate_resize_pool, validate_sample
 from sparrow.protos import sparrow_v1_pb2 as pb
 
+from . import oracle
 from .examples import valid_sample
+from .oracle import CONTROL_REQUEST_BYTES, ERROR, ID_CHARS, LENGTH, POOL_SIZES, STOP, TEXT_CHARS, Expected, Limits
+from .protowire import I32, I64, LEN, VARINT, record, unpacked, wrapped
 
 INT32 = (-(2**31), 2**31 - 1)
 INT64 = (-(2**63), 2**63 - 1)
-STREAMS = {"StreamSamples": (pb.SampleStreamRequest, "sample")}
-"""Request type and payload field of each stream RPC."""
+SAMPLE_FIELD = {f.name: f.number for f in pb.Sample.DESCRIPTOR.fields}
+OPEN, SAMPLE = 1, 2
+"""Field numbers of SampleStreamRequest.open and .sample."""
 
 
 def fuzz_config(**overrides) -> TransportConfig:
@@ -37,361 +42,361 @@ def fuzz_config(**overrides) -> TransportConfig:
     return TransportConfig(port=0, vocab_size=1000, max_sample_tokens=256, max_top_k=8, max_message_mb=1, **overrides)
 
 
-@dataclass(frozen=True)
-class Answer:
-    """What a message got: an ack status (`ack`) or the call's status (`status`), and the field it named."""
-
-    kind: str
-    code: str
-    field: str | None = None
-
-    def __str__(self) -> str:
-        return f"{self.kind} {self.code}" + (f" {self.field}" if self.field else "")
-
-
 @dataclass
 class Payload:
-    """A mutated stream payload: acked on a shared stream, INVALID_ARGUMENT naming `field` (None: ACCEPTED)."""
+    """One sample for a shared stream: its raw SampleStreamRequest, the ack it must get, and what it was
+    drawn as (its finish reason, the fields that break a rule, the wire rewrite if any)."""
 
-    rpc: str
+    request: bytes
+    expected: Expected
+    finish_reason: int
+    broken: frozenset[str]
     label: str
-    message: object
-    field: str | None
-
-    @property
-    def expected(self) -> Answer:
-        return Answer("ack", "INVALID_ARGUMENT", self.field) if self.field else Answer("ack", "ACCEPTED")
+    rpc: str = "StreamSamples"
 
 
 @dataclass
 class Call:
-    """A call of its own: raw request messages (built on demand) and the status it must end with."""
+    """A call of its own: raw request messages, the server it goes to and how it must end."""
 
     rpc: str
     label: str
-    requests: Callable[[], list[bytes]]
-    expected: Answer
-    after: Callable[[], None] | None = None  # e.g. resume the server after an accepted Drain
-    target: str | None = None  # FuzzTargets field to send to; None = the RPC's usual server
+    target: str  # "trajectory" or "control" (a coordinator-like server that resizes and does not drain)
+    requests: list[bytes]
+    expected: Expected
 
 
-# ---------------------------------------------------------------------- field mutations
-#
-# A mutation is (label, strategy of a parameter, apply(msg, parameter) -> the field the answer must
-# name, or None when the mutated message is still valid). Fields are dotted paths, as validation names them.
+# ---------------------------------------------------------------------- field values
 
-Apply = Callable[[object, object], str | None]
-
-_index = st.integers(0, 10**6)
-_nonfinite = st.sampled_from([math.nan, math.inf, -math.inf])
-_positive = st.floats(min_value=0.01, max_value=1e30)
-_negative32 = st.integers(INT32[0], -1)
-_oversized_id = st.text(min_size=MAX_ID_CHARS + 1, max_size=3 * MAX_ID_CHARS)
-_oversized_text = st.integers(MAX_TEXT_CHARS + 1, 2 * MAX_TEXT_CHARS).map(lambda n: "x" * n)
+NONFINITE = [math.nan, math.inf, -math.inf]
+ABOVE_ROUNDING = float(np.nextafter(np.float32(oracle.LOGPROB_ROUNDING), np.float32(np.inf)))
+BAD_LOGPROBS = [*NONFINITE, ABOVE_ROUNDING, 0.5, 3.0e38, 1e39]  # 1e39 is inf once in float32
+EDGE_LOGPROBS = [0.0, -0.0, oracle.LOGPROB_ROUNDING, -3.0e38]   # valid, at the edges
+CHARS = "aé€😀"
+"""One character of 1, 2, 3 and 4 UTF-8 bytes: limits count characters, not bytes."""
 
 
-def _owner(msg, path: str):
-    """The message holding the last field of `path`, and that field's name."""
-    *parents, name = path.split(".")
-    for parent in parents:
-        msg = getattr(msg, parent)
-    return msg, name
+def _text(length: int, char: str, prefix: str = "") -> str:
+    return (prefix + char * length)[:length] if length >= len(prefix) else char * length
 
 
-def _set(path: str, valid: bool = False) -> Apply:
-    """Set `path` to the parameter."""
-    def apply(msg, value):
-        owner, name = _owner(msg, path)
-        setattr(owner, name, value)
-        return None if valid else path
-    return apply
+KNOBS = ("finish_reason", "token count", "top_k", "token_ids", "logprobs", "blocks_attended", "top_ids",
+         "top_logprobs", "prompt_token_ids", "error", "metadata", "sample_id", "prompt_id", "group_id",
+         "sample_index", "policy_version", "schedule_version", "worker_id", "reward", "wire", "wire", "wire")
+"""What a sample's draw may break ("wire", thrice as likely: rewrite it on the wire, `_rewrites`); each sample
+draws up to four of them (about a third of the samples none)."""
 
 
-def _set_pair(valid: bool = False) -> Apply:
-    """The parameter is (path, value)."""
-    return lambda msg, pair: _set(pair[0], valid)(msg, pair[1])
+POSITION = st.integers(0, 2**16 - 1)
+"""Every choice among n is this draw modulo n: one strategy for all (building one per draw costs more than the
+draw), and constraints that never depend on the seeded generator's values, so hypothesis can replay a draw."""
 
 
-def _clear(path: str) -> Apply:
-    def apply(msg, _):
-        owner, name = _owner(msg, path)
-        owner.ClearField(name)
-        return path
-    return apply
+PLANS = st.sets(st.sampled_from(KNOBS), max_size=4) | st.sets(st.sampled_from(KNOBS), min_size=1, max_size=4)
 
 
-def _put(path: str) -> Apply:
-    """The parameter is (index, value): overwrite one element (append to an empty array)."""
-    def apply(msg, param):
-        index, value = param
-        owner, name = _owner(msg, path)
-        values = getattr(owner, name)
-        if values:
-            values[index % len(values)] = value
-        else:
-            values.append(value)
-        return path
-    return apply
+class _Draws:
+    """Draw helpers. `plan` is the set of knobs this sample breaks: how each is broken is drawn by hypothesis
+    (`one`, `text`, `draw`); valid values, boundaries included, come from `rng` (one draw per value would make
+    each sample cost tens of draws), seeded by a draw and the request's serial `number` (hypothesis repeats its
+    draws often; the serial keeps contents and ids distinct, and it never changes what is drawn)."""
+
+    def __init__(self, draw, limits: Limits, plan: frozenset[str], number: int):
+        self.draw, self.limits, self.plan = draw, limits, plan
+        self.rng = random.Random(f"{draw(st.integers(0, 2**32 - 1))}/{number}")
+
+    def off(self, knob: str) -> bool:
+        return knob in self.plan
+
+    def one(self, values: list):
+        return values[self.draw(POSITION) % len(values)]
+
+    def text(self, lengths: list[int], prefix: str = "") -> str:
+        return _text(self.one(lengths), self.one(list(CHARS)), prefix)
+
+    def valid(self, values: list):
+        return self.rng.choice(values)
 
 
-def _resize(values, length: int, fill) -> None:
-    del values[length:]
-    values.extend([fill] * (length - len(values)))
+def _ids(d: _Draws, knob: str, unique: str) -> str:
+    if d.off(knob):
+        return d.text([0, ID_CHARS + 1, 3 * ID_CHARS], unique)
+    return d.valid([unique] * 9 + [_text(ID_CHARS, d.valid(CHARS), unique)])
 
 
-def _other_length(path: str, fill) -> Apply:
-    """The parameter is a length; the array gets it, or one more element if it had that length already."""
-    def apply(msg, wanted):
-        owner, name = _owner(msg, path)
-        values = getattr(owner, name)
-        _resize(values, wanted if wanted != len(values) else len(values) + 1, fill)
-        return path
-    return apply
+def _sample(d: _Draws, unique: str) -> pb.Sample:
+    limits, rng = d.limits, d.rng
+    vocab, limit, max_k = limits.vocab_size, limits.max_sample_tokens, limits.max_top_k
+    finish = d.one([0, 4, -1, *INT32]) if d.off("finish_reason") else d.valid([STOP, LENGTH, ERROR])
+    failed = finish == ERROR
+    if d.off("token count"):
+        n = d.one([1, 3, limit + 1]) if failed else d.one([0, limit + 1])
+    else:
+        n = 0 if failed else d.valid([1, 2, limit - 1, limit] + [rng.randint(1, 24)] * 12)
+    k = d.one([-1, max_k + 1, 100_000, *INT32]) if d.off("top_k") else rng.randint(0, max_k)
+    width = min(max(k, 0), max_k + 1)  # values per token the top-k arrays get (a huge k cannot be built)
+
+    def array(knob: str, expected: int, make: Callable[[int], object], bad: list) -> list:
+        """`expected` values from `make(i)`; when `knob` is broken, a wrong count or one value from `bad`."""
+        if not d.off(knob):
+            return [make(i) for i in range(expected)]
+        delta, position, value = d.one([1, -1, 0]), d.draw(POSITION), d.one(bad)  # drawn whatever `expected` is
+        length = expected + delta if expected else 1
+        values = [make(i) for i in range(length)]
+        if length == expected:
+            values[position % length] = value
+        return values
+
+    def token(_):
+        return rng.choice((0, vocab - 1)) if rng.random() < 0.05 else rng.randrange(vocab)
+
+    def logprob(_):
+        return rng.choice(EDGE_LOGPROBS) if rng.random() < 0.05 else -rng.expovariate(1.0)
+
+    bad_tokens = [vocab, vocab + 1, -1, *INT32]
+    top_ids = array("top_ids", n * width, lambda _: -1 if rng.random() < 0.1 else rng.randrange(vocab), [vocab, -2, *INT32])
+    padding = [rng.choice((-math.inf, 0.0)) for _ in top_ids]  # what a padding entry (id -1) holds
+    if d.off("prompt_token_ids"):
+        prompt = array("prompt_token_ids", d.one([0, limit + 1, 4]), token, bad_tokens)
+    else:
+        prompt = array("prompt_token_ids", d.valid([limit] + [rng.randint(1, 8)] * 9), token, bad_tokens)
+    if failed:
+        error = d.text([0, TEXT_CHARS + 1]) if d.off("error") else d.valid(["engine crashed"] * 9 + ["x" * TEXT_CHARS])
+    else:
+        error = d.text([TEXT_CHARS + 1]) if d.off("error") else d.valid(["", "a warning"])
+    if d.off("metadata"):
+        metadata = d.one([{"": "v"}, {_text(ID_CHARS + 1, "é"): "v"}, {"k": "é" * (TEXT_CHARS + 1)}])
+    else:
+        metadata = d.valid([{}, {"dataset": "aime"}] * 4 + [{_text(ID_CHARS, "😀"): "é" * TEXT_CHARS}])
+    msg = pb.Sample(
+        sample_id=_ids(d, "sample_id", unique),
+        prompt_id=_ids(d, "prompt_id", "p" + unique),
+        group_id=_ids(d, "group_id", "g" + unique),
+        sample_index=d.one([-1, INT32[0]]) if d.off("sample_index") else d.valid([0, INT32[1], rng.randrange(INT32[1])]),
+        prompt_token_ids=prompt,
+        token_ids=array("token_ids", n, token, bad_tokens),
+        logprobs=array("logprobs", n, logprob, BAD_LOGPROBS),
+        top_k=k,
+        top_ids=top_ids,
+        top_logprobs=array("top_logprobs", n * width,
+                           lambda i: padding[i] if i < len(top_ids) and top_ids[i] == -1 else logprob(i),
+                           [*BAD_LOGPROBS, -math.inf]),
+        blocks_attended=array("blocks_attended", n, lambda _: rng.randrange(64), [-1, INT32[0]]),
+        policy_version=_version(d, "policy_version"),
+        schedule_version=_version(d, "schedule_version"),
+        finish_reason=finish,
+        error=error,
+        metadata=metadata,
+        worker_id=d.text([ID_CHARS + 1]) if d.off("worker_id") else d.valid(["", "rollout-3", _text(ID_CHARS, "€")]),
+    )
+    reward = d.one(NONFINITE) if d.off("reward") else d.valid([None, 0.0, -0.0, 5e-324, 1.7976931348623157e308,
+                                                                 -1.7976931348623157e308, rng.uniform(-2, 2)])
+    if reward is not None:
+        msg.reward = reward
+    return msg
 
 
-def _sample_mutations(config: TransportConfig) -> list[tuple[str, st.SearchStrategy, Apply]]:
-    vocab, limit, max_k = config.vocab_size, config.max_sample_tokens, config.max_top_k
-    out_of_vocab = st.integers(vocab, INT32[1]) | _negative32
-    ids = st.sampled_from(["sample_id", "prompt_id", "group_id"])
-    versions = st.sampled_from(["policy_version", "schedule_version"])
-
-    def token_count(msg, wanted):  # the first check a changed token count fails depends on the count
-        _other_length("token_ids", 1)(msg, wanted)
-        n = len(msg.token_ids)
-        return "token_ids" if n == 0 or n > limit else "logprobs"
-
-    def nan_padding(msg, index):
-        if not msg.top_k:
-            msg.top_logprobs.append(math.nan)
-        else:
-            j = index % len(msg.top_ids)
-            msg.top_ids[j], msg.top_logprobs[j] = -1, math.nan
-        return "top_logprobs"
-
-    def failed(msg, error):  # ERROR without saying why, or ERROR that still has tokens
-        msg.finish_reason, msg.error = pb.FINISH_REASON_ERROR, error
-        return "token_ids" if error else "error"
-
-    def valid_failure(msg, error):
-        msg.finish_reason, msg.error = pb.FINISH_REASON_ERROR, error
-        for name in ("token_ids", "logprobs", "top_ids", "top_logprobs", "blocks_attended"):
-            msg.ClearField(name)
-        return None
-
-    def metadata(msg, pair):
-        key, value = pair
-        msg.metadata[key] = value
-        return f"metadata[{key}]" if key else "metadata"
-
-    return [
-        ("id:empty", ids.map(lambda f: (f, "")), _set_pair()),
-        ("id:oversized", st.tuples(ids, _oversized_id), _set_pair()),
-        ("worker_id:oversized", _oversized_id, _set("worker_id")),
-        ("sample_index:negative", _negative32, _set("sample_index")),
-        ("sample_index:huge (valid)", st.integers(2**20, INT32[1]), _set("sample_index", valid=True)),
-        ("version:negative", st.tuples(versions, st.integers(INT64[0], -1)), _set_pair()),
-        ("version:huge (valid)", st.tuples(versions, st.integers(2**31, INT64[1])), _set_pair(valid=True)),
-        ("finish_reason:bad enum", st.integers(*INT32).filter(lambda v: v not in (1, 2, 3)), _set("finish_reason")),
-        ("reward:nan/inf", _nonfinite, _set("reward")),
-        ("prompt_token_ids:empty", st.none(), _clear("prompt_token_ids")),
-        ("prompt_token_ids:too long", st.integers(limit + 1, 2 * limit), _other_length("prompt_token_ids", 1)),
-        ("prompt_token_ids:out of vocab", st.tuples(_index, out_of_vocab), _put("prompt_token_ids")),
-        ("token_ids:out of vocab", st.tuples(_index, out_of_vocab), _put("token_ids")),
-        ("token_ids:wrong length", st.integers(0, 2 * limit), token_count),
-        ("logprobs:wrong length", st.integers(0, 64), _other_length("logprobs", -1.0)),
-        ("logprobs:nan/inf/positive", st.tuples(_index, _nonfinite | _positive), _put("logprobs")),
-        ("blocks_attended:wrong length", st.integers(0, 64), _other_length("blocks_attended", 1)),
-        ("blocks_attended:negative", st.tuples(_index, _negative32), _put("blocks_attended")),
-        ("top_k:out of range", _negative32 | st.integers(max_k + 1, INT32[1]), _set("top_k")),
-        ("top_ids:wrong length", st.integers(0, 64), _other_length("top_ids", 0)),
-        ("top_ids:out of range", st.tuples(_index, st.integers(vocab, INT32[1]) | st.integers(INT32[0], -2)), _put("top_ids")),
-        ("top_logprobs:wrong length", st.integers(0, 64), _other_length("top_logprobs", -1.0)),
-        ("top_logprobs:nan/inf/positive", st.tuples(_index, _nonfinite | _positive), _put("top_logprobs")),
-        ("top_logprobs:NaN padding", _index, nan_padding),
-        ("error:missing or with tokens", st.sampled_from(["", "engine failed"]), failed),
-        ("error:oversized", _oversized_text, _set("error")),
-        ("failed sample (valid)", st.text(min_size=1, max_size=40), valid_failure),
-        ("metadata:bad key or oversized value",
-         st.tuples(st.just(""), st.text(max_size=8)) | st.tuples(st.text(min_size=1, max_size=8), _oversized_text), metadata),
-    ]
+def _version(d: _Draws, knob: str) -> int:
+    if d.off(knob):
+        return d.one([-1, INT64[0], INT32[0] - 1])
+    return d.valid([0, 1, INT32[1] + 1, INT64[1], d.rng.randrange(INT64[1])])
 
 
-def _payloads(rpc: str, base: Callable[[int, object], object], shape: st.SearchStrategy, mutations,
-              ids: itertools.count) -> st.SearchStrategy:
-    """One mutation of a valid message `base(unique id number, shape)`, with the shape drawn too."""
-    def payload(label: str, apply: Apply, drawn) -> Payload:
-        base_shape, param = drawn
-        msg = base(next(ids), base_shape)
-        return Payload(rpc, label, msg, apply(msg, param))
+# ---------------------------------------------------------------------- wire rewrites
 
-    return st.one_of(*(st.tuples(shape, param).map(lambda d, label=label, apply=apply: payload(label, apply, d))
-                       for label, param, apply in mutations))
-
-
-# ---------------------------------------------------------------------- calls of their own
+NATURAL_WIRE_TYPES = {
+    **{f.name: {VARINT} for f in pb.Sample.DESCRIPTOR.fields if f.type in (f.TYPE_INT32, f.TYPE_INT64, f.TYPE_ENUM)},
+    **{f.name: {LEN} for f in pb.Sample.DESCRIPTOR.fields if f.type in (f.TYPE_STRING, f.TYPE_MESSAGE)},
+    "reward": {I64},
+    **{name: {LEN, VARINT} for name in ("prompt_token_ids", "token_ids", "top_ids", "blocks_attended")},
+    **{name: {LEN, I32} for name in ("logprobs", "top_logprobs")},
+}
+"""Wire types a parser takes for each Sample field (packed repeated fields also come one record per value)."""
+GARBAGE = {VARINT: 5, I64: 1.5, LEN: b"ab", I32: -0.25}
 
 
-def _decoded_answer(rpc: str, data: bytes, config: TransportConfig) -> Answer:
-    """The answer random bytes must get, from what they parse to."""
-    request_type = {"Drain": pb.DrainRequest, "Health": pb.HealthRequest, "ResizePool": pb.ResizePoolRequest}[rpc]
-    try:
-        msg = request_type.FromString(data)
-    except DecodeError:
-        return Answer("status", "INVALID_ARGUMENT", "request")
-    if rpc == "Drain" and not (math.isfinite(msg.timeout_s) and msg.timeout_s >= 0):
-        return Answer("status", "INVALID_ARGUMENT", "timeout_s")
-    if rpc == "ResizePool":
-        try:
-            validate_resize_pool(msg)
-        except InvalidMessage as exc:
-            return Answer("status", "INVALID_ARGUMENT", exc.field)
-    return Answer("status", "OK")
+def _rewrites(d: _Draws, msg: pb.Sample) -> tuple[str, bytes]:
+    """`msg` rewritten on the wire in one of several ways a generated class would not write it."""
+    how = d.one(["wrong wire type", "scalar twice", "packed field unpacked", "unknown field", "invalid UTF-8",
+                 "truncated", "byte flipped"])
+    raw = msg.SerializeToString()
+    if how == "wrong wire type":
+        name = d.one(sorted(NATURAL_WIRE_TYPES))
+        wire_type = d.one(sorted({VARINT, I64, LEN, I32} - NATURAL_WIRE_TYPES[name]))
+        without = pb.Sample()
+        without.CopyFrom(msg)
+        without.ClearField(name)
+        return f"{how}: {name}", without.SerializeToString() + record(SAMPLE_FIELD[name], wire_type, GARBAGE[wire_type])
+    if how == "scalar twice":
+        name, wire_type, value = d.one([
+            ("top_k", VARINT, d.one([0, 1, -1, 1 << 20])), ("finish_reason", VARINT, d.one([STOP, LENGTH, ERROR, 0])),
+            ("sample_index", VARINT, d.one([0, -1])), ("sample_id", LEN, d.one([b"", b"again"])),
+            ("reward", I64, d.one([0.5, math.nan])),
+        ])
+        return f"{how}: {name}", raw + record(SAMPLE_FIELD[name], wire_type, value)
+    if how == "packed field unpacked":
+        name = d.one(["prompt_token_ids", "token_ids", "blocks_attended"])
+        without = pb.Sample()
+        without.CopyFrom(msg)
+        without.ClearField(name)
+        return f"{how}: {name}", without.SerializeToString() + unpacked(SAMPLE_FIELD[name], list(getattr(msg, name)))
+    if how == "unknown field":
+        number = d.draw(st.integers(len(SAMPLE_FIELD) + 1, 2**29 - 1))
+        wire_type = d.one([VARINT, I64, LEN, I32])
+        return how, raw + record(number, wire_type, GARBAGE[wire_type])
+    if how == "invalid UTF-8":
+        name = d.one(["sample_id", "prompt_id", "group_id", "error", "worker_id"])
+        return f"{how}: {name}", raw + record(SAMPLE_FIELD[name], LEN, b"\xff\xfe")
+    position, mask = d.draw(POSITION), d.draw(st.integers(1, 255))
+    if how == "truncated" or not raw:
+        return how, raw[:position % max(len(raw), 1)]
+    flipped = bytearray(raw)
+    flipped[position % len(raw)] ^= mask
+    return how, bytes(flipped)
 
 
-def _stream_bytes_answer(rpc: str, data: bytes, config: TransportConfig) -> Answer:
-    """The answer random bytes after a StreamOpen must get, from what they parse to."""
-    request_type, payload = STREAMS[rpc]
-    try:
-        msg = request_type.FromString(data)
-    except DecodeError:
-        return Answer("status", "INVALID_ARGUMENT", "request")
-    if msg.WhichOneof("kind") != payload:
-        return Answer("status", "FAILED_PRECONDITION", "kind")
-    try:
-        validate_sample(getattr(msg, payload), config)
-    except InvalidMessage as exc:
-        return Answer("ack", "INVALID_ARGUMENT", exc.field)
-    return Answer("ack", "ACCEPTED")
+# ---------------------------------------------------------------------- strategies
 
 
-def _stream_calls(rpc: str, config: TransportConfig, ids: itertools.count) -> st.SearchStrategy:
-    request_type, payload = STREAMS[rpc]
-    def make(i: int) -> pb.Sample:
-        return valid_sample(i, "fz", vocab=config.vocab_size)
+def _sample_requests(limits: Limits, prefix: str, serial: Iterator[int]) -> st.SearchStrategy:
+    """A sample (maybe rewritten) as a Payload, or as a Call when it cannot share a stream."""
+
+    @st.composite
+    def draw_one(draw):
+        number = next(serial)
+        d = _Draws(draw, limits, frozenset(draw(PLANS)), number)
+        msg = _sample(d, f"{prefix}-{number}")
+        label, raw = ("field values", msg.SerializeToString())
+        if d.off("wire"):
+            label, raw = _rewrites(d, msg)
+        request = wrapped(SAMPLE, raw)
+        opening = pb.SampleStreamRequest(open=pb.StreamOpen(client_id="fuzz")).SerializeToString()
+        expected = oracle.stream_answer([opening, request], limits)
+        if expected.kind == "status":  # the request ends its stream: it cannot share one
+            return Call("StreamSamples", f"sample: {label}", "trajectory", [opening, request], expected)
+        finish_reason = pb.SampleStreamRequest.FromString(request).sample.finish_reason
+        return Payload(request, expected, finish_reason, expected.fields, label)  # a refusal's fields: the rules broken
+
+    return draw_one()
+
+
+STREAM_SHAPES = ("no StreamOpen", "empty first message", "StreamOpen twice", "StreamOpen after a sample",
+                 "empty request after StreamOpen", "no messages at all", "message over max_message_mb",
+                 "client_id at its limit", "random bytes first", "random bytes after StreamOpen")
+
+
+def _stream_calls(limits: Limits, prefix: str, serial: Iterator[int]) -> st.SearchStrategy:
+    """Calls that break the stream protocol (or keep to it at its edges)."""
 
     def opening(client_id: str = "fuzz") -> bytes:
-        return request_type(open=pb.StreamOpen(client_id=client_id)).SerializeToString()
+        return pb.SampleStreamRequest(open=pb.StreamOpen(client_id=client_id)).SerializeToString()
 
-    def item(i: int) -> bytes:
-        return request_type(**{payload: make(i)}).SerializeToString()
+    def sample(number: int, worker_id: str = "") -> bytes:
+        msg = valid_sample(number, prefix, vocab=limits.vocab_size)
+        msg.worker_id = worker_id
+        return pb.SampleStreamRequest(sample=msg).SerializeToString()
 
-    def oversized() -> list[bytes]:
-        big = make(next(ids))
-        big.worker_id = "z" * (config.max_message_mb * 2**20 + 1024)
-        return [opening(), request_type(**{payload: big}).SerializeToString()]
+    @st.composite
+    def draw_one(draw):
+        label, number = draw(st.sampled_from(STREAM_SHAPES)), next(serial)
+        requests = {
+            "no StreamOpen": lambda: [sample(number)],
+            "empty first message": lambda: [b""],
+            "StreamOpen twice": lambda: [opening(), opening()],
+            "StreamOpen after a sample": lambda: [opening(), sample(number), opening()],
+            "empty request after StreamOpen": lambda: [opening(), b""],
+            "no messages at all": lambda: [],
+            "message over max_message_mb": lambda: [opening(), sample(number, "z" * (limits.max_message_bytes + 1024))],
+            "client_id at its limit": lambda: [opening(_text(draw(st.sampled_from([ID_CHARS, ID_CHARS + 1])),
+                                                             draw(st.sampled_from(CHARS))))],
+            "random bytes first": lambda: [draw(st.binary(max_size=64))],
+            "random bytes after StreamOpen": lambda: [opening(), draw(st.binary(max_size=64))],
+        }[label]()
+        return Call("StreamSamples", label, "trajectory", requests, oracle.stream_answer(requests, limits))
 
-    def call(label, requests, expected):
-        return Call(rpc, label, requests, expected)
+    return draw_one()
 
+
+def _padded(data: bytes, total: int) -> bytes:
+    """`data` plus an unknown length-delimited field bringing it to `total` bytes (one less where the length's
+    varint grows a byte)."""
+    room = total - len(data)
+    for filler in range(max(room - 2, 0), -1, -1):
+        extra = record(1000, LEN, b"x" * filler)
+        if len(extra) <= room:
+            return data + extra
+    return data
+
+
+def _control_bytes(fields: st.SearchStrategy) -> st.SearchStrategy:
+    """A control request: the serialized message, or that message rewritten (random bytes, a field of the wrong
+    wire type, a field twice, an unknown field bringing it to the size limit or just past it)."""
+    size = st.sampled_from([CONTROL_REQUEST_BYTES - 1, CONTROL_REQUEST_BYTES, CONTROL_REQUEST_BYTES + 1, 60_000])
     return st.one_of(
-        st.just(None).map(lambda _: call("no StreamOpen", lambda i=next(ids): [item(i)],
-                                         Answer("status", "FAILED_PRECONDITION", "open"))),
-        st.just(None).map(lambda _: call("StreamOpen twice", lambda: [opening(), opening()],
-                                         Answer("status", "FAILED_PRECONDITION", "kind"))),
-        st.just(None).map(lambda _: call("empty request after StreamOpen", lambda: [opening(), b""],
-                                         Answer("status", "FAILED_PRECONDITION", "kind"))),
-        _oversized_id.map(lambda v: call("StreamOpen: oversized client_id", lambda: [opening(v)],
-                                           Answer("status", "INVALID_ARGUMENT", "open.client_id"))),
-        st.just(None).map(lambda _: call("message over max_message_mb", oversized, Answer("status", "RESOURCE_EXHAUSTED"))),
-        st.just(None).map(lambda _: call("no messages at all", lambda: [], Answer("status", "OK"))),
-        st.binary(min_size=1, max_size=64).map(lambda b: call(
-            "random bytes after StreamOpen", lambda: [opening(), b], _stream_bytes_answer(rpc, b, config))),
-        st.binary(min_size=1, max_size=64).filter(lambda b: _undecodable(request_type, b)).map(lambda b: call(
-            "random bytes instead of StreamOpen", lambda: [b], Answer("status", "INVALID_ARGUMENT", "request"))),
+        fields, fields, fields,
+        st.tuples(fields, size).map(lambda p: ("padded to its size limit", _padded(p[0][1], p[1]))),
+        st.tuples(fields, st.sampled_from([VARINT, I64, LEN, I32])).map(
+            lambda p: ("a field of the wrong wire type", p[0][1] + record(1, p[1], GARBAGE[p[1]]))),
+        st.binary(max_size=64).map(lambda b: ("random bytes", b)),
     )
 
 
-def _undecodable(request_type, data: bytes) -> bool:
-    try:
-        request_type.FromString(data)
-    except DecodeError:
-        return True
-    return False
+def _unary_calls(rpc: str) -> st.SearchStrategy:
+    if rpc == "Drain":
+        timeouts = st.sampled_from([0.0, -0.0, 5e-324, -5e-324, 0.01, -1.0, 1e300, *NONFINITE]) | st.floats(-1, 0.05)
+        fields = timeouts.map(lambda t: ("timeout_s", pb.DrainRequest(timeout_s=t).SerializeToString()))
+        judge = lambda data, target: oracle.drain_answer(data, drains=target == "trajectory")  # noqa: E731
+    elif rpc == "Health":
+        fields = st.integers(0, 2**32).map(lambda _: ("empty", b""))  # a draw of its own: not exhausted after one
+        judge = lambda data, target: oracle.health_answer(data)  # noqa: E731
+    else:
+        pools = st.one_of(st.just("rollout"), st.sampled_from(["trainer", "", "Rollout", "rollout ", _text(ID_CHARS + 1, "😀")]),
+                          st.text(max_size=12))
+        sizes = st.one_of(st.integers(*POOL_SIZES), st.sampled_from([1, 1024, 0, 1025, -1, *INT32]), st.integers(*INT32))
+        fields = st.tuples(pools, sizes).map(lambda p: ("pool and size", pb.ResizePoolRequest(pool=p[0], size=p[1]).SerializeToString()))
+        judge = lambda data, target: oracle.resize_answer(data, resizes=target == "control")  # noqa: E731
+    targets = st.sampled_from(["trajectory", "control"])
+    return st.tuples(_control_bytes(fields), targets).map(
+        lambda p: Call(rpc, p[0][0], p[1], [p[0][1]], judge(p[0][1], p[1])))
 
 
-def _unary_calls(rpc: str, config: TransportConfig, resume: Callable[[], None]) -> st.SearchStrategy:
-    def call(label, request, expected: Answer, after=None, target=None) -> Call:
-        data = request if isinstance(request, bytes) else request.SerializeToString()
-        return Call(rpc, label, lambda: [data], expected, after, target)
+# ---------------------------------------------------------------------- generation
 
-    random_bytes = st.binary(max_size=64).map(lambda b: call("random bytes", b, _decoded_answer(rpc, b, config)))
-    if rpc == "ResizePool":
-        return _resize_calls(call, random_bytes)
-    if rpc == "Health":
-        return random_bytes | st.none().map(lambda _: call("valid", pb.HealthRequest(), Answer("status", "OK")))
-    invalid = _nonfinite | st.floats(max_value=-1e-9, allow_infinity=True, allow_nan=False)
-    return st.one_of(
-        random_bytes,
-        invalid.map(lambda t: call("timeout_s:nan/inf/negative", pb.DrainRequest(timeout_s=t),
-                                   Answer("status", "INVALID_ARGUMENT", "timeout_s"))),
-        st.floats(0, 0.05).map(lambda t: call("valid (then resumed)", pb.DrainRequest(timeout_s=t), Answer("status", "OK"), resume)),
-        st.floats(0, 0.05).map(lambda t: call("valid, to the coordinator (does not drain)", pb.DrainRequest(timeout_s=t),
-                                              Answer("status", "UNIMPLEMENTED"), target="control")),
-    )
+QUOTAS = {"payload": 0.6, "stream calls": 0.1, "Drain": 0.1, "Health": 0.08, "ResizePool": 0.12}
+"""Share of the messages per kind of request."""
 
 
-def _resize_calls(call: Callable, random_bytes: st.SearchStrategy) -> st.SearchStrategy:
-    """ResizePool to the coordinator-like control target; a valid one to a server that cannot resize."""
-    valid_size = st.integers(1, MAX_POOL_SIZE)
-    bad_size = st.integers(INT32[0], 0) | st.integers(MAX_POOL_SIZE + 1, INT32[1])
-    other_pool = st.text(max_size=40).filter(lambda p: p != "rollout") | _oversized_id
-    invalid = Answer("status", "INVALID_ARGUMENT", "pool")
-
-    def unimplemented(size: int) -> Call:
-        c = call("valid, to a server that cannot resize", pb.ResizePoolRequest(pool="rollout", size=size),
-                 Answer("status", "UNIMPLEMENTED"))
-        return Call(c.rpc, c.label, c.requests, c.expected, target="trajectory")
-
-    return st.one_of(
-        random_bytes,
-        valid_size.map(lambda n: call("valid", pb.ResizePoolRequest(pool="rollout", size=n), Answer("status", "OK"))),
-        bad_size.map(lambda n: call("size:out of range", pb.ResizePoolRequest(pool="rollout", size=n),
-                                    Answer("status", "INVALID_ARGUMENT", "size"))),
-        st.tuples(st.just("trainer"), st.integers(*INT32)).map(lambda p: call(
-            "pool:trainer (fixed per run)", pb.ResizePoolRequest(pool=p[0], size=p[1]), invalid)),
-        st.tuples(other_pool, st.integers(*INT32)).map(lambda p: call(
-            "pool:unknown, empty or oversized", pb.ResizePoolRequest(pool=p[0], size=p[1]), invalid)),
-        valid_size.map(unimplemented),
-    )
-
-
-# ---------------------------------------------------------------------- generation and sending
-
-QUOTAS = {  # share of the messages per RPC and kind
-    ("StreamSamples", "payload"): 0.55, ("StreamSamples", "call"): 0.12,
-    ("Drain", "call"): 0.11, ("Health", "call"): 0.11, ("ResizePool", "call"): 0.11,
-}
+BATCH = 16
+"""Requests drawn per hypothesis example: its engine's cost per example is several times a request's."""
 
 
 def generate(strategy: st.SearchStrategy, n: int, random_seed: int) -> list:
-    """`n` examples of `strategy` (generation only: no shrinking, no example database)."""
+    """`n` examples of `strategy`, drawn `BATCH` at a time (generation only: no shrinking, no example database)."""
     out: list = []
 
     @seed(random_seed)
-    @settings(max_examples=n, database=None, deadline=None, phases=[Phase.generate],
+    @settings(max_examples=-(-n // BATCH), database=None, deadline=None, phases=[Phase.generate],
               suppress_health_check=list(HealthCheck))
-    @given(strategy)
-    def collect(example):
-        out.append(example)
+    @given(st.lists(strategy, min_size=BATCH, max_size=BATCH))
+    def collect(examples):
+        out.extend(examples)
 
     collect()
-    return out
+    return out[:n]
 
 
-def cases(config: TransportConfig, n: int, random_seed: int, resume: Callable[[], None]) -> list:
-    """About `n` cases (`Payload`s and `Call`s) over every RPC in the `QUOTAS` shares; `resume` reopens the
-    trajectory server after an accepted Drain."""
-    ids = itertools.count()
-    strategies = {
-        ("StreamSamples", "payload"): _payloads(
-            "StreamSamples", lambda i, shape: valid_sample(i, "fz", vocab=config.vocab_size, tokens=shape[0], top_k=shape[1]),
-            st.tuples(st.integers(1, 24), st.integers(0, config.max_top_k)), _sample_mutations(config), ids),
-        ("StreamSamples", "call"): _stream_calls("StreamSamples", config, ids),
-        ("Drain", "call"): _unary_calls("Drain", config, resume),
-        ("Health", "call"): _unary_calls("Health", config, resume),
-        ("ResizePool", "call"): _unary_calls("ResizePool", config, resume),
+def cases(config: TransportConfig, n: int, random_seed: int, prefix: str = "fz") -> list[Payload | Call]:
+    """About `n` requests over every RPC in the `QUOTAS` shares; sample ids start with `prefix` (one per round,
+    so rounds do not answer each other's samples DUPLICATE)."""
+    limits, serial = Limits.of(config), itertools.count()
+    strategies: dict[str, Callable[[], st.SearchStrategy]] = {
+        "payload": lambda: _sample_requests(limits, prefix, serial),
+        "stream calls": lambda: _stream_calls(limits, prefix, serial),
+        "Drain": lambda: _unary_calls("Drain"),
+        "Health": lambda: _unary_calls("Health"),
+        "ResizePool": lambda: _unary_calls("ResizePool"),
     }
-    out = []
-    for k, (key, strategy) in enumerate(strategies.items()):
-        out += generate(strategy, max(1, round(n * QUOTAS[key])), random_seed + k)
+    out: list[Payload | Call] = []
+    for k, (kind, strategy) in enumerate(strategies.items()):
+        out += generate(strategy(), max(1, round(n * QUOTAS[kind])), random_seed + k)
     return out

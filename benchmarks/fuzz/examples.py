@@ -1,5 +1,5 @@
-"""Valid messages built directly as protobuf (no torch): the base that load tests mutate nothing of and
-fuzzing mutates one field of."""
+"""Valid messages built directly as protobuf (no torch): the samples of load tests, of the fuzzer's valid
+traffic and of its protocol cases."""
 
 import random
 

@@ -1,6 +1,6 @@
-"""Sending fuzz cases (`cases.py`) to real servers and judging every answer.
+"""Sending generated requests (`cases.py`) to real servers and judging every answer against the oracle.
 
-Used by benchmarks/fuzz_grpc.py (>= 10,000 messages) and tests/test_grpc_fuzz.py (a small sample).
+Used by benchmarks/fuzz_grpc.py (>= 100,000 requests) and tests/test_grpc_fuzz.py (a few thousand).
 """
 
 from collections import Counter
@@ -9,91 +9,109 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from sparrow.protos import sparrow_v1_pb2 as pb
-
 from sparrow.coordinator.transport.client import ControlClient, TrajectoryClient
 from sparrow.coordinator.transport.config import TransportConfig
 from sparrow.coordinator.transport.security import JobCredentials
+from sparrow.protos import sparrow_v1_pb2 as pb
 
-from .cases import STREAMS, Answer, Call, Payload
+from .cases import Call, Payload
 from .examples import valid_sample
+from .oracle import ACCEPTED, OK, Expected
 
 BATCH = 16
-"""Stream payloads sent on one stream (below the granted window, so all are in flight at once)."""
+"""Samples sent on one stream (below the granted window, so all are in flight at once)."""
 SERVICES = {m.name: s.full_name for s in pb.DESCRIPTOR.services_by_name.values() for m in s.methods}
 """Full service name of each RPC."""
+HANDLER_FAILURES = ("UNKNOWN", "INTERNAL")
+"""Statuses no request may cause: a handler raised."""
+
+
+@dataclass(frozen=True)
+class Got:
+    """What a request got: an ack (`kind="ack"`) or the call's status, and the field the answer named."""
+
+    kind: str
+    code: str
+    field: str | None = None
+
+    def __str__(self) -> str:
+        return f"{self.kind} {self.code}" + (f" {self.field}" if self.field else "")
 
 
 @dataclass
 class Outcome:
     rpc: str
+    target: str
     label: str
-    expected: Answer
-    got: Answer
+    expected: Expected
+    got: Got
+    broken: frozenset[str] = frozenset()
+    finish_reason: int | None = None
+    queued: int = 0
+    """Samples the request's acks said were queued (ACCEPTED); a call may queue one and then end otherwise."""
 
     @property
-    def matched(self) -> bool:
+    def verdict(self) -> str:
+        """`as expected`, or how it went wrong."""
         e, g = self.expected, self.got
-        if e.kind == "ack" and e.code == "ACCEPTED":
-            return g.kind == "ack" and g.code in ("ACCEPTED", "DUPLICATE")
-        return (e.kind, e.code) == (g.kind, g.code) and (e.field is None or e.field == g.field)
+        if g.code in HANDLER_FAILURES:
+            return "handler failure"
+        if e == ACCEPTED and g.kind == "ack" and g.code in ("ACCEPTED", "DUPLICATE"):
+            return "as expected"
+        if (e.kind, e.code) == (g.kind, g.code):
+            return "as expected" if not e.fields or g.field in e.fields else "wrong field named"
+        if e not in (ACCEPTED, OK) and g.code in ("ACCEPTED", "DUPLICATE", "OK"):
+            return "invalid accepted"
+        if e in (ACCEPTED, OK):
+            return "valid refused"
+        return "other answer"
 
 
 @dataclass
 class FuzzTargets:
-    """Where each RPC goes: the trajectory server serves StreamSamples, Drain and Health, `control` (a
-    ControlServer whose handler resizes, like the coordinator's) ResizePool."""
+    """The two servers: `trajectory` (StreamSamples, Drain, Health; `resume` reopens it after a drain) and
+    `control`, a coordinator-like ControlServer (Health, ResizePool; Drain UNIMPLEMENTED)."""
 
     trajectory: str
+    control: str
     resume: Callable[[], None]
-    control: str | None = None
 
 
 @dataclass
 class FuzzReport:
     outcomes: list[Outcome] = field(default_factory=list)
 
+    @property
+    def mismatches(self) -> list[Outcome]:
+        return [o for o in self.outcomes if o.verdict != "as expected"]
+
     def by_rpc(self) -> dict[str, Counter]:
         table: dict[str, Counter] = {}
         for o in self.outcomes:
-            c = table.setdefault(o.rpc, Counter())
-            c["messages"] += 1
-            c["invalid"] += o.expected.code not in ("OK", "ACCEPTED")
-            c["as expected"] += o.matched
+            c = table.setdefault(f"{o.rpc} → {o.target}", Counter())
+            c["requests"] += 1
+            c["must be refused"] += o.expected not in (ACCEPTED, OK)
+            c[o.verdict] += 1
         return table
 
-    def by_label(self) -> dict[tuple[str, str], Counter]:
-        table: dict[tuple[str, str], Counter] = {}
-        for o in self.outcomes:
-            c = table.setdefault((o.rpc, o.label), Counter())
-            c["messages"] += 1
-            c["as expected"] += o.matched
-            c[f"expected {o.expected.kind} {o.expected.code}"] += 1
-        return table
 
-    @property
-    def mismatches(self) -> list[Outcome]:
-        return [o for o in self.outcomes if not o.matched]
+def _ack(ack: pb.Ack) -> Got:
+    return Got("ack", pb.AckStatus.Name(ack.status).removeprefix("ACK_STATUS_"), ack.field or None)
 
 
-def _ack_answer(ack: pb.Ack) -> Answer:
-    return Answer("ack", pb.AckStatus.Name(ack.status).removeprefix("ACK_STATUS_"), ack.field or None)
-
-
-def _status_answer(error: grpc.RpcError) -> Answer:
+def _status(error: grpc.RpcError) -> Got:
     details = error.details() or ""
-    return Answer("status", error.code().name, details.split(":")[0] if ":" in details else None)
+    return Got("status", error.code().name, details.split(":")[0] if ":" in details else None)
 
 
 class Fuzzer:
-    """Sends cases over raw channels (requests as bytes) that carry the job's token, and records answers."""
+    """Sends requests as raw bytes over channels that carry the job's token, and judges every answer."""
 
-    def __init__(self, targets: FuzzTargets, config: TransportConfig, credentials: JobCredentials):
-        self.targets, self.config = targets, config
+    def __init__(self, targets: FuzzTargets, credentials: JobCredentials):
+        self.targets = targets
         options = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", 64 * 2**20)]
-        self._channels = {"trajectory": credentials.channel(targets.trajectory, options)}
-        if targets.control is not None:
-            self._channels["control"] = credentials.channel(targets.control, options)
+        self._channels = {"trajectory": credentials.channel(targets.trajectory, options),
+                          "control": credentials.channel(targets.control, options)}
 
     def close(self) -> None:
         for channel in self._channels.values():
@@ -105,56 +123,49 @@ class Fuzzer:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _method(self, rpc: str, target: str | None = None):
-        target = target or {"ResizePool": "control"}.get(rpc, "trajectory")
-        if target not in self._channels:
-            raise ValueError(f"{rpc} cases need FuzzTargets.{target} (a ControlServer whose handler resizes pools)")
-        channel = self._channels[target]
+    def _method(self, rpc: str, target: str):
         path = f"/{SERVICES[rpc]}/{rpc}"
-        if rpc in STREAMS:
-            return channel.stream_stream(path, request_serializer=None, response_deserializer=pb.StreamReply.FromString)
-        return channel.unary_unary(path, request_serializer=None, response_deserializer=None)
+        if rpc == "StreamSamples":
+            return self._channels[target].stream_stream(path, response_deserializer=pb.StreamReply.FromString)
+        return self._channels[target].unary_unary(path)
 
-    def run(self, cases: list) -> FuzzReport:
-        """Calls one by one, then the payloads of each stream RPC in batches of `BATCH` per stream."""
-        report = FuzzReport()
-        payloads: dict[str, list[Payload]] = {}
-        for case in cases:
-            if isinstance(case, Payload):
-                payloads.setdefault(case.rpc, []).append(case)
-            else:
-                report.outcomes.append(self._call(case))
-        for rpc, items in payloads.items():
-            for i in range(0, len(items), BATCH):
-                report.outcomes += self._stream(rpc, items[i:i + BATCH])
+    def run(self, cases: list[Payload | Call]) -> FuzzReport:
+        """Calls one by one, then the samples `BATCH` to a stream."""
+        report = FuzzReport([self._call(c) for c in cases if isinstance(c, Call)])
+        payloads = [c for c in cases if isinstance(c, Payload)]
+        for i in range(0, len(payloads), BATCH):
+            report.outcomes += self._stream(payloads[i:i + BATCH])
         return report
 
-    def _stream(self, rpc: str, items: list[Payload]) -> list[Outcome]:
-        request_type, payload = STREAMS[rpc]
-        requests = [request_type(open=pb.StreamOpen(client_id="fuzz")).SerializeToString()]
-        requests += [request_type(**{payload: p.message}).SerializeToString() for p in items]
-        answers: list[Answer] = []
+    def _stream(self, items: list[Payload]) -> list[Outcome]:
+        requests = [pb.SampleStreamRequest(open=pb.StreamOpen(client_id="fuzz")).SerializeToString()]
+        answers: list[Got] = []
         try:
-            answers = [_ack_answer(r.ack) for r in self._method(rpc)(iter(requests), timeout=60) if r.WhichOneof("kind") == "ack"]
-        except grpc.RpcError as exc:
-            answers += [_status_answer(exc)] * (len(items) - len(answers))
-        answers += [Answer("status", "OK", "stream ended without an ack")] * (len(items) - len(answers))
-        return [Outcome(rpc, p.label, p.expected, got) for p, got in zip(items, answers)]
+            replies = self._method("StreamSamples", "trajectory")(iter(requests + [p.request for p in items]), timeout=60)
+            answers = [_ack(r.ack) for r in replies if r.WhichOneof("kind") == "ack"]
+        except grpc.RpcError as exc:  # the stream ended early: each sample not acked has lost its answer
+            answers += [_status(exc)] * (len(items) - len(answers))
+        answers += [Got("status", "OK", "stream ended without an ack")] * (len(items) - len(answers))
+        return [Outcome(p.rpc, "trajectory", p.label, p.expected, got, p.broken, p.finish_reason, int(got.code == "ACCEPTED"))
+                for p, got in zip(items, answers)]
 
     def _call(self, case: Call) -> Outcome:
-        requests = case.requests()
+        method, acks = self._method(case.rpc, case.target), []
         try:
-            if case.rpc in STREAMS:
-                acks = [r.ack for r in self._method(case.rpc)(iter(requests), timeout=60) if r.WhichOneof("kind") == "ack"]
-                got = _ack_answer(acks[-1]) if acks else Answer("status", "OK")
+            if case.rpc == "StreamSamples":
+                for reply in method(iter(case.requests), timeout=60):
+                    acks += [_ack(reply.ack)] if reply.WhichOneof("kind") == "ack" else []
+                got = acks[-1] if acks else Got("status", "OK")
             else:
-                self._method(case.rpc, case.target)(requests[0], timeout=60)
-                got = Answer("status", "OK")
+                method(case.requests[0], timeout=60)
+                got = Got("status", "OK")
         except grpc.RpcError as exc:
-            got = _status_answer(exc)
-        if case.after is not None and got.code == "OK":
-            case.after()
-        return Outcome(case.rpc, case.label, case.expected, got)
+            got = _status(exc)
+        finally:
+            if case.rpc == "Drain" and case.target == "trajectory":
+                self.targets.resume()  # whatever the answer: the next requests need a serving server
+        return Outcome(case.rpc, case.target, case.label, case.expected, got,
+                       queued=sum(a.code == "ACCEPTED" for a in acks))
 
 
 def valid_traffic(targets: FuzzTargets, config: TransportConfig, credentials: JobCredentials, prefix: str,
@@ -169,9 +180,7 @@ def valid_traffic(targets: FuzzTargets, config: TransportConfig, credentials: Jo
         targets.resume()
         states.append(control.health().status)
     served = sum(a == b for a, b in zip(states, ("serving", "draining", "serving")))
-    out = {"samples accepted": (accepted, samples), "health, drain, resume": (served, 3)}
-    if targets.control is not None:
-        with ControlClient(targets.control, config, credentials) as control:
-            resized = [control.resize_pool("rollout", n)[:2] == (True, n) for n in (2, 5, 1)]
-        out["pool resizes accepted"] = (sum(resized), len(resized))
-    return out
+    with ControlClient(targets.control, config, credentials) as control:
+        resized = [control.resize_pool("rollout", n)[:2] == (True, n) for n in (2, 5, 1)]
+    return {"samples accepted": (accepted, samples), "health, drain, resume": (served, 3),
+            "pool resizes accepted": (sum(resized), len(resized))}

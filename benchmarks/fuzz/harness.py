@@ -1,9 +1,9 @@
 """A trajectory server in a child process, and many-stream load against it; `PoolRecorder`, a control
 handler that resizes pools like the coordinator's and records what it was asked.
 
-Shared by tests/test_grpc_load.py and the benchmarks grpc_many_clients.py and fuzz_grpc.py. The
-server runs in its own process so that its threads and memory are measured
-alone and a crash shows as a dead process. Run as `python -m sparrow.bench.fuzz.harness`
+Shared by tests (test_grpc_load, test_grpc_fuzz, test_grpc_security) and the benchmarks grpc_many_clients.py
+and fuzz_grpc.py. The server runs in its own process so that its threads and memory are measured alone and a
+crash shows as a dead process. Run as `python -m sparrow.bench.fuzz.harness`
 it is that child: it reads its config and credentials from stdin, prints its port, empties its queue
 and answers `stats` / `resume` lines with one JSON line each.
 """
