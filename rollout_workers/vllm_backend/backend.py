@@ -19,7 +19,6 @@ import torch
 from sparrow.layout import BLOCK_SIZE
 
 from . import _vllm, runtime
-from .names import BACKEND_NAME
 from .paged_kv import paged_prefill_attention, sparse_block_table, sparse_block_views
 
 
@@ -28,16 +27,21 @@ class SparrowMetadata:
     """One engine step of one KV-cache group, shared by all its sparse layers."""
 
     num_actual_tokens: int
-    num_decodes: int
-    num_decode_tokens: int
-    block_table: torch.Tensor
-    """Sparrow block table `[num_reqs, pages·m]`."""
-    seq_lens: torch.Tensor
+    decode_tokens: slice | torch.Tensor
+    """Query rows of the decode rows: a slice when they lead the batch, else their indices."""
+    decode_block_table: torch.Tensor
+    """Sparrow block table of the decode rows `[num_decodes, pages·m]`."""
+    decode_seq_lens: torch.Tensor
     budgets: torch.Tensor | None
     """Decode rows' budgets (None = dense)."""
     slot_mapping: torch.Tensor
-    prefill_query_start_loc: list[int]
+    prefill_block_table: torch.Tensor
+    prefill_query_spans: list[tuple[int, int]]
     prefill_seq_lens: list[int]
+
+    @property
+    def num_decodes(self) -> int:
+        return self.decode_seq_lens.shape[0]
 
 
 class SparrowMetadataBuilder(_vllm.AttentionMetadataBuilder[SparrowMetadata]):
@@ -49,23 +53,39 @@ class SparrowMetadataBuilder(_vllm.AttentionMetadataBuilder[SparrowMetadata]):
         self._init_reorder_batch_threshold(1)
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False) -> SparrowMetadata:
-        cm = common_attn_metadata
-        num_decodes, num_decode_tokens = _vllm.decode_rows(cm)
-        rows = cm.num_reqs
-        seq_lens = cm.seq_lens[:rows]
-        qsl = cm.query_start_loc_cpu[num_decodes : rows + 1]
-        prefill_seq_lens = cm.seq_lens_cpu_upper_bound if cm.seq_lens_cpu_upper_bound is not None else cm.seq_lens.cpu()
-        return SparrowMetadata(
-            num_actual_tokens=cm.num_actual_tokens,
-            num_decodes=num_decodes,
-            num_decode_tokens=num_decode_tokens,
-            block_table=sparse_block_table(cm.block_table_tensor[:rows], self.page_size),
-            seq_lens=seq_lens,
-            budgets=runtime.current().budgets(seq_lens[:num_decodes]) if num_decodes else None,
-            slot_mapping=cm.slot_mapping,
-            prefill_query_start_loc=(qsl - qsl[0]).tolist(),
-            prefill_seq_lens=prefill_seq_lens[num_decodes:rows].tolist(),
-        )
+        return step_metadata(common_attn_metadata, self.page_size)
+
+
+def step_metadata(cm, page_size: int) -> SparrowMetadata:
+    """Split one step's rows (vLLM's `CommonAttentionMetadata`) into sparse decodes and dense prompt rows."""
+    rows = cm.num_reqs
+    decoding = _vllm.decode_rows(cm)
+    decode_rows = decoding.nonzero().flatten()
+    prefill_rows = (~decoding).nonzero().flatten()
+    num_decodes = decode_rows.numel()
+    starts = cm.query_start_loc_cpu[: rows + 1]
+    device = cm.seq_lens.device
+    block_table = sparse_block_table(cm.block_table_tensor[:rows], page_size)
+    seq_lens = cm.seq_lens[:rows]
+    if bool(decoding[:num_decodes].all()):  # decodes lead (always with the V1 runner): row i is query token i
+        decode_tokens = decode_index = slice(0, num_decodes)
+    else:
+        decode_index = decode_rows.to(device, non_blocking=True)
+        decode_tokens = starts[decode_rows].long().to(device, non_blocking=True)
+    decode_seq_lens = seq_lens[decode_index]
+    seq_lens_cpu = cm.seq_lens_cpu_upper_bound if cm.seq_lens_cpu_upper_bound is not None else cm.seq_lens.cpu()
+    prefill = prefill_rows.tolist()
+    return SparrowMetadata(
+        num_actual_tokens=cm.num_actual_tokens,
+        decode_tokens=decode_tokens,
+        decode_block_table=block_table[decode_index],
+        decode_seq_lens=decode_seq_lens,
+        budgets=runtime.current().budgets(decode_seq_lens) if num_decodes else None,
+        slot_mapping=cm.slot_mapping,
+        prefill_block_table=block_table[prefill_rows.to(device, non_blocking=True)] if prefill else block_table[:0],
+        prefill_query_spans=[(int(starts[r]), int(starts[r + 1])) for r in prefill],
+        prefill_seq_lens=seq_lens_cpu[prefill_rows].tolist(),
+    )
 
 
 class SparrowSparseImpl(_vllm.AttentionImpl):
@@ -119,33 +139,33 @@ class SparrowSparseImpl(_vllm.AttentionImpl):
         md: SparrowMetadata = attn_metadata
         state = runtime.current()
         k_blocks, v_blocks = sparse_block_views(kv_cache)
-        nd, ndt = md.num_decodes, md.num_decode_tokens
-        if nd:
+        if md.num_decodes:
             backend = state.backend(kv_cache.device)
-            seq_lens = md.seq_lens[:nd]
             out, blocks = backend.decode(
-                query[:ndt], k_blocks, v_blocks, self._landmarks(k_blocks, state), md.block_table[:nd], seq_lens,
-                md.budgets, state.attention, self.scale,
+                query[md.decode_tokens], k_blocks, v_blocks, self._landmarks(k_blocks, state), md.decode_block_table,
+                md.decode_seq_lens, md.budgets, state.attention, self.scale,
             )
-            output[:ndt] = out
+            output[md.decode_tokens] = out
             if self.layer_index == state.first_sparse_layer:
-                state.record_step(seq_lens, blocks)
+                state.record_step(md.decode_seq_lens, blocks)
         if md.prefill_seq_lens:
             paged_prefill_attention(
-                query[ndt : md.num_actual_tokens], k_blocks, v_blocks, md.block_table[nd:],
-                md.prefill_query_start_loc, md.prefill_seq_lens, self.scale, output[ndt : md.num_actual_tokens],
+                query, k_blocks, v_blocks, md.prefill_block_table, md.prefill_query_spans, md.prefill_seq_lens,
+                self.scale, output,
             )
+            if self.layer_index == state.first_sparse_layer:
+                state.record_prompt(md.prefill_query_spans)
         return output
 
 
-class SparrowSparseBackend(_vllm.AttentionBackend):
+class SparrowSparseBackend(_vllm.KVCacheDeclaration, _vllm.AttentionBackend):
     forward_includes_kv_cache_update = False
     supported_dtypes = [torch.float16, torch.bfloat16, torch.float32]
     supported_kv_cache_dtypes = ["auto"]
 
     @staticmethod
     def get_name() -> str:
-        return BACKEND_NAME
+        return _vllm.surface().backend_name
 
     @staticmethod
     def get_impl_cls():
@@ -158,7 +178,3 @@ class SparrowSparseBackend(_vllm.AttentionBackend):
     @staticmethod
     def get_supported_kernel_block_sizes(kv_cache_spec=None):
         return [_vllm.MultipleOf(BLOCK_SIZE)]
-
-    @classmethod
-    def supported_kv_cache_layouts(cls):
-        return (_vllm.KVCacheLayout.LBHNC, _vllm.KVCacheLayout.LBNHC)

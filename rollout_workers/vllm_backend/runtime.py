@@ -74,6 +74,9 @@ class SparseRuntime:
         self.landmark_bytes = 0
         self.decode_steps = 0
         self.decode_rows = 0
+        self.prompt_rows = 0
+        self.prompt_tokens = 0
+        """Rows and query tokens attended densely as prompt (a prefix-cache hit leaves one token to compute)."""
         self._block_sums: torch.Tensor | None = None
 
     @property
@@ -110,6 +113,11 @@ class SparseRuntime:
                 "blocks_attended": blocks.tolist(),
             })
 
+    def record_prompt(self, query_spans: list[tuple[int, int]]) -> None:
+        """Count one step's prompt rows of one sparse layer (the first)."""
+        self.prompt_rows += len(query_spans)
+        self.prompt_tokens += sum(end - start for start, end in query_spans)
+
     def stats(self) -> dict:
         attended, context = (0, 0) if self._block_sums is None else self._block_sums.tolist()
         return {
@@ -118,6 +126,8 @@ class SparseRuntime:
             "landmark_bytes": self.landmark_bytes,
             "decode_steps": self.decode_steps,
             "decode_rows": self.decode_rows,
+            "prompt_rows": self.prompt_rows,
+            "prompt_tokens": self.prompt_tokens,
             "blocks_attended": attended,
             "blocks_in_context": context,
         }

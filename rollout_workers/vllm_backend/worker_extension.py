@@ -4,6 +4,8 @@ The engine calls them with `AsyncLLM.collective_rpc`, which vLLM runs between en
 schedule set here is the one the very next decode step reads.
 """
 
+import torch
+
 from . import _vllm, runtime
 
 
@@ -22,3 +24,7 @@ class SparrowWorkerExtension:
         """Recent decode steps of the first sparse layer (kept when trace_steps > 0)."""
         trace = runtime.current().trace
         return [] if trace is None else list(trace)
+
+    def sparrow_free_device_bytes(self) -> int:
+        """Free memory on this worker's GPU (what sleep gives back and wake takes is measured with it)."""
+        return torch.cuda.mem_get_info()[0]

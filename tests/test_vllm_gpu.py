@@ -1,0 +1,289 @@
+"""The vLLM backend on a CUDA GPU (one command there: `bash benchmarks/vllm_gpu.sh`).
+
+The sparse layers run the Triton kernels inside vLLM's own engine (Model Runner V2 on CUDA from vLLM 0.26 on), eager
+and under piecewise CUDA graphs, against the native engine on the same random-weight Qwen3 (head_dim 128, the
+kernels' shape) and schedule: greedy tokens, logprobs and blocks attended; prefix-cache hits by GRPO siblings stay
+dense in their prompt; a schedule hot-update reaches the very next decode step; weights reloaded in place, or loaded
+while vLLM's sleep mode holds the GPU memory given back, equal a fresh load; NCCL weight transfer from a trainer
+process (two GPUs: NCCL refuses two ranks on one device). Measured differences go to $OUT/vllm-gpu-measured.json.
+"""
+
+import importlib.util
+import json
+import multiprocessing
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from vllm_checks import SMALL, check_hot_update, greedy_requests, random_prompts, run
+
+from sparrow.rollout_workers.api import RolloutRequest, SamplingParams
+from sparrow.rollout_workers.native import NativeEngine
+from sparrow.schedule import SparsitySchedule
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.vllm,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vllm (benchmarks/vllm_gpu.sh has it)"),
+]
+
+WIDE = SparsitySchedule(name="wide", topk_blocks=(253,), edges=())  # 256 blocks = 4096 tokens: dense by budget
+FP32_TOL = 1e-2  # fp32 engines; vLLM's dense layers run TRITON_ATTN in fp32, whose dots may round to TF32
+SAME_KERNELS_TOL = 1e-3  # the same engine's kernels, eager against piecewise graphs (only Inductor's fusions differ)
+BF16_TOL = 0.1  # per-token |Δ logprob| over the tokens both engines share; measured values are recorded
+TIE_GAP = 0.05  # greedy tokens may part only where the top two logprobs are this close (a bf16 near-tie)
+KV_BYTES = 2 << 30
+MEASURED: dict[str, float] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def record_measurements():
+    yield
+    out = os.environ.get("OUT")
+    if out and MEASURED:
+        Path(out, "vllm-gpu-measured.json").write_text(json.dumps(MEASURED, indent=2, sort_keys=True))
+
+
+@pytest.fixture(scope="module")
+def qwen3_128(tmp_path_factory) -> Path:
+    """Random Qwen3: 4 layers, hidden 256, 4 query / 2 KV heads of 128, vocab 2048."""
+    from sparrow.model_zoo import build_tiny_checkpoint
+
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("qwen3-128"), "qwen3", seed=0, hidden_size=256,
+                                 intermediate_size=512, head_dim=128, max_position_embeddings=8192)
+
+
+def make_engine(model, **overrides):
+    from sparrow.rollout_workers.vllm_backend import VllmEngine, VllmEngineConfig
+
+    settings = dict(model=str(model), max_model_len=4096, max_num_seqs=32, kv_cache_memory_bytes=KV_BYTES,
+                    engine_args={"gpu_memory_utilization": 0.2})  # the other engines of this module hold memory too
+    return VllmEngine(VllmEngineConfig(**{**settings, **overrides}))
+
+
+@pytest.fixture(scope="module")
+def fp32_eager(qwen3_128):
+    engine = make_engine(qwen3_128, dtype="float32", enforce_eager=True, trace_steps=8192)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def fp32_graphs(qwen3_128):
+    engine = make_engine(qwen3_128, dtype="float32", enforce_eager=False)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def bf16_sleepy(qwen3_128):
+    engine = make_engine(qwen3_128, dtype="bfloat16", sleep_mode=True)
+    yield engine
+    engine.shutdown()
+
+
+def native(model, dtype):
+    return NativeEngine.from_pretrained(model, device="cuda", dtype=dtype, attention_backend="triton",
+                                        num_kv_blocks=2048, max_model_len=4096)
+
+
+@pytest.fixture(scope="module")
+def native_fp32(qwen3_128):
+    return native(qwen3_128, "float32")
+
+
+@pytest.fixture(scope="module")
+def native_bf16(qwen3_128):
+    return native(qwen3_128, "bfloat16")
+
+
+PROMPTS = random_prompts((150, 230, 601, 1200, 64))
+
+
+def greedy(prompts=PROMPTS):
+    return greedy_requests(prompts, max_tokens=64, logprobs=5)
+
+
+def compare(ours, theirs, tol: float, name: str) -> None:
+    """Greedy tokens equal up to the first near-tie; logprobs within `tol` on the tokens before it; blocks attended
+    equal on every token (they depend on lengths and schedule only)."""
+    worst, parted = 0.0, 0
+    for a, b in zip(ours, theirs, strict=True):
+        assert a.error is None and b.error is None, (a.error, b.error)
+        assert torch.equal(a.blocks_attended, b.blocks_attended), f"{a.request_id}: blocks attended differ"
+        shared = int((a.token_ids == b.token_ids).int().cumprod(0).sum())
+        if shared < len(a.token_ids):
+            parted += 1
+            gap = min((s.top_logprobs[shared, 0] - s.top_logprobs[shared, 1]).item() for s in (a, b))
+            assert gap < TIE_GAP, f"{a.request_id}: greedy tokens part at {shared} with a top-2 gap of {gap:.3f}"
+        diff = (a.logprobs[:shared] - b.logprobs[:shared]).abs().max().item() if shared else 0.0
+        assert diff < tol, f"{a.request_id}: |Δ logprob| {diff:.2e} over the shared tokens"
+        worst = max(worst, diff)
+    MEASURED[f"{name}.max_abs_dlogprob"] = worst
+    MEASURED[f"{name}.samples_parted_at_a_tie"] = parted
+
+
+@pytest.mark.parametrize("schedule", [SMALL, WIDE], ids=["small-budget", "budget-covers-context"])
+def test_fp32_eager_equals_the_native_engine(fp32_eager, native_fp32, schedule):
+    requests = greedy()
+    ours = run(fp32_eager, schedule, requests)
+    compare(ours, run(native_fp32, schedule, requests), FP32_TOL, f"fp32_eager_vs_native.{schedule.name}")
+    stats = fp32_eager.stats()
+    assert stats["sparse_attention_backend"] == "triton" and stats["sparse_decode_steps"] > 0
+    if schedule is SMALL:
+        assert any((s.blocks_attended < (len(s.prompt_token_ids) + torch.arange(64) + 15) // 16).any() for s in ours)
+
+
+def test_fp32_piecewise_cuda_graphs_equal_eager(fp32_eager, fp32_graphs):
+    requests = greedy()
+    graphs, eager = run(fp32_graphs, SMALL, requests), run(fp32_eager, SMALL, requests)
+    compare(graphs, eager, SAME_KERNELS_TOL, "fp32_graphs_vs_eager")
+
+
+def test_bf16_cuda_graphs_match_the_native_engine(bf16_sleepy, native_bf16):
+    requests = greedy()
+    compare(run(bf16_sleepy, SMALL, requests), run(native_bf16, SMALL, requests), BF16_TOL, "bf16_graphs_vs_native")
+
+
+def test_grpo_siblings_hit_the_prefix_cache_and_stay_dense_in_their_prompt(fp32_eager):
+    """A second group on a cached prompt computes one prompt token per sibling, densely: its first token has the
+    distribution of the full dense prefill, and no decode step ran at the prompt's own length."""
+    prompt = random_prompts((1600,), seed=5)[0]  # 100 full blocks, a hit leaves the last token; no other test
+    # of this module decodes at 1600 tokens
+    sp = SamplingParams(max_tokens=24, temperature=1.0, seed=3, n=4, logprobs=5, ignore_eos=True)
+    fp32_eager.set_schedule(SMALL)
+    before = fp32_eager.stats()
+    first = fp32_eager.generate([RolloutRequest("g1", prompt, sp)])
+    between = fp32_eager.stats()
+    second = fp32_eager.generate([RolloutRequest("g2", prompt, sp)])
+    after = fp32_eager.stats()
+    computed = after["sparse_prompt_tokens"] - between["sparse_prompt_tokens"]
+    MEASURED["grpo.prompt_tokens_first_group"] = between["sparse_prompt_tokens"] - before["sparse_prompt_tokens"]
+    MEASURED["grpo.prompt_tokens_cached_group"] = computed
+    assert computed <= 4 * 16, f"the cached group computed {computed} prompt tokens: no prefix-cache hit"
+    for s in first + second:
+        assert (s.top_logprobs[0] - first[0].top_logprobs[0]).abs().max().item() < SAME_KERNELS_TOL
+        assert torch.equal(s.top_ids[0], first[0].top_ids[0])
+    lengths = [n for step in fp32_eager.trace() for n in step["seq_lens"]]
+    assert len(prompt) not in lengths, "the last prompt token was decoded sparsely"
+
+
+def test_schedule_hot_update_takes_effect_at_the_next_decode_step(fp32_eager):
+    """Model Runner V2 keeps no per-request output list: the switch point comes from its per-slot lengths."""
+    MEASURED["hot_update.switch_token"] = check_hot_update(fp32_eager, switch_after=100)
+
+
+def perturbed(model_dir: Path, seed: int, scale=0.5) -> dict[str, torch.Tensor]:
+    state = load_file(str(model_dir / "model.safetensors"))
+    g = torch.Generator().manual_seed(seed)
+    return {k: v + scale * v.std() * torch.randn(v.shape, generator=g) if v.dim() > 1 else v for k, v in state.items()}
+
+
+@pytest.fixture(scope="module")
+def perturbed_dir(qwen3_128, tmp_path_factory) -> Path:
+    from sparrow.rollout_workers.vllm_backend.weights import save_checkpoint
+
+    return save_checkpoint(perturbed(qwen3_128, seed=1), qwen3_128, tmp_path_factory.mktemp("perturbed") / "model")
+
+
+@pytest.fixture(scope="module")
+def fresh_perturbed(perturbed_dir):
+    """What an engine started on the new weights generates (the reference for every update path)."""
+    engine = make_engine(perturbed_dir, dtype="bfloat16")
+    try:
+        yield run(engine, SMALL, greedy())
+    finally:
+        engine.shutdown()
+
+
+def assert_identical(ours, theirs, name: str) -> None:
+    worst = max((a.logprobs - b.logprobs).abs().max().item() for a, b in zip(ours, theirs, strict=True))
+    MEASURED[f"{name}.max_abs_dlogprob"] = worst
+    for a, b in zip(ours, theirs):
+        assert torch.equal(a.token_ids, b.token_ids), f"{name}: {a.request_id} tokens differ"
+    assert worst < 1e-3, f"{name}: |Δ logprob| {worst:.2e}"
+
+
+def test_sleep_gives_memory_back_and_wake_restores_the_same_engine(bf16_sleepy):
+    requests = greedy()
+    awake = run(bf16_sleepy, SMALL, requests)
+    asleep = bf16_sleepy.sleep()
+    with pytest.raises(RuntimeError, match="asleep"):
+        bf16_sleepy.generate(requests)
+    woken = bf16_sleepy.wake()
+    MEASURED.update({"sleep.gib_freed": asleep.bytes / 2**30, "sleep.seconds": asleep.seconds,
+                     "wake.gib_taken": woken.bytes / 2**30, "wake.seconds": woken.seconds})
+    assert asleep.bytes >= 0.9 * KV_BYTES and woken.bytes >= 0.9 * KV_BYTES
+    assert_identical(bf16_sleepy.generate(requests), awake, "sleep_wake")
+
+
+def test_weights_loaded_while_asleep_equal_a_fresh_load(bf16_sleepy, qwen3_128, fresh_perturbed):
+    bf16_sleepy.set_schedule(SMALL)
+    bf16_sleepy.sleep()
+    bf16_sleepy.load_weights(perturbed(qwen3_128, seed=1), version=1)
+    bf16_sleepy.wake()
+    updated = bf16_sleepy.generate(greedy())
+    assert all(s.policy_version == 1 for s in updated)
+    assert_identical(updated, fresh_perturbed, "load_while_asleep_vs_fresh")
+
+
+def test_reload_in_place_equals_a_fresh_load(bf16_sleepy, qwen3_128, perturbed_dir, fresh_perturbed):
+    requests = greedy()
+    bf16_sleepy.load_weights(str(qwen3_128), version=2)
+    original = run(bf16_sleepy, SMALL, requests)
+    bf16_sleepy.load_weights(str(perturbed_dir), version=3)
+    assert_identical(bf16_sleepy.generate(requests), fresh_perturbed, "reload_in_place_vs_fresh")
+    assert any(not torch.equal(a.token_ids, b.token_ids) for a, b in zip(original, fresh_perturbed))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def trainer_sends(weights_path: str, port: int, ready, go) -> None:
+    """A trainer process on GPU 1: rank 0 of the trainer <-> vLLM group, broadcasting each tensor in order."""
+    from sparrow.rollout_workers.vllm_backend import _vllm
+
+    torch.cuda.set_device(1)
+    group = _vllm.nccl_trainer_init({"master_address": "127.0.0.1", "master_port": port, "world_size": 2})
+    state = load_file(weights_path)
+    ready.set()
+    go.wait()
+    for tensor in state.values():
+        group.broadcast(tensor.to("cuda:1", torch.bfloat16), src=0, stream=torch.cuda.current_stream())
+    torch.cuda.synchronize()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL refuses two ranks on one GPU: needs 2 GPUs")
+def test_nccl_weight_transfer_from_a_trainer_equals_a_fresh_load(qwen3_128, perturbed_dir, fresh_perturbed):
+    from sparrow.rollout_workers.vllm_backend import _vllm
+
+    engine = make_engine(qwen3_128, dtype="bfloat16", weight_transfer_backend="nccl")
+    spawn = multiprocessing.get_context("spawn")
+    ready, go = spawn.Event(), spawn.Event()
+    port = free_port()
+    trainer = spawn.Process(target=trainer_sends, args=(str(perturbed_dir / "model.safetensors"), port, ready, go))
+    trainer.start()
+    try:
+        engine.init_weight_transfer_engine(_vllm.WeightTransferInitRequest(
+            init_info={"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2}))
+        assert ready.wait(120)
+        state = load_file(str(perturbed_dir / "model.safetensors"))
+        engine.start_weight_update()
+        go.set()
+        engine.update_weights(_vllm.WeightTransferUpdateRequest(update_info={
+            "names": list(state), "dtype_names": ["bfloat16"] * len(state),
+            "shapes": [list(t.shape) for t in state.values()]}))
+        engine.finish_weight_update()
+        engine.update_weight_version("4")
+        trainer.join(120)
+        assert trainer.exitcode == 0
+        assert_identical(run(engine, SMALL, greedy()), fresh_perturbed, "nccl_vs_fresh")
+    finally:
+        trainer.kill()
+        engine.shutdown()
