@@ -4,6 +4,7 @@ import asyncio
 import contextlib
 import math
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
@@ -234,6 +235,14 @@ class RequestFeed:
                 wake()
 
 
+@dataclass(frozen=True)
+class MemoryTransition:
+    """One `sleep` or `wake` of an engine: how long it took and the device bytes it gave back or took."""
+
+    seconds: float
+    bytes: int
+
+
 def _check_version(version) -> None:
     if not isinstance(version, int) or isinstance(version, bool) or version < 0:
         raise ValueError(f"version={version!r}: must be an integer >= 0")
@@ -256,6 +265,8 @@ class RolloutEngine(ABC):
         self._schedule: SparsitySchedule | None = None
         self._serving = threading.Lock()
         self._changing = threading.Lock()
+        self.asleep = False
+        """The KV cache's memory is given back (`sleep`); calls are refused until `wake`."""
 
     # ------------------------------------------------------------------ requests
 
@@ -319,6 +330,41 @@ class RolloutEngine(ABC):
     def max_concurrent_samples(self) -> int:
         """Samples decoded together at most (a group of n counts n); more wait inside the engine."""
 
+    # ------------------------------------------------------------------ device memory (colocated placement)
+
+    def sleep(self) -> MemoryTransition:
+        """Give the KV cache's device memory back between calls, for a trainer on the same GPU (the colocated
+        placement); the weights stay, so new versions load while asleep. Refused while samples are in flight."""
+        if self.asleep:
+            return MemoryTransition(0.0, 0)
+        in_flight = self.counters().samples_running
+        if in_flight:
+            raise RuntimeError(f"sleep with {in_flight} samples in flight; call it between generate() calls")
+        with self._serving_call(), self._changing:
+            start = time.perf_counter()
+            freed = self._sleep()
+            self.asleep = True
+            return MemoryTransition(time.perf_counter() - start, freed)
+
+    def wake(self) -> MemoryTransition:
+        """Take the KV cache's memory again (and whatever else `sleep` let go) before the next call."""
+        with self._changing:
+            if not self.asleep:
+                return MemoryTransition(0.0, 0)
+            start = time.perf_counter()
+            taken = self._wake()
+            self.asleep = False
+            return MemoryTransition(time.perf_counter() - start, taken)
+
+    def _sleep(self) -> int:
+        """Free the KV cache (the engine is idle); returns the bytes freed."""
+        raise NotImplementedError(f"{type(self).__name__} cannot give its device memory back between calls; "
+                                  "run it with run.placement: disaggregated")
+
+    def _wake(self) -> int:
+        """Allocate what `_sleep` freed; returns the bytes taken."""
+        raise NotImplementedError(f"{type(self).__name__} cannot give its device memory back between calls")
+
     # ------------------------------------------------------------------ introspection and lifetime
 
     @abstractmethod
@@ -346,7 +392,9 @@ class RolloutEngine(ABC):
 
     @contextlib.contextmanager
     def _serving_call(self):
-        """Hold for one generate/stream call: a second one at the same time is refused."""
+        """Hold for one generate/stream call: a second one at the same time is refused, and so is one while asleep."""
+        if self.asleep:
+            raise RuntimeError(f"{type(self).__name__} is asleep (its KV cache is given back); wake() it first")
         if not self._serving.acquire(blocking=False):
             raise RuntimeError("the engine is already serving a generate/stream call; run them one at a time")
         try:

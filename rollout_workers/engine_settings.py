@@ -5,6 +5,8 @@ landmark mode the same way (`sparrow.layout`), build the same layout from them, 
 jobs they cannot run; an engine's config adds its own rules by extending `check_job`.
 """
 
+from typing import ClassVar
+
 from pydantic import Field
 
 from sparrow.layout import KVCacheDType
@@ -15,6 +17,13 @@ from .api import SamplingParams
 
 
 class EngineSettings(SparseLayoutSettings):
+    releases_memory: ClassVar[bool] = False
+    """The engine implements `sleep` / `wake` (a colocated placement needs it)."""
+
+    def how_to_release_memory(self, section: str, name: str) -> str:
+        """What a user changes when a colocated job needs `releases_memory` and this engine lacks it."""
+        return f"{section}.engine={name!r} cannot: use run.placement='disaggregated'"
+
     max_num_seqs: int = Field(64, ge=1, description="sequences decoded together (a GRPO group counts n)")
     schedule: str | None = Field(None, description="initial sparsity schedule (name or file); None = dense")
     kv_cache_dtype: KVCacheDType = Field(

@@ -26,3 +26,15 @@ def test_inf_and_minus_inf_together_are_not_finite():
     t = torch.zeros(8)
     t[0], t[1] = float("inf"), -float("inf")
     assert not all_finite(t) and all_finite(torch.empty(0))
+
+
+def test_first_nonfinite_names_the_tensor_and_ignores_an_overflowing_sum():
+    from sparrow.finite import first_nonfinite
+
+    big = torch.full((4096,), 60000.0, dtype=torch.float16)  # an fp16 sum would overflow; the fp32 one does not
+    huge = torch.full((8,), 3.0e38, dtype=torch.float32)  # the sum overflows to inf; every value is finite
+    tensors = {"a": torch.ones(3), "big": big, "huge": huge, "b": torch.zeros(2, 2)}
+    assert first_nonfinite(tensors) is None
+    tensors["c"] = torch.tensor([1.0, float("nan")])
+    tensors["d"] = torch.tensor([float("inf")], dtype=torch.bfloat16)
+    assert first_nonfinite(tensors) == "c" and first_nonfinite({}) is None

@@ -142,6 +142,7 @@ def test_config_errors_name_field_and_fix():
 def test_only_a_sleep_mode_engine_releases_memory_for_the_colocated_placement():
     assert VllmEngineConfig().releases_memory is False
     assert VllmEngineConfig(sleep_mode=True).releases_memory is True
+    assert "set rollout.vllm.sleep_mode=true" in VllmEngineConfig().how_to_release_memory("rollout", "vllm")
 
 
 @settings(max_examples=200, deadline=None)

@@ -4,8 +4,8 @@ Life cycle: `TrainerRank(config, rank, world_size)` → `setup(master_addr, mast
 → `train_step` / `recompute` / `publish_weights` / checkpoints, called on all ranks with their shard of
 the batch (`TrainerGroup` does the fan-out). Every call that touches the model is collective: all
 ranks must make it, in the same order. The class holds the rank's state and composes the pieces, each in
-its own module: `policy` (set-up), `recompute`, `update`, `distill`, `exact_alpha`, `publish`, `checkpoint`,
-`hf_export`.
+its own module: `policy` (set-up), `recompute`, `update`, `distill`, `exact_alpha`, `publish`, `offload`,
+`checkpoint`, `hf_export`.
 """
 
 import socket
@@ -15,7 +15,7 @@ import torch
 
 from sparrow.schedule import SparsitySchedule
 
-from . import checkpoint
+from . import checkpoint, offload
 from .alpha import AlphaReport
 from .batch import TrajectoryBatch
 from .config import TrainerConfig
@@ -147,9 +147,26 @@ class TrainerRank:
 
     def publish_weights(self, version: int, channel: str = "collective") -> PublishReport | None:
         """Send the full policy (LoRA merged when DistillSparse is on) as `version`; call on all ranks. "collective":
-        over the weight group (workers `receive` concurrently); "object_store": rank 0's report carries the handle.
-        Rank 0 gets the report (None elsewhere); its `seconds` is the publication time."""
+        over the weight group (workers `receive` concurrently); "object_store": rank 0's report carries the handle;
+        "shared": every rank packs its own shared buffers and its report carries their handle (for the worker on
+        its GPU). Rank 0 gets the report (every rank on "shared"; None elsewhere); its `seconds` is the time to
+        publish, the finiteness check included."""
         return self._publisher().publish(version, channel)
+
+    def close_publication(self) -> None:
+        """Release this rank's shared weight buffers (the "shared" channel's)."""
+        if self.publisher is not None:
+            self.publisher.close()
+
+    # ------------------------------------------------------------------ time-sharing a GPU (colocated placement)
+
+    def offload_states(self) -> dict[str, float]:
+        """Optimizer states, master weights, gradients and weights to host memory while an engine uses the GPU."""
+        return offload.offload_states(self._policy())
+
+    def reload_states(self) -> dict[str, float]:
+        """Back on the GPU for the next update."""
+        return offload.reload_states(self._policy())
 
     # ------------------------------------------------------------------ checkpoints and export
 

@@ -1,6 +1,6 @@
 """`NativeEngineConfig`: the native engine's section of the Sparrow config."""
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field, field_validator
 
@@ -19,6 +19,8 @@ class NativeEngineConfig(EngineSettings):
     sized from `kv_memory_fraction` of the memory free after the weights are loaded, capped at what
     `max_num_seqs` sequences of `max_model_len` tokens could ever use.
     """
+
+    releases_memory: ClassVar[bool] = True
 
     model: str | None = Field(None, description="HF model directory (config.json + safetensors)")
     dtype: DType = Field("auto", description="weights, activations and KV cache; auto = float32 on CPU, bfloat16 on CUDA")

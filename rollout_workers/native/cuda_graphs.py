@@ -106,6 +106,16 @@ class DecodeGraphs:
     def num_captured(self) -> int:
         return len(self._steps)
 
+    @property
+    def captured(self) -> list[tuple[int, int, bool]]:
+        """(batch, width, sparse) of every captured step: what a new set of graphs over a new cache recaptures."""
+        return list(self._steps)
+
+    def recapture(self, keys: list[tuple[int, int, bool]]) -> None:
+        for key in keys:
+            if key not in self._steps:
+                self._capture(*key)
+
     def set_schedule(self, schedule: SparsitySchedule | None) -> None:
         """Refresh the device budget table (a copy; captured graphs stay valid)."""
         if schedule is None:

@@ -123,9 +123,17 @@ class NativeEngine(RolloutEngine):
     def parameters(self, names: Seq[str]) -> dict[str, torch.Tensor]:
         return self.runner.parameters(list(names))
 
+    def _sleep(self) -> int:
+        with self._stepping:
+            return self.runner.release_memory()
+
+    def _wake(self) -> int:
+        with self._stepping:
+            return self.runner.restore_memory()
+
     def prompt_scorer(self, prompt_token_ids: Seq[int], temperature: float = 1.0) -> PromptRecompute:
         return PromptRecompute(self.runner.model, prompt_token_ids, self.layout, temperature,
-                               quantized_kv=self.runner.cache.kv_cache_dtype != "auto")
+                               quantized_kv=self.config.kv_cache_dtype != "auto")
 
     def counters(self) -> EngineCounters:
         c = self._counters

@@ -56,6 +56,10 @@ class KVCache:
         return None if self.k_scale is None else KVScales(self.k_scale[i], self.v_scale[i])
 
     @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._tensors)
+
+    @property
     def _tensors(self) -> list[torch.Tensor]:
         scales = [] if self.k_scale is None else [self.k_scale, self.v_scale]
         return [self.k, self.v, self.landmarks, *scales]

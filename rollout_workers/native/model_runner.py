@@ -68,7 +68,10 @@ class ModelRunner:
                 f"Hopper); this one is {torch.cuda.get_device_capability(self.device)}. Use kv_cache_dtype='auto'"
             )
         self.num_kv_blocks = self._num_kv_blocks()
-        self.cache = KVCache(self.spec, self.layout, self.num_kv_blocks, model.dtype, self.device, config.kv_cache_dtype)
+        self.cache = self._new_cache()
+        self._schedule: SparsitySchedule | None = None
+        self._recapture: list[tuple[int, int, bool]] = []
+        """Decode graphs to capture again when the released memory comes back."""
         self._unzeroed: list[int] = []
         """Blocks allocated since the last forward; zeroed together, once, before it (`_zero_new_blocks`)."""
         self.graphs = self._decode_graphs()
@@ -79,6 +82,31 @@ class ModelRunner:
         """Budget (blocks) by a context's block count under the schedule in force, for O(1) lookups per row."""
 
     # ------------------------------------------------------------------ set-up
+
+    def _new_cache(self) -> KVCache:
+        return KVCache(self.spec, self.layout, self.num_kv_blocks, self.model.dtype, self.device, self.config.kv_cache_dtype)
+
+    def release_memory(self) -> int:
+        """Free the KV pool and the decode graphs with their memory pool (the engine is idle: no sequence holds a
+        block or a row); returns the bytes of the pool freed. `restore_memory` brings both back."""
+        freed = self.cache.nbytes
+        self._recapture = [] if self.graphs is None else self.graphs.captured
+        self.cache = self.graphs = None
+        self._unzeroed.clear()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+        return freed
+
+    def restore_memory(self) -> int:
+        """A new KV pool of the same size, and new decode graphs over it: the graphs captured before the release
+        are captured again now (their addresses changed), so no capture falls into the next rollouts."""
+        self.cache = self._new_cache()
+        self.graphs = self._decode_graphs()
+        self.set_schedule(self._schedule)
+        if self.graphs is not None:
+            self.graphs.recapture(self._recapture)
+        return self.cache.nbytes
 
     def _num_kv_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
@@ -130,6 +158,7 @@ class ModelRunner:
         self._unzeroed.extend(blocks)
 
     def set_schedule(self, schedule: SparsitySchedule | None) -> None:
+        self._schedule = schedule
         self._budget_table = None
         if schedule is not None:
             self._budget_table = budget_table(schedule, self.layout.blocks_for(self.max_model_len)).tolist()

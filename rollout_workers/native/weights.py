@@ -14,7 +14,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
-from sparrow.finite import all_finite
+from sparrow.finite import first_nonfinite
 
 from .model import DecoderModel
 from .model_spec import ModelLoadError, WeightsError
@@ -87,9 +87,9 @@ def validated_weights(model: DecoderModel, weights: Mapping[str, torch.Tensor]) 
         if tuple(t.shape) != tuple(param.shape):
             shard = "" if model.tensor_parallel is None else " (shapes of this tensor-parallel rank's shard)"
             raise WeightsError(f"{name}: shape {tuple(t.shape)} does not match the model's {tuple(param.shape)}{shard}")
-        if not all_finite(t):
-            raise WeightsError(f"{name}: contains NaN or inf values")
         out[name] = t
+    if (bad := first_nonfinite(out)) is not None:
+        raise WeightsError(f"{bad}: contains NaN or inf values")
     if tied_head is not None:
         embed = out["model.embed_tokens.weight"]
         if tied_head.shape != embed.shape or not torch.equal(tied_head.to(embed.device, embed.dtype), embed):

@@ -58,6 +58,9 @@ class VllmEngineConfig(EngineSettings):
         """`sleep` / `wake` work only on an engine started in vLLM's sleep mode."""
         return self.sleep_mode
 
+    def how_to_release_memory(self, section: str, name: str) -> str:
+        return f"set {section}.{name}.sleep_mode=true (CUDA only), or use run.placement='disaggregated'"
+
     def check_job(self, sampling: SamplingParams, schedule: SparsitySchedule, section: str, name: str) -> None:
         """The shared rules, and vLLM's: unfiltered logprobs (no top-p / top-k) and enough top-k logprobs."""
         super().check_job(sampling, schedule, section, name)

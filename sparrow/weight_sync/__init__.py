@@ -4,12 +4,14 @@ and rollout workers receive, without either importing the other.
 - `buckets`: the manifest and the flat same-dtype buckets a version travels in;
 - `channels`: how buckets move — a standalone collective group (NCCL / gloo broadcast) or Ray's object
   store — with the sending and receiving end of each;
+- `shared`: buffers handed over in place to a process on the same GPU (CUDA IPC) or host (shared memory);
 - `receive`: one version into a rollout engine (`WeightReceiver`), refused unless newer and valid.
 """
 
 from .buckets import Bucket, Entry, Manifest, pack, plan_buckets, unpack
 from .channels import CollectiveGroup, CollectiveSender, CollectiveSource, HandleSource, ObjectStoreSender, WeightHandle
 from .receive import ReceiveReport, WeightReceiver, WeightsRefused, receive_state_dict
+from .shared import SharedHandle, SharedMappings, SharedSender, SharedSource
 
 __all__ = [
     "Bucket",
@@ -21,6 +23,10 @@ __all__ = [
     "Manifest",
     "ObjectStoreSender",
     "ReceiveReport",
+    "SharedHandle",
+    "SharedMappings",
+    "SharedSender",
+    "SharedSource",
     "WeightHandle",
     "WeightReceiver",
     "WeightsRefused",

@@ -92,8 +92,10 @@ def plan_buckets(specs: list[tuple[str, tuple[int, ...], torch.dtype]], bucket_b
     return buckets
 
 
-def pack(bucket: Bucket, tensors: dict[str, torch.Tensor], device: torch.device | str = "cpu") -> torch.Tensor:
-    flat = torch.empty(bucket.numel, dtype=DTYPES[bucket.dtype], device=device)
+def pack(bucket: Bucket, tensors: dict[str, torch.Tensor], device: torch.device | str = "cpu",
+         out: torch.Tensor | None = None) -> torch.Tensor:
+    """The bucket's tensors in one flat tensor: `out` when given (a sender's own buffer), else a new one on `device`."""
+    flat = torch.empty(bucket.numel, dtype=DTYPES[bucket.dtype], device=device) if out is None else out
     for e in bucket.entries:
         t = tensors[e.name]
         if tuple(t.shape) != e.shape:

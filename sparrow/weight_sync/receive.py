@@ -8,12 +8,13 @@ import torch
 from .buckets import unpack
 
 
-def receive_state_dict(source, device: torch.device | str = "cpu") -> tuple[dict[str, torch.Tensor], int]:
-    """All tensors of one published version, on `device`."""
+def receive_state_dict(source, device: torch.device | str | None = "cpu") -> tuple[dict[str, torch.Tensor], int]:
+    """All tensors of one published version, on `device` (None: where the source delivers them)."""
     manifest = source.manifest()
     state: dict[str, torch.Tensor] = {}
     for index, bucket in enumerate(manifest.buckets):
-        state.update(unpack(bucket, source.bucket(index, bucket).to(device)))
+        flat = source.bucket(index, bucket)
+        state.update(unpack(bucket, flat if device is None else flat.to(device)))
     source.finish()
     return state, manifest.version
 
@@ -43,9 +44,11 @@ class WeightReceiver:
 
     def receive(self, source, allow_older: bool = False) -> ReceiveReport:
         """Buckets are staged in host memory, so a rollout GPU holds one bucket at a time beside its model and
-        KV cache (the whole new state dict on the GPU would need the model's size again in free memory)."""
+        KV cache (the whole new state dict on the GPU would need the model's size again in free memory); a
+        source whose buckets already sit in memory this process maps (`staging = None`: shared buffers) is read
+        in place."""
         start = time.perf_counter()
-        state, version = receive_state_dict(source, "cpu")
+        state, version = receive_state_dict(source, getattr(source, "staging", "cpu"))
         current = self.engine.policy_version
         if version <= current and not allow_older:
             raise WeightsRefused(f"weights version {version} is not newer than the version being served ({current}); refused")

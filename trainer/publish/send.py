@@ -47,8 +47,9 @@ def send_buckets(
         sender.begin(manifest)
     for index, bucket in enumerate(manifest.buckets):
         with bucket_tensors(bucket) as tensors:
-            if sender is not None:
-                sender.send(index, pack(bucket, tensors, sender.device))
+            if sender is not None:  # a sender with buffers of its own (shared) has the bucket packed straight into them
+                out = sender.buffer(index) if hasattr(sender, "buffer") else None
+                sender.send(index, pack(bucket, tensors, sender.device, out))
     handle = sender.finish() if sender is not None else None
     return PublishReport(
         version=manifest.version,
