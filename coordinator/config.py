@@ -116,6 +116,10 @@ class SamplingConfig(_Section):
     max_tokens: int = Field(1024, ge=1, description="generated tokens per sample at most")
     n: int = Field(8, ge=1, description="samples per prompt (the GRPO group)")
     logprobs: int = Field(20, ge=0, le=64, description="top-K logprobs per token (needed for α; 0 = off)")
+    ignore_eos: bool = Field(
+        False, description="generate max_tokens every time, past the stop tokens: for benchmarks of fixed length "
+        "(sparrow bench rl-step), never for training a policy",
+    )
 
 
 class RolloutConfig(_Section):
@@ -381,8 +385,16 @@ class RunConfig(_Section):
         0, ge=0, description="write the policy as a Hugging Face model to RUN_DIR/hf/stepN every N steps and at the "
         "last step; 0 = off",
     )
-    weights_channel: Literal["auto", "object_store", "collective"] = Field(
-        "auto", description="auto = collective (NCCL) for sync GPU trainers, Ray's object store otherwise"
+    placement: Literal["disaggregated", "colocated"] = Field(
+        "disaggregated", description="disaggregated: rollout engines and trainer ranks on GPUs (bundles) of their own; "
+        "colocated: rollout worker i and trainer rank i share bundle i (its GPU) and take turns on it — the engine "
+        "gives its KV cache back while the trainer updates, the trainer moves its optimizer states, gradients and "
+        "weights to host memory while the engine generates; rollouts never overlap training, so a colocated job runs "
+        "synchronously whatever mode says (docs/coordinator.md, Placement)",
+    )
+    weights_channel: Literal["auto", "object_store", "collective", "shared"] = Field(
+        "auto", description="auto = shared for a colocated placement (each rank's weights handed over in place: CUDA "
+        "IPC on a GPU, shared memory on a CPU), collective (NCCL) for sync GPU trainers, Ray's object store otherwise"
     )
     cost_hardware: str = Field("h200", description="hardware profile of the predicted speedup (sparrow.cost)")
     collect_timeout_s: float = Field(600.0, gt=0, description="seconds the trainer waits for a step's samples")
@@ -400,8 +412,16 @@ class RunConfig(_Section):
         return bool(every) and (step % every == 0 or step == self.steps)
 
     @property
+    def synchronous(self) -> bool:
+        """Rollouts of step k start only once policy k exists: sync mode, and any colocated job (its engines sleep
+        while the trainer updates, so there is nothing to overlap)."""
+        return self.mode == "sync" or self.placement == "colocated"
+
+    @property
     def staleness(self) -> int:
-        return self.max_staleness if self.max_staleness is not None else (1 if self.mode == "async" else 0)
+        if self.synchronous:
+            return 0
+        return self.max_staleness if self.max_staleness is not None else 1
 
     @model_validator(mode="after")
     def _staleness(self):
@@ -409,6 +429,17 @@ class RunConfig(_Section):
             raise ValueError(f"max_staleness={self.max_staleness} needs mode='async' (sync mode trains on fresh samples only)")
         if self.mode == "async" and self.max_staleness == 0:
             raise ValueError("mode='async' with max_staleness=0 is sync mode; set mode='sync' or max_staleness >= 1")
+        return self
+
+    @model_validator(mode="after")
+    def _placement(self):
+        if self.placement == "colocated" and self.max_staleness:
+            raise ValueError(f"max_staleness={self.max_staleness} with placement='colocated': the engine and the trainer "
+                             "take turns on one GPU, so rollouts never overlap training and every sample is fresh; "
+                             "remove max_staleness (a colocated job runs synchronously) or use placement='disaggregated'")
+        if self.weights_channel == "shared" and self.placement != "colocated":
+            raise ValueError("weights_channel='shared' needs placement='colocated' (each trainer rank hands its weights "
+                             "to the rollout worker on its own GPU); use 'auto'")
         return self
 
     @model_validator(mode="after")
@@ -473,16 +504,34 @@ class SparrowConfig(_Section):
                 "controller.enabled=true needs rollout.sampling.logprobs > 0 (α is measured from the rollout's top-k); "
                 "set logprobs (e.g. 20), controller.statistic=exact with trainer.exact_alpha=true, or controller.enabled=false"
             )
-        if self.run.weights_channel == "collective" and self.run.mode == "async":
+        if self.run.weights_channel == "collective" and not self.run.synchronous:
             raise ValueError(
                 "run.weights_channel='collective' needs mode='sync': a broadcast waits for every rollout worker, "
                 "which in async mode are busy generating; use 'object_store' or 'auto'"
             )
+        self._colocated_pools_pair_up()
         self.rollout.engine_config().check_job(
             SamplingParams(**s.model_dump()), self.schedule_template(), "rollout", self.rollout.engine
         )
         self._trainer_sparse_layers_match_rollout()
         return self
+
+    def _colocated_pools_pair_up(self) -> None:
+        """A colocated job pairs rollout worker i with trainer rank i on one bundle: equal sizes, an engine that can
+        give its memory back, and no elastic rollout pool."""
+        if self.run.placement != "colocated":
+            return
+        rollout, trainer = self.rollout.pool, self.trainer.pool
+        if rollout.size != trainer.size:
+            raise ValueError(f"run.placement='colocated' pairs each rollout worker with a trainer rank on one GPU: "
+                             f"rollout.pool.size={rollout.size} must equal trainer.pool.size={trainer.size}")
+        if (rollout.node_label, rollout.strategy) != (trainer.node_label, trainer.strategy):
+            raise ValueError("run.placement='colocated' places both pools on the same bundles: set rollout.pool and "
+                             "trainer.pool node_label and strategy alike (the trainer pool's are used)")
+        engine = self.rollout.engine_config()
+        if not engine.releases_memory:
+            raise ValueError("run.placement='colocated' needs an engine that gives its KV memory back between steps: "
+                             + engine.how_to_release_memory("rollout", self.rollout.engine))
 
     def _trainer_sparse_layers_match_rollout(self) -> None:
         """The trainer's sparse forward (DistillSparse, exact α) must select blocks as the rollout engines do."""

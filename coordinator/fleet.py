@@ -28,7 +28,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayError
 from sparrow.coordinator.transport import PoolStatus
 
 from .config import SparrowConfig
-from .pools import RolloutPool, WorkerSlot
+from .pools import RolloutPool, SharedBundles, WorkerSlot
 from .step_record import FaultEvent
 
 
@@ -56,12 +56,13 @@ class _Recovery:
 
 
 class RolloutFleet:
-    def __init__(self, config: SparrowConfig, model: str, credentials, dispatcher, log, scrape_targets=None):
+    def __init__(self, config: SparrowConfig, model: str, credentials, dispatcher, log, scrape_targets=None,
+                 shared: SharedBundles | None = None):
         self.config, self.dispatcher, self.log = config, dispatcher, log
         self.scrape_targets = scrape_targets
         """`metrics.ScrapeTargets` kept in step with the serving workers (None: metrics off)."""
         self.recovery = config.run.recovery
-        self.pool = RolloutPool(config, model, credentials)
+        self.pool = RolloutPool(config, model, credentials, shared)
         self.target = config.rollout.pool.size
         self.setup: WorkerSetup | None = None
         self.resolved: list[FaultEvent] = []
@@ -227,6 +228,9 @@ class RolloutFleet:
     def resize(self, size: int) -> None:
         if size < 1:
             raise ValueError(f"rollout pool size {size}: must be >= 1")
+        if self.pool.shared is not None and size != self.target:
+            raise ValueError(f"rollout pool size {size}: a colocated placement pairs each rollout worker with a trainer "
+                             f"rank on its GPU, so the pool stays at {self.target}")
         self.target = size
 
     def _apply_size(self) -> None:

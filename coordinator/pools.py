@@ -10,6 +10,11 @@ pool lands exactly there; the pools share nothing.
   waits (the pool runs smaller) until capacity returns.
 - **Trainer pool: fixed size per run** (one placement group, `strategy` applies); after a rank dies
   the whole group is rebuilt (`TrainerPool` again) and restored from the last checkpoint.
+- **Colocated placement** (`run.placement: colocated`): one placement group of the job (`SharedBundles`) whose
+  bundle i holds both rollout worker i and trainer rank i — the sum of the two pools' bundles, so a GPU
+  split 0.5 / 0.5 is one GPU the two take turns on. Both pools keep their own actors and restart rules; the
+  bundles outlive them (a rebuilt trainer pool or a replaced worker goes back into its bundle), and the
+  rollout pool cannot grow past them.
 """
 
 import os
@@ -17,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import ray
+from ray.exceptions import RayError
 from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -31,15 +37,38 @@ class PlacementError(RuntimeError):
     """A pool that cannot be placed on the cluster, with what it asked for and what exists."""
 
 
-def check_feasible(name: str, pool: PoolConfig, size: int) -> None:
+def check_feasible(name: str, pool: PoolConfig, size: int, bundle: dict[str, float] | None = None) -> None:
+    """Raise unless the cluster has `size` × `bundle` (default: the pool's own bundle) in all."""
+    bundle = bundle or pool.bundle()
     total = ray.cluster_resources()
-    need = {r: v * size for r, v in pool.bundle().items() if v}
+    need = {r: v * size for r, v in bundle.items() if v}
     short = {r: (v, total.get(r, 0.0)) for r, v in need.items() if total.get(r, 0.0) + 1e-9 < v}
     if short:
         parts = ", ".join(f"{r}: needs {v:g}, cluster has {have:g}" for r, (v, have) in short.items())
         hint = (f"; start the intended nodes with --resources '{{\"{pool.node_label}\": 1}}'"
                 if pool.node_label and pool.node_label in short else "")
-        raise PlacementError(f"{name} pool ({name}.pool: size {size} × {pool.bundle()}) cannot fit: {parts}{hint}")
+        raise PlacementError(f"{name} pool ({name}.pool: size {size} × {bundle}) cannot fit: {parts}{hint}")
+
+
+@dataclass
+class SharedBundles:
+    """The colocated placement's bundles: bundle i is rollout worker i's and trainer rank i's together."""
+
+    group: PlacementGroup
+    size: int
+
+    @classmethod
+    def create(cls, config: SparrowConfig) -> "SharedBundles":
+        rollout, trainer = config.rollout.pool, config.trainer.pool
+        bundle = {k: rollout.bundle().get(k, 0.0) + trainer.bundle().get(k, 0.0)
+                  for k in rollout.bundle().keys() | trainer.bundle().keys()}
+        check_feasible("colocated", trainer, trainer.size, bundle)
+        group = placement_group([bundle] * trainer.size, strategy=trainer.strategy, name=f"sparrow-colocated-{os.getpid()}")
+        _wait_ready(group, "colocated", trainer, trainer.size, trainer.ready_timeout_s)
+        return cls(group, trainer.size)
+
+    def remove(self) -> None:
+        remove_placement_group(self.group)
 
 
 def _actor_options(name: str, pool: PoolConfig, group: PlacementGroup, index: int) -> dict:
@@ -67,6 +96,9 @@ class WorkerSlot:
 
     index: int
     group: PlacementGroup
+    bundle: int = 0
+    """The slot's bundle in `group` (its own single-bundle group, or bundle `index` of the shared one)."""
+    owns_group: bool = True
     actor: object | None = None
     serving: object | None = None
     """The ObjectRef of the actor's `serve` call: it fails as soon as the actor dies."""
@@ -86,6 +118,8 @@ class RolloutPool:
     config: SparrowConfig
     model: str
     credentials: object
+    shared: SharedBundles | None = None
+    """Colocated placement: slot i lives in bundle i of these, beside trainer rank i."""
     slots: dict[int, WorkerSlot] = field(default_factory=dict)
 
     def __post_init__(self):
@@ -102,6 +136,13 @@ class RolloutPool:
 
     def add_slot(self, wait_s: float | None = None) -> WorkerSlot:
         index = max(self.slots, default=-1) + 1
+        if self.shared is not None:
+            if index >= self.shared.size:
+                raise PlacementError(f"colocated placement: rollout worker {index} has no bundle (there are "
+                                     f"{self.shared.size}, one per trainer rank)")
+            slot = WorkerSlot(index, self.shared.group, bundle=index, owns_group=False)
+            self.slots[index] = slot
+            return slot
         group = placement_group([self.pool.bundle()], strategy="PACK", name=f"sparrow-rollout-{index}-{os.getpid()}")
         if wait_s is not None:
             _wait_ready(group, "rollout", self.pool, 1, wait_s)
@@ -111,7 +152,7 @@ class RolloutPool:
 
     def spawn(self, slot: WorkerSlot):
         """A new actor in the slot's bundle (Ray starts it when the bundle is placed)."""
-        options = _actor_options(f"rollout-{slot.index}.{slot.generation}", self.pool, slot.group, 0)
+        options = _actor_options(f"rollout-{slot.index}.{slot.generation}", self.pool, slot.group, slot.bundle)
         slot.actor = self.cls.options(max_concurrency=8, **options).remote(
             self.payload, self.model, slot.index, self.pool.torch_threads, self.credentials)
         slot.generation += 1
@@ -130,7 +171,8 @@ class RolloutPool:
 
     def remove(self, slot: WorkerSlot) -> None:
         self.kill(slot)
-        remove_placement_group(slot.group)
+        if slot.owns_group:
+            remove_placement_group(slot.group)
         del self.slots[slot.index]
 
     @property
@@ -145,14 +187,20 @@ class RolloutPool:
 class TrainerPool:
     """DeepSpeed ranks (`TrainerHost`) on one placement group, with their torch.distributed rendezvous done."""
 
-    def __init__(self, pool: PoolConfig, trainer_config: TrainerConfig, credentials):
+    def __init__(self, pool: PoolConfig, trainer_config: TrainerConfig, credentials, shared: SharedBundles | None = None):
+        """`shared`: the colocated placement's bundles (rank i in bundle i); otherwise a placement group of its own."""
         from .trainer_host import TrainerHost
 
-        check_feasible("trainer", pool, pool.size)
         self.config = pool
         self.trainer_config = trainer_config
-        self.placement_group = placement_group([pool.bundle()] * pool.size, strategy=pool.strategy, name=f"sparrow-trainer-{os.getpid()}")
-        _wait_ready(self.placement_group, "trainer", pool, pool.size, pool.ready_timeout_s)
+        self.owns_group = shared is None
+        if shared is None:
+            check_feasible("trainer", pool, pool.size)
+            self.placement_group = placement_group([pool.bundle()] * pool.size, strategy=pool.strategy,
+                                                   name=f"sparrow-trainer-{os.getpid()}")
+            _wait_ready(self.placement_group, "trainer", pool, pool.size, pool.ready_timeout_s)
+        else:
+            self.placement_group = shared.group
         payload = self.trainer_config.model_dump(mode="json")
         cls = ray.remote(TrainerHost)
         self.actors = [
@@ -190,7 +238,12 @@ class TrainerPool:
         return ray.get([getattr(a, method).remote(*args, **kwargs) for a in self.actors])
 
     def shutdown(self) -> None:
+        try:  # the shared weight buffers (colocated placement) are released by their rank, not by its death
+            ray.get([a.close_publication.remote() for a in self.actors], timeout=10)
+        except RayError:
+            pass  # a rank that is gone already: a later sender removes its files (`remove_orphans`)
         for a in self.actors:
             ray.kill(a, no_restart=True)
         self.actors = []
-        remove_placement_group(self.placement_group)
+        if self.owns_group:
+            remove_placement_group(self.placement_group)

@@ -31,6 +31,7 @@ from sparrow.rollout_workers.api import RequestFeed, RolloutRequest, RolloutSamp
 from sparrow.rollout_workers.registry import create_engine
 from sparrow.schedule import SparsitySchedule
 from sparrow.seeds import stable_seed
+from sparrow.weight_sync import SharedMappings
 
 from .config import SparrowConfig
 from .dispatcher import DispatcherClient
@@ -58,7 +59,7 @@ class RolloutWorker:
     def __init__(self, config: dict, model: str, index: int, threads: int, credentials: JobCredentials):
         torch.set_num_threads(threads)
         self.config = SparrowConfig.model_validate(config)
-        self.worker_id, self.credentials = f"rollout-{index}", credentials
+        self.index, self.worker_id, self.credentials = index, f"rollout-{index}", credentials
         engine_config = self.config.rollout.engine_config()
         self.model_dir = engine_config.model or model
         seed = stable_seed(self.config.run.seed, index, 2) % (2**31)
@@ -84,6 +85,10 @@ class RolloutWorker:
         self._rate = BusyRate()
         self._tokens = self._samples = 0
         self._serving = False
+        self._asleep = False
+        """The engine gave its memory back (`sleep`): nothing is leased until `wake`."""
+        self._shared_mappings = SharedMappings()
+        """The colocated trainer rank's weight buffers, mapped once (`load_shared_weights`)."""
         self._probed_modes: set[str] = set()
         """Modes a speedup probe has run (untimed) once on this engine: its later passes are timed warm."""
 
@@ -141,6 +146,32 @@ class RolloutWorker:
             return {"version": self.engine.policy_version, "bytes": 0, "seconds": 0.0}
         self.metrics.policy_version.labels(worker=self.worker_id, pool="rollout").set(report.version)
         return {"version": report.version, "bytes": report.nbytes, "seconds": report.seconds}
+
+    def load_shared_weights(self, handles: list, rollback: bool = False) -> dict:
+        """A version in the shared buffers of the trainer rank on this worker's GPU (colocated placement): rank i's
+        handle is `handles[i]`, this worker is in bundle i. Read in place: no host round trip."""
+        from sparrow.weight_sync import SharedSource, WeightReceiver
+
+        handle = handles[self.index % len(handles)]
+        source = SharedSource(handle, self._shared_mappings)
+        report = self._exclusive(lambda: WeightReceiver(self.engine).receive(source, allow_older=rollback))
+        self.metrics.policy_version.labels(worker=self.worker_id, pool="rollout").set(report.version)
+        return {"version": report.version, "bytes": report.nbytes, "seconds": report.seconds}
+
+    def sleep(self) -> dict:
+        """Give the engine's KV memory back (colocated placement: the trainer rank on this GPU takes its turn).
+        Leasing stops first and the groups held finish; no group is leased until `wake`."""
+        def release():
+            self._asleep = True
+            return self.engine.sleep()
+
+        done = self._exclusive(release)
+        return {"seconds": done.seconds, "bytes": done.bytes}
+
+    def wake(self) -> dict:
+        done = self._exclusive(self.engine.wake)
+        self._asleep = False
+        return {"seconds": done.seconds, "bytes": done.bytes}
 
     def join_weight_group(self, host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float) -> None:
         from sparrow.weight_sync import CollectiveGroup
@@ -216,7 +247,7 @@ class RolloutWorker:
                 held = len(self._held)
                 if self._stop.is_set() and not held and sender.idle:
                     break
-                wants_sync = self._sync_wanted.is_set() or self._stop.is_set() or bool(waiting)
+                wants_sync = self._sync_wanted.is_set() or self._stop.is_set() or bool(waiting) or self._asleep
                 leases = []
                 if not wants_sync and held < capacity:
                     leases = self._lease(capacity - held)
@@ -268,6 +299,7 @@ class RolloutWorker:
         sampling = SamplingParams(
             max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
             seed=stable_seed(self.config.run.seed, task.step, r.index, 3), n=s.n, logprobs=s.logprobs,
+            ignore_eos=s.ignore_eos,
         )
         ids = render_prompt(self.tokenizer, r.messages, self.config.data.chat_template)
         meta = {"step": str(task.step), "answer": r.answer, "index": str(r.index)}

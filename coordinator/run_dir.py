@@ -65,6 +65,11 @@ class RunDir:
         return self.path / "controller_decisions.jsonl"
 
     @property
+    def ledger_file(self) -> Path:
+        """One line per trained step: which sample ids each rank trained on (`coordinator/job/ledger.py`)."""
+        return self.path / "ledger.jsonl"
+
+    @property
     def events_file(self) -> Path:
         return self.path / "events.jsonl"
 
@@ -87,7 +92,7 @@ class RunDir:
 
     def truncate_after(self, step: int) -> None:
         """Drop log lines of steps >= `step` (a resumed job redoes them)."""
-        for file in (self.metrics_file, self.decisions_file):
+        for file in (self.metrics_file, self.decisions_file, self.ledger_file):
             rows = [r for r in self.read_jsonl(file) if r["step"] < step]
             file.write_text("".join(json.dumps(r) + "\n" for r in rows))
 

@@ -31,6 +31,8 @@ class BatchSummary:
     schedule_versions: list[int]
     dropped: int = 0
     """Samples of abandoned lease attempts (a worker lost its group) discarded instead of trained."""
+    dropped_ids: list[str] = field(default_factory=list)
+    """Their sample ids (the run's ledger lists them)."""
 
 
 @dataclass
@@ -167,6 +169,14 @@ class StepTiming:
     elapsed: float
     evaluate: float = 0.0
     """Seconds spent on a held-out evaluation after this step's update (data.eval)."""
+    to_train: float = 0.0
+    """Colocated placement: from the step's last rollout until the trainer held the GPU (engines asleep, trainer
+    states reloaded)."""
+    to_rollout: float = 0.0
+    """Colocated placement: from the handed-over version until the engines could generate (trainer states
+    offloaded, engines awake with their decode graphs recaptured)."""
+    transitions: dict[str, float] = field(default_factory=dict)
+    """The two transitions' parts: engine_sleep, trainer_reload, trainer_offload, engine_wake (s), kv_gb_released."""
 
 
 @dataclass

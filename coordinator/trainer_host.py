@@ -70,7 +70,7 @@ def kv_blocks_dense(prompt_len: int, response_len: int, block_size: int) -> int:
     return int(((lengths + block_size - 1) // block_size).sum())
 
 
-def summarise(items: list, policy_version: int, block_size: int, dropped: int) -> BatchSummary:
+def summarise(items: list, policy_version: int, block_size: int, dropped: list[str]) -> BatchSummary:
     """What the coordinator logs about a step's samples (all of them, failed ones included)."""
     ok = [t for t in items if t.sample.finish_reason != "error"]
     attended = sum(int(t.sample.blocks_attended.sum()) for t in ok)
@@ -83,7 +83,7 @@ def summarise(items: list, policy_version: int, block_size: int, dropped: int) -
         truncated=sum(t.sample.finish_reason == "length" for t in ok),
         staleness=[policy_version - t.sample.policy_version for t in ok],
         kv_read_fraction=attended / dense if dense else 1.0,
-        schedule_versions=sorted({t.sample.schedule_version for t in ok}), dropped=dropped,
+        schedule_versions=sorted({t.sample.schedule_version for t in ok}), dropped=len(dropped), dropped_ids=dropped,
     )
 
 
@@ -162,7 +162,7 @@ class TrainerHost(TrainerRank):
         stale = [t.sample_id for t in items if policy_version - t.sample.policy_version > max_staleness]
         if stale:  # admission control in the dispatcher makes this an invariant violation
             raise RuntimeError(f"step {step}: samples {stale[:3]} are more than {max_staleness} policy versions old")
-        summary = summarise(items, policy_version, self.bins.block_size, len(strays))
+        summary = summarise(items, policy_version, self.bins.block_size, strays)
         ok = [to_trainer_trajectory(t) for t in items if t.sample.finish_reason != "error"]
         if not ok:
             raise RuntimeError(f"step {step}: all {len(items)} samples failed (e.g. {summary.errors[:1]})")

@@ -101,6 +101,9 @@ class StepWork:
     requeued: int = 0
     speculated: int = 0
     """Groups given to a second worker while the first still held them (`speculate_after_s`)."""
+    abandoned: list[str] = field(default_factory=list)
+    """Request ids of the attempts given up (lease lost or expired, or a speculative twin withdrawn): none of their
+    samples is trained."""
     first_lease: float | None = None
     last_done: float | None = None
 
@@ -215,6 +218,8 @@ class WorkQueue:
 
     def _requeue(self, lease: Lease) -> None:
         del self.leases[lease.lease_id]
+        if isinstance(lease.task, GroupTask) and lease.task.step in self.steps:
+            self.steps[lease.task.step].abandoned.append(lease.task.request_id)
         if isinstance(lease.task, GroupTask) and self._attempts_of(lease.task):
             return  # another worker's attempt of the same group (speculation) still runs: it is the group's now
         if isinstance(lease.task, EvalTask):
@@ -336,6 +341,7 @@ class WorkQueue:
             work.done[lease.task.record.prompt_id] = (lease.task, result)
             for other in self._attempts_of(lease.task):  # a speculative twin: withdrawn, never trained
                 del self.leases[other.lease_id]
+                work.abandoned.append(other.task.request_id)
         work.last_done = now
 
     def holds(self, worker: str) -> list[Lease]:

@@ -93,6 +93,17 @@ def test_cross_section_rules():
     assert "run.steps" in several and "trainer.zero_stage" in several
 
 
+def test_a_colocated_placement_pairs_pools_that_can_take_turns():
+    colocated = load_config(None, ["run.placement=colocated", "run.mode=async"])
+    assert colocated.run.synchronous and colocated.run.staleness == 0
+    assert "rollout.pool.size=2 must equal trainer.pool.size=1" in _error(
+        ["run.placement=colocated", "rollout.pool.size=2"])
+    assert "remove max_staleness" in _error(["run.placement=colocated", "run.mode=async", "run.max_staleness=2"])
+    assert "weights_channel='shared' needs placement='colocated'" in _error(["run.weights_channel=shared"])
+    assert "gives its KV memory back between steps: set rollout.vllm.sleep_mode=true" in _error(
+        ["run.placement=colocated", "rollout.engine=vllm", "rollout.sampling.top_p=1.0"])
+
+
 def test_set_override_parsing():
     data = {}
     set_override(data, "a.b.c=1e-5")

@@ -106,7 +106,7 @@ def test_sync_job_trains_every_sample_exactly_once_and_publishes_weights(ray_clu
         assert first.rollout.accepted + second.rollout.accepted == len(trained)
 
         # The workers serve exactly the trainer's weights, version 2, and they moved away from the initial ones.
-        report = job.trainers.call("publish_weights", job.version, "object_store")[0]
+        report = job.trainers.call_all("publish_weights", job.version, "object_store")[0]
         trainer_state, _ = receive_state_dict(HandleSource(report.handle))
         served = ray.get(job.fleet.actors[0].parameters.remote(list(trainer_state)))
         assert ray.get(job.fleet.actors[0].policy_version.remote()) == job.version == 2
@@ -147,7 +147,7 @@ def test_async_job_bounds_staleness_and_resumes(ray_cluster, tiny_qwen3, tmp_pat
     run_dir.config_file.write_text(config.dump())
     with TrainingJob(config, run_dir, progress=False, log=lambda *_: None) as job:
         records = job.run(steps=2)
-        assert len(job.inflight) == 1, "step 3's rollouts run while step 2 trains"
+        assert len(job.steps.inflight) == 1, "step 3's rollouts run while step 2 trains"
         trained = sum(job.trained_ids(), [])
     assert sorted(trained) == sorted(_expected_ids(job, range(2)))
     assert records[0].rollout.staleness_max == 0
@@ -163,6 +163,11 @@ def test_async_job_bounds_staleness_and_resumes(ray_cluster, tiny_qwen3, tmp_pat
     assert not (run_dir.checkpoints / "step1").exists(), "keep_checkpoints=1 deletes older checkpoints"
     assert (run_dir.report / "report.md").is_file() and (run_dir.report / "alpha_tail.png").is_file()
     assert "report:" in out.out
+    ledger = RunDir.read_jsonl(run_dir.ledger_file)
+    assert [line["step"] for line in ledger] == [0, 1, 2], "the resumed run neither repeats nor loses a step's line"
+    assert [line["policy_version"] for line in ledger] == [0, 1, 2] and all(line["schedule_versions"] for line in ledger)
+    ids = [i for line in ledger for rank in line["trained_ids"] for i in rank]
+    assert len(ids) == len(set(ids)) and sorted(ids) == sorted(_expected_ids(job, range(3)))
 
 
 def test_resume_with_another_trainer_pool_size(ray_cluster, tiny_qwen3, tmp_path, capsys):

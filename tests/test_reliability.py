@@ -73,6 +73,10 @@ def _assert_exactly_once(job: TrainingJob, steps: int) -> None:
           f"{len(lost)} lost, {len(duplicated)} duplicated")
     assert (lost, duplicated) == ([], []), f"{len(lost)} lost, {len(duplicated)} duplicated"
     assert sorted(trained) == expected
+    ledger = RunDir.read_jsonl(job.run_dir.ledger_file)  # what an operator checks after the fact
+    assert [line["step"] for line in ledger] == list(range(steps)), "a redone step's line replaces the old one"
+    on_disk = [i for line in ledger for rank in line["trained_ids"] for i in rank]
+    assert sorted(on_disk) == sorted(i for rank in job.trained_ids() for i in rank)
 
 
 def _print_figures(run_dir: RunDir) -> None:
@@ -181,7 +185,7 @@ def test_losing_the_only_rollout_worker_keeps_a_collective_weight_channel_job_go
             job.fleet.check()
             return job.fleet.status().serving == 0 and len(job.fleet.joining) == 1
         _when(lost_and_joining)
-        stats = job._publish(wait=True)  # the publication the step in flight makes at this point
+        stats = job.publication.publish(job.version, wait=True)  # the publication the step in flight makes at this point
         assert stats.channel == "object_store" and stats.version == job.version
         _recovered(job, {"rollout_worker_lost"})
         job.run(steps=2)
