@@ -3,7 +3,9 @@ Each bench registers its own options where it lives; this command only gathers t
 this module only when `sparrow bench` runs."""
 
 from .decode_kernels.cli import register as register_kernels
+from .handoff import register as register_handoff
 from .publish import register as register_publish
+from .rl_step import register as register_rl_step
 from .rollout.cli import register_decode_step, register_rollout, register_rollout_merge, register_rollout_paper
 from .trainer import register as register_trainer
 
@@ -17,3 +19,5 @@ def configure(p) -> None:
     register_rollout_paper(actions)
     register_trainer(actions)
     register_publish(actions)
+    register_handoff(actions)
+    register_rl_step(actions)

@@ -72,8 +72,10 @@ def tiny_config(family: str, vocab_size: int, **overrides):
     raise ValueError(f"family={family!r}: choose qwen3, llama or qwen2")
 
 
-def build_tiny_checkpoint(out_dir: str | Path, family: str = "qwen3", seed: int = 0, vocab_size: int = 2048, **overrides) -> Path:
-    """Save a random-weight `family` model plus tokenizer as a normal HF directory (safetensors)."""
+def build_tiny_checkpoint(out_dir: str | Path, family: str = "qwen3", seed: int = 0, vocab_size: int = 2048,
+                          dtype: torch.dtype = torch.float32, **overrides) -> Path:
+    """Save a random-weight `family` model plus tokenizer as a normal HF directory (safetensors), its weights in
+    `dtype` (bfloat16 halves a benchmark shape's file)."""
     from transformers import AutoModelForCausalLM
 
     out_dir = Path(out_dir)
@@ -89,5 +91,5 @@ def build_tiny_checkpoint(out_dir: str | Path, family: str = "qwen3", seed: int 
         for name, param in model.named_parameters():
             if param.dim() == 2:
                 param.normal_(0.0, 0.08 if "embed" in name else 0.12)
-    model.save_pretrained(out_dir, safe_serialization=True)
+    model.to(dtype).save_pretrained(out_dir, safe_serialization=True)
     return out_dir

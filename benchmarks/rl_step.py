@@ -1,0 +1,278 @@
+"""`sparrow bench rl-step`: whole RL steps of the real job, timed part by part; `rl-step-merge` sets modes side by side.
+
+The job is `TrainingJob`, as `sparrow train` runs it (dispatcher, rollout worker, gRPC trajectory stream, DeepSpeed
+trainer rank, publication, the placement's time-sharing), on a random-weight Hugging Face checkpoint of a model
+shape (the tiny 2,048-token tokenizer, so a Qwen3-1.7B shape holds 1.41B parameters) and JSONL prompts of
+`--prompt-tokens` tokens. Generation has a fixed length (`rollout.sampling.ignore_eos`), the controller is off,
+and each sample is judged as truncated (reward 0), so a step's work depends only on the shape and the protocol.
+One mode (dense, or the shape's schedule) per call: `rl-step-merge` joins the calls' JSON like `rollout-merge`.
+
+Per step the table gives: rollout (waiting for the step's groups), recompute and update (the trainer's two
+passes; an on-policy update, one mini-batch and one epoch, takes π_old and α from its own forward, so it has no
+recompute), publication, the two colocated transitions, idle (the step's wall time outside all of those: collecting
+the batch, dispatching, the coordinator's control) and, on CUDA, the GPU's busy fraction sampled by nvidia-smi
+over the step. A step's wall time is the driver's call for it, dispatch of the next step included.
+"""
+
+import json
+import random
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+from sparrow.tables import format_table
+
+from .result_files import default_out_path
+
+KIND = "rl-step"
+
+
+def register(actions) -> None:
+    """Adds `rl-step` and `rl-step-merge` to `sparrow bench`'s actions."""
+    p = actions.add_parser("rl-step", help="whole RL steps of the real job loop (random-weight shape, fixed-length generation)")
+    p.add_argument("--shape", default="qwen3-1.7b", help="model shape (sparrow cost's shapes; random weights)")
+    p.add_argument("--mode", required=True, choices=("dense", "sparse"), help="one mode per call (see rl-step-merge)")
+    p.add_argument("--schedule", default=None, help="sparse mode's schedule (default: the shape's published 0.86 one)")
+    p.add_argument("--placement", default="colocated", choices=("colocated", "disaggregated"))
+    p.add_argument("--weights-channel", default="auto", help="run.weights_channel (disaggregated on one GPU: object_store)")
+    p.add_argument("--prompts", type=int, default=1, help="prompts per step")
+    p.add_argument("--samples", type=int, default=8, help="samples per prompt")
+    p.add_argument("--prompt-tokens", type=int, default=256)
+    p.add_argument("--max-tokens", type=int, default=32768, help="generated tokens per sample (always reached)")
+    p.add_argument("--steps", type=int, default=1, help="timed steps (the job is set to one more, so none checkpoints)")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--kv-cache-dtype", default="auto", help="rollout.native.kv_cache_dtype (fp8_e4m3: half the pages)")
+    p.add_argument("--micro-batch-tokens", type=int, default=None, help="trainer micro-batch (default: one sample)")
+    p.add_argument("--workdir", type=Path, default=Path("/tmp/sparrow-rl-step"),
+                   help="where the checkpoint (reused by shape), prompts and run directory go")
+    p.add_argument("--out", type=Path, help="JSON results (default benchmarks/results/rl-step-<device>-<time>.json)")
+    p.set_defaults(handler=run_bench)
+    m = actions.add_parser("rl-step-merge", help="join `bench rl-step` files (dense and sparse calls) into one comparison")
+    m.add_argument("files", nargs="+", type=Path)
+    m.add_argument("--out", type=Path, help="write the merged results as JSON here")
+    m.set_defaults(handler=run_merge)
+
+
+def shape_checkpoint(shape: str, out_dir: Path, device: str) -> Path:
+    """A Hugging Face directory of `shape` with random weights (bf16 for CUDA), built once per shape and device."""
+    import torch
+
+    from sparrow.model_zoo.tiny import build_tiny_checkpoint
+    from sparrow.rollout_workers.native.shapes import spec_for_shape
+
+    out = out_dir / f"{shape}-{device}"
+    if (out / "config.json").is_file():
+        return out
+    s = spec_for_shape(shape)
+    return build_tiny_checkpoint(
+        out, family=s.family, dtype=torch.bfloat16 if device == "cuda" else torch.float32,
+        hidden_size=s.hidden_size, intermediate_size=s.intermediate_size, num_hidden_layers=s.num_layers,
+        num_attention_heads=s.num_heads, num_key_value_heads=s.num_kv_heads, head_dim=s.head_dim,
+        tie_word_embeddings=s.tie_word_embeddings, max_position_embeddings=s.max_position_embeddings)
+
+
+def write_prompts(model_dir: Path, path: Path, count: int, tokens: int, seed: int = 0) -> list[int]:
+    """`count` JSONL prompts of about `tokens` tokens each (random ordinary tokens, decoded); their token counts."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    ordinary = [i for i in range(len(tokenizer)) if i not in set(tokenizer.all_special_ids)]
+    rng = random.Random(seed)
+    rows, lengths = [], []
+    for _ in range(count):
+        text = tokenizer.decode([rng.choice(ordinary) for _ in range(tokens)])
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"][:tokens]
+        text = tokenizer.decode(ids)
+        rows.append({"prompt": text, "answer": "0"})
+        lengths.append(len(tokenizer(text, add_special_tokens=False)["input_ids"]))
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return lengths
+
+
+def job_config(args, model_dir: Path, prompts_path: Path, run_root: Path) -> dict:
+    """The job: one rollout worker and one trainer rank, sharing one GPU (or its halves when disaggregated)."""
+    from sparrow.layout import BLOCK_SIZE
+
+    length = args.prompt_tokens + args.max_tokens + 64
+    batch = args.prompts * args.samples
+    blocks = batch * (-(-length // BLOCK_SIZE) + 2)
+    cuda = args.device == "cuda"
+    share = 0.5 if cuda else 0.0
+    schedule = "dense" if args.mode == "dense" else (args.schedule or f"{args.shape}-0.86")
+    return {
+        "model": str(model_dir),
+        "data": {"source": "jsonl", "path": str(prompts_path), "chat_template": False, "shuffle": False},
+        "reward": {"type": "arithmetic", "truncated": 0.0},
+        "rollout": {
+            "engine": "native", "schedule": schedule, "speedup_probe_every": 0,
+            "pool": {"size": 1, "cpus": 4 if cuda else 1, "gpus": share},
+            "native": {"device": args.device, "attention_backend": "triton" if cuda else "torch",
+                       "max_model_len": length, "max_num_seqs": batch, "num_kv_blocks": blocks,
+                       "prefill_chunk_size": max(2048, args.prompt_tokens), "kv_cache_dtype": args.kv_cache_dtype},
+            "sampling": {"temperature": 1.0, "top_p": 1.0, "max_tokens": args.max_tokens, "n": args.samples,
+                         "ignore_eos": True},
+        },
+        "trainer": {"pool": {"size": 1, "cpus": 4 if cuda else 1, "gpus": share}, "device": args.device,
+                    "dtype": "bfloat16" if cuda else "float32", "zero_stage": 2, "gradient_checkpointing": True,
+                    "micro_batch_tokens": args.micro_batch_tokens or length},
+        "controller": {"enabled": False},
+        "metrics": {"enabled": False},
+        "run": {"steps": args.steps + 1, "prompts_per_step": args.prompts, "mode": "sync",
+                "placement": args.placement, "weights_channel": args.weights_channel, "checkpoint_every": 0,
+                "out_dir": str(run_root), **({"cost_hardware": "h200"} if cuda else {})},
+    }
+
+
+class GpuBusy:
+    """nvidia-smi's utilization.gpu every 100 ms, on a thread: the GPU's busy fraction over any time window."""
+
+    def __init__(self):
+        self.samples: list[tuple[float, float]] = []
+        self.proc = subprocess.Popen(["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits",
+                                      "-lms", "100", "-i", "0"], stdout=subprocess.PIPE, text=True)
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            if line.strip().isdigit():
+                self.samples.append((time.perf_counter(), float(line) / 100.0))
+
+    def fraction(self, start: float, end: float) -> float | None:
+        inside = [u for t, u in self.samples if start <= t <= end]
+        return sum(inside) / len(inside) if inside else None
+
+    def close(self) -> None:
+        self.proc.terminate()
+
+
+def step_row(record, wall: float, busy: float | None) -> dict:
+    """One step's parts (seconds) and shares of its wall time."""
+    t, train = record.timing, record.train or {}
+    parts = {"rollout": t.rollout_wait, "recompute": train.get("recompute/seconds"),
+             "update": train.get("train/seconds", 0.0), "publish": t.publish, "to_train": t.to_train,
+             "to_rollout": t.to_rollout}
+    other_train = t.train - (parts["recompute"] or 0.0) - parts["update"]
+    idle = wall - t.rollout_wait - t.train - t.publish - t.to_train - t.to_rollout
+    return {"step": record.step, "wall_s": wall, **{f"{k}_s": v for k, v in parts.items()},
+            "train_other_s": other_train, "idle_s": idle, "collect_s": t.collect,
+            "publish_fraction": t.publish / wall, "idle_fraction": idle / wall, "gpu_busy": busy,
+            "publish_channel": record.publish.channel, "publish_gb": record.publish.bytes / 1e9,
+            "transitions": t.transitions, "samples": record.rollout.samples, "tokens": record.rollout.tokens,
+            "rollout_tokens_per_s": record.rollout.tokens_per_s, "kv_read_fraction": record.rollout.kv_read_fraction,
+            "prompt_tokens_mean": record.rollout.prompt_length_mean,
+            "response_tokens_mean": record.rollout.response_length_mean}
+
+
+COLUMNS = [("step", "step"), ("wall_s", "wall s"), ("rollout_s", "rollout"), ("recompute_s", "recompute"),
+           ("update_s", "update"), ("publish_s", "publish"), ("to_train_s", "to train"), ("to_rollout_s", "to rollout"),
+           ("idle_s", "idle"), ("publish_fraction", "publish %"), ("idle_fraction", "idle %"), ("gpu_busy", "GPU busy %")]
+
+
+def _cell(key: str, value) -> str:
+    if value is None:
+        return "-"
+    if key.endswith("fraction") or key == "gpu_busy":
+        return f"{100 * value:.1f}"
+    return str(value) if isinstance(value, int) else f"{value:.2f}"
+
+
+def step_table(rows: list[dict], label: str | None = None) -> str:
+    head = ([] if label is None else ["mode"]) + [name for _, name in COLUMNS]
+    body = [([] if label is None else [row.get("mode", label)]) + [_cell(k, row.get(k)) for k, _ in COLUMNS] for row in rows]
+    return format_table(head, body)
+
+
+def run_bench(args) -> int:
+    from sparrow.coordinator.config import build_config
+    from sparrow.coordinator.driver import TrainingJob
+    from sparrow.coordinator.run_dir import RunDir
+
+    if args.steps < 1:
+        raise ValueError(f"--steps {args.steps}: time at least one step")
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    print(f"[rl-step] building the {args.shape} checkpoint (random weights) ...", flush=True)
+    model_dir = shape_checkpoint(args.shape, args.workdir, args.device)
+    prompts_path = args.workdir / f"prompts-{args.prompts}x{args.prompt_tokens}.jsonl"
+    prompt_tokens = write_prompts(model_dir, prompts_path, args.prompts, args.prompt_tokens)
+    run_root = args.workdir / "runs"
+    config = build_config(job_config(args, model_dir, prompts_path, run_root), "bench rl-step")
+    run_dir = RunDir.create(run_root, time.strftime(f"{args.mode}-{args.placement}-%Y%m%d-%H%M%S"))
+    run_dir.config_file.write_text(config.dump())
+    busy = GpuBusy() if args.device == "cuda" else None
+    rows = []
+    try:
+        t_start = time.perf_counter()
+        with TrainingJob(config, run_dir, progress=False, log=lambda m: print(f"[job] {m}", flush=True)) as job:
+            startup = time.perf_counter() - t_start
+            print(f"[rl-step] job started in {startup:.1f} s ({args.placement}, {args.mode}, schedule "
+                  f"{config.rollout.schedule})", flush=True)
+            for _ in range(args.steps):
+                a = time.perf_counter()
+                (record,) = job.run(steps=1)
+                b = time.perf_counter()
+                rows.append(step_row(record, b - a, busy.fraction(a, b) if busy else None))
+                print(step_table(rows[-1:]), flush=True)
+    finally:
+        if busy:
+            busy.close()
+    result = {"kind": KIND, "shape": args.shape, "mode": args.mode, "placement": args.placement,
+              "schedule": config.rollout.schedule if args.mode == "sparse" else None,
+              "device": _device_name(args.device), "prompts": args.prompts, "samples": args.samples,
+              "prompt_tokens": prompt_tokens, "max_tokens": args.max_tokens, "kv_cache_dtype": args.kv_cache_dtype,
+              "weights_channel": rows[0]["publish_channel"], "startup_s": startup, "steps": rows,
+              "seconds": time.perf_counter() - started, "run_dir": str(run_dir.path)}
+    out = args.out or default_out_path(result["device"], KIND)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(step_table(rows))
+    print(f"results: {out}")
+    return 0
+
+
+def _device_name(device: str) -> str:
+    import torch
+
+    return torch.cuda.get_device_name() if device == "cuda" else "cpu"
+
+
+def merge(results: list[dict]) -> dict:
+    """Mean step parts per (placement, mode), and each placement's dense/sparse speedup of the step."""
+    for r in results:
+        if r.get("kind") != KIND:
+            raise ValueError(f"{r.get('kind')!r}: not a `bench rl-step` result")
+    keys = {(r["shape"], r["prompts"], r["samples"], r["max_tokens"]) for r in results}
+    if len(keys) > 1:
+        raise ValueError(f"results of different protocols (shape, prompts, samples, max_tokens): {sorted(keys)}")
+    rows = []
+    for r in results:
+        n = len(r["steps"])
+        rows.append({"placement": r["placement"], "mode": r["mode"], "steps": n,
+                     **{k: _mean([s[k] for s in r["steps"]]) for k, _ in COLUMNS if k != "step"}})
+    speedups = {}
+    for placement in sorted({r["placement"] for r in rows}):
+        by_mode = {r["mode"]: r for r in rows if r["placement"] == placement}
+        if {"dense", "sparse"} <= set(by_mode):
+            d, s = by_mode["dense"], by_mode["sparse"]
+            speedups[placement] = {"step": d["wall_s"] / s["wall_s"], "rollout": d["rollout_s"] / s["rollout_s"]}
+    return {"kind": f"{KIND}-merge", "protocol": dict(zip(("shape", "prompts", "samples", "max_tokens"), keys.pop())),
+            "rows": rows, "speedups": speedups}
+
+
+def _mean(values: list) -> float | None:
+    known = [v for v in values if v is not None]
+    return sum(known) / len(known) if known else None
+
+
+def run_merge(args) -> int:
+    merged = merge([json.loads(f.read_text()) for f in args.files])
+    head = ["placement", "mode", "steps"] + [name for k, name in COLUMNS if k != "step"]
+    body = [[r["placement"], r["mode"], str(r["steps"])] + [_cell(k, r.get(k)) for k, _ in COLUMNS if k != "step"]
+            for r in merged["rows"]]
+    print(format_table(head, body))
+    for placement, s in merged["speedups"].items():
+        print(f"{placement}: RL step {s['step']:.2f}x faster sparse (rollout {s['rollout']:.2f}x)")
+    if args.out:
+        args.out.write_text(json.dumps(merged, indent=1) + "\n")
+    return 0

@@ -1,0 +1,80 @@
+"""`sparrow bench rl-step`: the job it builds validates for both placements, a step's parts add up, merge compares."""
+
+import argparse
+from types import SimpleNamespace
+
+import pytest
+
+from sparrow.bench.rl_step import job_config, merge, step_row
+from sparrow.coordinator.config import build_config
+from sparrow.coordinator.step_record import PublishStats, StepTiming
+
+
+def _args(**over):
+    base = dict(shape="qwen3-1.7b", mode="sparse", schedule=None, placement="colocated", weights_channel="auto",
+                prompts=2, samples=4, prompt_tokens=256, max_tokens=4096, steps=1, device="cpu",
+                kv_cache_dtype="auto", micro_batch_tokens=None)
+    base.update(over)
+    return argparse.Namespace(**base)
+
+
+@pytest.mark.parametrize("placement", ["colocated", "disaggregated"])
+@pytest.mark.parametrize("mode", ["dense", "sparse"])
+def test_the_job_it_builds_is_a_valid_config(tmp_path, placement, mode):
+    (tmp_path / "p.jsonl").write_text('{"prompt": "1+1", "answer": "2"}\n')
+    raw = job_config(_args(placement=placement, mode=mode), tmp_path, tmp_path / "p.jsonl", tmp_path / "runs")
+    config = build_config(raw, "test")
+    assert config.run.placement == placement
+    assert config.rollout.schedule == ("dense" if mode == "dense" else "qwen3-1.7b-0.86")
+    assert config.rollout.sampling.ignore_eos
+    assert config.run.steps == 2, "one step more than timed, so the timed ones never checkpoint"
+    blocks_per_sample = raw["rollout"]["native"]["num_kv_blocks"] / 8
+    assert blocks_per_sample * 16 >= 256 + 4096, "every sample's KV fits at the full length"
+
+
+def _record(rollout_wait, train, publish, to_train, to_rollout, update, recompute=None):
+    timing = StepTiming(rollout_wait=rollout_wait, collect=0.1, train=train, publish=publish, control=0.0,
+                        step=0.0, elapsed=0.0, to_train=to_train, to_rollout=to_rollout)
+    rollout = SimpleNamespace(samples=8, tokens=8192, tokens_per_s=100.0, kv_read_fraction=0.25,
+                              prompt_length_mean=256.0, response_length_mean=1024.0)
+    train_metrics = {"train/seconds": update, **({} if recompute is None else {"recompute/seconds": recompute})}
+    return SimpleNamespace(step=3, timing=timing, train=train_metrics, rollout=rollout,
+                           publish=PublishStats(version=4, seconds=publish, send_seconds=publish, bytes=2 * 10**9,
+                                                channel="shared", waited=False))
+
+
+def test_a_steps_idle_time_is_its_wall_time_outside_every_timed_part():
+    row = step_row(_record(rollout_wait=60.0, train=20.0, publish=0.5, to_train=1.0, to_rollout=3.0, update=15.0,
+                           recompute=4.0), wall=90.0, busy=0.7)
+    assert row["idle_s"] == pytest.approx(90.0 - 60.0 - 20.0 - 0.5 - 1.0 - 3.0)
+    assert row["train_other_s"] == pytest.approx(1.0)
+    assert row["publish_fraction"] == pytest.approx(0.5 / 90.0)
+    assert row["publish_gb"] == 2.0 and row["gpu_busy"] == 0.7
+
+
+def test_an_on_policy_update_has_no_recompute():
+    row = step_row(_record(10.0, 5.0, 0.1, 0.0, 0.0, update=5.0), wall=16.0, busy=None)
+    assert row["recompute_s"] is None and row["train_other_s"] == 0.0
+
+
+def _result(mode, walls, rollouts, placement="colocated", max_tokens=32768):
+    steps = [{"wall_s": w, "rollout_s": r, "recompute_s": None, "update_s": 10.0, "publish_s": 0.1, "to_train_s": 0.2,
+              "to_rollout_s": 2.0, "idle_s": 0.1, "publish_fraction": 0.1 / w, "idle_fraction": 0.1 / w,
+              "gpu_busy": None} for w, r in zip(walls, rollouts)]
+    return {"kind": "rl-step", "shape": "qwen3-1.7b", "prompts": 1, "samples": 8, "max_tokens": max_tokens,
+            "mode": mode, "placement": placement, "steps": steps}
+
+
+def test_merge_gives_each_placements_step_and_rollout_speedup_from_mean_steps():
+    merged = merge([_result("dense", [200.0, 220.0], [180.0, 200.0]), _result("sparse", [100.0, 110.0], [80.0, 90.0]),
+                    _result("dense", [300.0], [280.0], placement="disaggregated")])
+    assert merged["speedups"] == {"colocated": {"step": pytest.approx(2.0), "rollout": pytest.approx(190.0 / 85.0)}}
+    dense = next(r for r in merged["rows"] if r["mode"] == "dense" and r["placement"] == "colocated")
+    assert dense["steps"] == 2 and dense["wall_s"] == 210.0 and dense["recompute_s"] is None
+
+
+def test_merge_refuses_results_of_different_protocols_or_kinds():
+    with pytest.raises(ValueError, match="different protocols"):
+        merge([_result("dense", [1.0], [1.0]), _result("sparse", [1.0], [1.0], max_tokens=8192)])
+    with pytest.raises(ValueError, match="not a `bench rl-step` result"):
+        merge([{"kind": "rollout"}])
