@@ -35,6 +35,9 @@ export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 # vLLM's engine core starts in a fresh process (the tests' native engines hold CUDA already), offline.
 export VLLM_WORKER_MULTIPROC_METHOD=spawn VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HUB_OFFLINE=1
 export VLLM_CACHE_ROOT=/tmp/vllm-cache TOKENIZERS_PARALLELISM=false
+# Model Runner V2's sampler imports FlashInfer (not carried: 101 MiB and 7 more packages) unless this is off; vLLM's
+# own top-k/top-p sampler is used instead.
+export VLLM_USE_FLASHINFER_SAMPLER=0
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   git log -1 --format='commit %H' 2>/dev/null
   python3 - <<'PY'

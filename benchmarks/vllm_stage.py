@@ -69,17 +69,26 @@ RUNTIME = {
     "cbor2": "vllm.utils.hashing (prefix-cache block hashes)",
     "cachetools": "vllm.utils.cache",
     "pybase64": "vllm.multimodal.media (reached from every model's utils)",
+    "llguidance": "v1.engine.core -> v1.structured_output -> backend_guidance (a class annotation loads it)",
+    "xgrammar": "the same package -> backend_xgrammar",
+    "apache-tvm-ffi": "xgrammar.exception, at its import",
 }
+ALONE = {"llguidance", "xgrammar", "apache-tvm-ffi"}
+"""Only imported, never used (Sparrow's requests ask for no structured output): carried at the newest release the
+index has, not at vLLM's pins (vLLM 0.26.0 pins llguidance 1.7.x, which the index lacks, and apache-tvm-ffi 0.1.10,
+older than xgrammar 0.2.9 needs; 1.6.1 and 0.1.15 import and served the H200 run), and without their requirements,
+which are all on the machine (xgrammar's include torch and triton, which a download with dependencies would fetch
+in full); `closure_problems` checks that."""
 LAZY_BY_REASON = {
     "the HTTP server": ["prometheus-fastapi-instrumentator", "anthropic", "model-hosting-container-standards",
                         "watchfiles", "ijson", "mcp", "python-json-logger"],
-    "structured output, imported when a request asks for it": ["lm-format-enforcer", "llguidance", "outlines-core",
-                                                               "lark", "xgrammar", "jsonschema"],
+    "structured output, imported when a request asks for it": ["lm-format-enforcer", "outlines-core", "lark",
+                                                               "jsonschema"],
     "optional, ImportError caught": ["setproctitle", "fastsafetensors", "opentelemetry-sdk", "opentelemetry-api",
                                      "opentelemetry-exporter-otlp", "opentelemetry-semantic-conventions-ai"],
     "kernels of other attention / MoE / quantization backends, imported when one is chosen (dense Qwen3 and Llama "
     "on Hopper take FLASH_ATTN, which the vLLM wheel holds)": [
-        "flashinfer-python", "apache-tvm-ffi", "tilelang", "nvidia-cudnn-frontend", "nvidia-cutlass-dsl",
+        "flashinfer-python", "tilelang", "nvidia-cudnn-frontend", "nvidia-cutlass-dsl",
         "quack-kernels", "tokenspeed-mla", "humming-kernels"],
     "inputs and models Sparrow does not use (Mistral tokenizers, quantized checkpoints, images, video)": [
         "mistral-common", "compressed-tensors", "blake3", "torchcodec", "pynvvideocodec"],
@@ -154,7 +163,9 @@ def main() -> None:
         pip("download", "--no-deps", "--only-binary=:all:", *TARGET, "-d", str(tmp / "vllm"), f"vllm=={args.version}")
         (vllm_wheel,) = (tmp / "vllm").glob("*.whl")
         carry, there, left = classify(requirements(vllm_wheel))
-        pip("download", "--only-binary=:all:", *TARGET, "-d", str(tmp / "deps"), *map(str, carry))
+        alone = [r for r in carry if canonicalize_name(r.name) in ALONE]
+        pip("download", "--only-binary=:all:", *TARGET, "-d", str(tmp / "deps"), *(str(r) for r in carry if r not in alone))
+        pip("download", "--no-deps", "--only-binary=:all:", *TARGET, "-d", str(tmp / "deps"), *(r.name for r in alone))
         wheels = [w for w in sorted((tmp / "deps").glob("*.whl"))
                   if (name := parse_wheel_filename(w.name)[0]) not in GPU_HAS or name in FORCE]
         problems = closure_problems(wheels)
