@@ -214,7 +214,7 @@ def test_a_missing_tracking_package_names_the_extra(tmp_path, monkeypatch, logge
     monkeypatch.setitem(sys.modules, module, None)  # what `import` does when the package is not installed
     config, run_dir = job(tmp_path, f"run.loggers=[jsonl, {logger}]")
     with pytest.raises(ConfigError, match=rf"run.loggers has '{logger}' but {module} cannot be imported .*install "
-                                          rf"Sparrow's tracking extra \(pip install -e '.\[tracking\]'"):
+                                          rf"Sparrow's tracking extra \(bash deploy/setup.sh --tracking"):
         open_loggers(config, run_dir)
 
 

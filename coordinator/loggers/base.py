@@ -47,5 +47,6 @@ def import_backend(module: str, logger: str) -> ModuleType:
     except ImportError as exc:
         raise ConfigError(
             f"run.loggers has {logger!r} but {module} cannot be imported ({exc}); install Sparrow's tracking extra "
-            f"(pip install -e '.[tracking]', or bash deploy/setup.sh --test) or remove {logger!r} from run.loggers"
+            "(bash deploy/setup.sh --tracking, or --gpu --tracking; on a bare install pip install 'sparrow-rl[tracking]') "
+            f"or remove {logger!r} from run.loggers"
         ) from None
