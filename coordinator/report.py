@@ -138,6 +138,9 @@ def summary_table(rows: list[StepRecord], target: float) -> str:
         ("measured speedup (dense probes, mean)", fmt(_mean(r.rollout.speedup_measured for r in rows), ".2f")),
         ("predicted speedup (last, cost model)", fmt(last.predicted_speedup, ".2f")),
         ("rollout worker utilisation (mean)", fmt(utilisation, ".2f")),
+        ("busy-batch fraction / tail share (mean)",
+         f"{fmt(_mean(r.rollout.busy_batch_fraction for r in rows), '.2f')} / "
+         f"{fmt(_mean(r.rollout.tail_share for r in rows), '.2f')}"),
         ("steps whose α tail was only bracketed (top-k bounds > "
          f"{LOOSE_BOUND_GAP:g} apart)", str(sum(bool(r.alpha.loose_bins()) for r in rows))),
         ("groups generated again (lost workers)", str(sum(r.rollout.requeued for r in rows))),
@@ -165,10 +168,11 @@ def per_step_table(rows: list[StepRecord]) -> str:
         blocks = " ".join("d" if b is None else str(b) for b in r.schedule.blocks)
         util = " ".join(f"{u:.2f}" for u in r.rollout.utilisation.values()) or "-"
         out.append([r.step + 1, fmt(r.rollout.reward_mean), fmt(r.rollout.response_length_mean, ".1f"), *tails, blocks,
-                    fmt(r.rollout.kv_read_fraction, ".2f"), fmt(r.rollout.tokens_per_s, ".0f"), util, f"{r.timing.step:.0f}"])
+                    fmt(r.rollout.kv_read_fraction, ".2f"), fmt(r.rollout.tokens_per_s, ".0f"), util,
+                    fmt(r.rollout.tail_share, ".2f"), f"{r.timing.step:.0f}"])
     alpha_heads = ["α p5 per bin"] + (["α p5 upper bound", "exact α p5"] if exact else [])
     return format_table(["step", "reward", "length", *alpha_heads, "blocks after", "KV read", "tok/s", "utilisation",
-                         "s"], out)
+                         "tail", "s"], out)
 
 
 def loose_tail_note(rows: list[StepRecord]) -> list[str]:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 import ray
 import torch
 
-from sparrow.coordinator.metrics import BusyRate, SparrowMetrics, start_metrics_server
+from sparrow.coordinator.metrics import BatchOccupancy, BusyRate, SparrowMetrics, start_metrics_server
 from sparrow.coordinator.transport import JobCredentials, Trajectory, TrajectoryClient, TransportError, advertised_host
 from sparrow.rollout_workers.api import RequestFeed, RolloutRequest, RolloutSample, SamplingParams
 from sparrow.rollout_workers.registry import create_engine
@@ -82,6 +82,8 @@ class RolloutWorker:
         self._lost: set[int] = set()
         self._held_lock = threading.Lock()
         self._busy_seconds = 0.0
+        self._occupancy = BatchOccupancy()
+        """Busy seconds by samples in flight: the step's batch shape (busy-batch fraction, tail share)."""
         self._rate = BusyRate()
         self._tokens = self._samples = 0
         self._serving = False
@@ -191,8 +193,8 @@ class RolloutWorker:
         return {"version": report.version, "bytes": report.nbytes, "seconds": report.seconds}
 
     def progress(self) -> dict:
-        return {"serving": self._serving, "tokens": self._tokens, "samples": self._samples,
-                "busy_seconds": self._busy_seconds, "held": len(self._held), "policy_version": self.engine.policy_version,
+        return {"worker": self.worker_id, "serving": self._serving, "tokens": self._tokens, "samples": self._samples,
+                "busy_seconds": self._busy_seconds, "occupancy": list(self._occupancy.seconds), "held": len(self._held), "policy_version": self.engine.policy_version,
                 "schedule_version": self.engine.schedule_version}
 
     def parameters(self, names: list[str]) -> dict[str, torch.Tensor]:
@@ -233,13 +235,15 @@ class RolloutWorker:
         stream: _EngineStream | None = None
         waiting: list[Lease] = []  # probes / evaluations granted while groups still generate: they run after them
         capacity = max(1, self.engine.max_concurrent_samples // self.config.rollout.sampling.n)
-        last, busy = time.perf_counter(), False
+        last, busy, in_flight = time.perf_counter(), False, 0
         try:
             while True:
                 now = time.perf_counter()
                 if busy:  # the engine had groups (or a probe) since the last turn
                     self._busy_seconds += now - last
+                    self._occupancy.add(in_flight, now - last)
                 last = now
+                in_flight = min(self.engine.counters().samples_running, self.engine.max_concurrent_samples)
                 if stream is not None:
                     for sample in stream.finished():
                         self._collect(sample, sender)

@@ -10,9 +10,13 @@ import dataclasses
 import statistics
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from sparrow.acceptance import AlphaHistogram
 from sparrow.schedule import SparsitySchedule
+
+if TYPE_CHECKING:
+    from .metrics.throughput import BatchShape
 
 
 @dataclass
@@ -85,6 +89,13 @@ class RolloutStats:
     """Per rollout worker: seconds its engine had work over the wall seconds since the previous step's rollouts."""
     groups: dict[str, int] = field(default_factory=dict)
     """Per rollout worker: GRPO groups of this step it completed (a fast worker takes more)."""
+    busy_batch_fraction: float | None = None
+    """Samples in flight over max_num_seqs, time-weighted over the engines' busy time since the previous step's
+    rollouts (pooled over workers): how full the decode batch stayed."""
+    tail_share: float | None = None
+    """Share of that time with fewer than half of `peak_batch` in flight: the long tail of the rollout."""
+    peak_batch: int | None = None
+    """The most samples one engine had in flight."""
 
 
 LOOSE_BOUND_GAP = 0.05
@@ -285,7 +296,7 @@ def schedule_snapshot(schedule: SparsitySchedule, before: SparsitySchedule) -> S
 
 def rollout_stats(reports: list[GroupReport], summary: BatchSummary, correct: float, rollout_seconds: float,
                   speedup_measured: float | None, requeued: int, utilisation: dict[str, float],
-                  speculated: int) -> RolloutStats:
+                  speculated: int, batch: "BatchShape | None" = None) -> RolloutStats:
     rewards, lengths = summary.rewards, summary.response_lengths
     tokens = sum(r.tokens for r in reports)
     return RolloutStats(
@@ -302,4 +313,6 @@ def rollout_stats(reports: list[GroupReport], summary: BatchSummary, correct: fl
         accepted=sum(r.accepted for r in reports), duplicates=sum(r.duplicate for r in reports),
         streams=sum(r.streams for r in reports), requeued=requeued, speculated=speculated, dropped=summary.dropped,
         utilisation=utilisation, groups=dict(Counter(r.worker for r in reports)),
+        **({} if batch is None else {"busy_batch_fraction": batch.busy_batch_fraction, "tail_share": batch.tail_share,
+                                     "peak_batch": batch.peak or None}),
     )

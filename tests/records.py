@@ -5,6 +5,7 @@ import math
 import torch
 
 from sparrow.acceptance import AlphaHistogram
+from sparrow.coordinator.metrics import BatchShape
 from sparrow.coordinator.step_record import (
     BatchSummary, ControllerSummary, FaultEvent, GroupReport, PublishStats, StepRecord, StepTiming, alpha_tail,
     rollout_stats, schedule_snapshot,
@@ -39,7 +40,8 @@ def make_record(step: int) -> StepRecord:
         step=step, policy_version=step,
         rollout=rollout_stats(reports, summary, correct=1.0, rollout_seconds=4.5 + step,
                               speedup_measured=1.31 + 0.01 * step if step % 2 == 0 else None, requeued=int(step == 2),
-                              utilisation={w: 0.93 - 0.2 * i - 0.01 * step for i, w in enumerate(WORKERS)}, speculated=0),
+                              utilisation={w: 0.93 - 0.2 * i - 0.01 * step for i, w in enumerate(WORKERS)}, speculated=0,
+                              batch=BatchShape(busy_batch_fraction=0.62 - 0.01 * step, tail_share=0.21, peak=16)),
         train={"train/pg_loss": -0.012 * (step + 1), "train/entropy": 0.41 - 0.02 * step, "train/lr": 1e-5,
                "train/grad_norm": math.nan if step == 0 else 0.35 + 0.1 * step, "train/tis_capped_fraction": 0.003 * step},
         alpha=alpha_tail(lower, upper, 5.0),

@@ -111,14 +111,14 @@ def test_refusals(tmp_path, capsys, argv, message):
 
 @pytest.mark.slow
 def test_a_short_soak_loses_and_duplicates_nothing(tiny_qwen3, tmp_path):
-    """Seed 1 draws a rollout worker kill at 21 s and a rollout worker stall (15 s, past the 8 s lease) at 46 s or
-    once the kill is resolved, within a 60 s window: about 2 minutes with the job's start on 2 cores."""
+    """One rollout worker kill 10-15 s into a 30 s window, end to end through the audit (the stalls and the
+    trainer's faults are in the recorded 30-minute soak and in tests/test_reliability.py)."""
     out = tmp_path / "soak"
-    code = main(["--minutes", "1.0", "--seed", "1", "--interval", "20", "30", "--faults", "kill-rollout,stall-rollout",
+    code = main(["--minutes", "0.5", "--seed", "1", "--interval", "10", "15", "--faults", "kill-rollout",
                  "--lease-timeout-s", "8", "--hung-worker-timeout-s", "5", "--stall-s", "15", "--settle-s", "120",
                  "--grace-s", "120", "--model", str(tiny_qwen3), "--run-root", str(tmp_path / "runs"), "--out", str(out)])
     result = json.loads((out / "soak.json").read_text())
-    assert [f["kind"] for f in result["faults"]][:2] == ["kill-rollout", "stall-rollout"], result["faults"]
+    assert [f["kind"] for f in result["faults"]][:1] == ["kill-rollout"], result["faults"]
     assert all(f["recovered_after"] is not None for f in result["faults"]), result["faults"]
     ledger = result["ledger"]
     assert (ledger["lost_count"], ledger["duplicated_count"], ledger["unexpected_count"], ledger["misordered"]) == \

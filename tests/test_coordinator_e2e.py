@@ -97,6 +97,11 @@ def test_sync_job_trains_every_sample_exactly_once_and_publishes_weights(ray_clu
         reopen.join()
         assert second.rollout.streams > job.config.run.prompts_per_step, "a group's send needed more than one stream"
         assert first.rollout.speedup_measured > 0 and second.rollout.speedup_measured is None
+        max_seqs = config.rollout.engine_config().max_num_seqs
+        for record in (first, second):  # the batch over time, read from the engines' samples in flight
+            assert 1 <= record.rollout.peak_batch <= max_seqs, record.rollout
+            assert 0 < record.rollout.busy_batch_fraction <= record.rollout.peak_batch / max_seqs
+            assert 0 <= record.rollout.tail_share < 1
 
         per_rank = job.trained_ids()
         trained = sum(per_rank, [])

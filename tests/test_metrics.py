@@ -124,6 +124,9 @@ def test_coordinator_exports_alpha_control_and_the_step_record():
     assert sample_value(families["sparrow_eval_policy_version"], "sparrow_eval_policy_version") == 6
     assert sample_value(families["sparrow_rollout_kv_read_fraction"], "sparrow_rollout_kv_read_fraction") == 0.5
     assert sample_value(families["sparrow_rollout_utilisation"], "sparrow_rollout_utilisation", worker="rollout-0") == 0.75
+    assert sample_value(families["sparrow_rollout_tail_share"], "sparrow_rollout_tail_share") == 0.21
+    assert sample_value(families["sparrow_rollout_busy_batch_fraction"],
+                        "sparrow_rollout_busy_batch_fraction") == pytest.approx(0.57), "the last step's"
     publication = families["sparrow_weight_publication_seconds"]
     assert sample_value(publication, "sparrow_weight_publication_seconds_count", pool="trainer") == 2
     assert sample_value(families["sparrow_staleness_steps"], "sparrow_staleness_steps_bucket", le="1.0") == 2
@@ -326,3 +329,33 @@ def test_utilisation_of_a_replaced_worker_counts_its_restarted_busy_counter():
     now = {"rollout-0": 6.0, "rollout-1": 32.0, "rollout-2": 50.0}
     assert busy_fractions(before, now, 40.0) == pytest.approx({"rollout-0": 0.15, "rollout-1": 0.5, "rollout-2": 1.0})
     assert busy_fractions(now, now, 0.0) == {"rollout-0": 0.0, "rollout-1": 0.0, "rollout-2": 0.0}
+
+
+def test_batch_shape_of_a_rollout_with_a_long_tail():
+    from sparrow.coordinator.metrics import BatchOccupancy, batch_shape
+
+    worker = BatchOccupancy()
+    worker.add(8, 10.0)  # the whole group decoding together
+    worker.add(3, 4.0)
+    worker.add(1, 6.0)  # the longest samples alone: below half the peak of 8
+    worker.add(0, 50.0)  # idle time is utilisation's business, not the batch's
+    shape = batch_shape({}, {"rollout-0": worker.seconds}, max_num_seqs=16)
+    assert shape.peak == 8
+    assert shape.busy_batch_fraction == pytest.approx((8 * 10 + 3 * 4 + 1 * 6) / (16 * 20))
+    assert shape.tail_share == pytest.approx((4 + 6) / 20)
+    with pytest.raises(ValueError, match="running=-1"):
+        worker.add(-1, 1.0)
+
+
+def test_batch_shape_takes_the_step_from_cumulative_counts_and_a_replacements_restart():
+    from sparrow.coordinator.metrics import batch_shape
+
+    before = {"rollout-0": [0.0, 5.0, 0.0, 0.0, 10.0], "rollout-1": [0.0, 0.0, 0.0, 0.0, 7.0]}
+    # rollout-0 went on (4 s more at batch 4), rollout-1 was replaced: its counts restarted (2 s at batch 2)
+    now = {"rollout-0": [0.0, 5.0, 0.0, 0.0, 14.0], "rollout-1": [0.0, 0.0, 2.0]}
+    shape = batch_shape(before, now, max_num_seqs=4)
+    assert shape.peak == 4
+    assert shape.busy_batch_fraction == pytest.approx((4 * 4 + 2 * 2) / (4 * 6))
+    assert shape.tail_share == pytest.approx(0.0), "2 is not below half of 4"
+    idle = batch_shape(now, now, 4)
+    assert (idle.busy_batch_fraction, idle.tail_share, idle.peak) == (None, None, 0), "no work since: nothing to say"

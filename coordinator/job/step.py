@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import ray
 
-from sparrow.coordinator.metrics import busy_fractions
+from sparrow.coordinator.metrics import BatchShape, batch_shape, busy_fractions
 
 from ..progress import fmt
 from ..step_record import ControllerSummary, StepRecord, StepTiming, alpha_tail, rollout_stats, schedule_snapshot
@@ -35,6 +35,8 @@ class StepLoop:
         """Held-out evaluations since the last step record (it carries them)."""
         self.events_logged = 0
         self.busy_mark = (time.perf_counter(), {})
+        self.occupancy_mark: dict[str, list[float]] = {}
+        """Each worker's cumulative `BatchOccupancy` when the previous step's rollouts were in."""
 
     def dispatch_until(self, last: int) -> None:
         """Queue the groups of every step up to `last` not yet queued (admission happens at lease time)."""
@@ -58,6 +60,14 @@ class StepLoop:
         since, before = self.busy_mark
         self.busy_mark = (now, busy)
         return busy_fractions(before, busy, now - since)
+
+    def _batch_shape(self) -> BatchShape:
+        """The rollout's batch over time since the previous step's rollouts (best effort: a worker that does not
+        answer within a second is left out, its time counted with the next step)."""
+        now = {r["worker"]: r["occupancy"] for r in self.job.fleet.progress() if "occupancy" in r}
+        shape = batch_shape(self.occupancy_mark, now, self.job.config.rollout.engine_config().max_num_seqs)
+        self.occupancy_mark = {**self.occupancy_mark, **now}
+        return shape
 
     def _await_rollouts(self, step: int):
         """Wait for step `step`'s groups, supervising the fleet and moving the token bar meanwhile."""
@@ -84,6 +94,7 @@ class StepLoop:
         work = self._await_rollouts(k)
         self.inflight.discard(k)
         t_rollout = time.perf_counter()
+        batch = self._batch_shape()
         to_train = job.time_sharing.to_training()
         t_turned = time.perf_counter()
         if job.publication.loads:
@@ -120,7 +131,7 @@ class StepLoop:
             step=k, policy_version=job.version - 1,
             rollout=rollout_stats(groups, collected["summary"], cfg.reward.correct, _rollout_seconds(work),
                                   work.probe_result.speedup if work.probe_result else None, work.requeued,
-                                  self._utilisation(t_rollout), work.speculated),
+                                  self._utilisation(t_rollout), work.speculated, batch),
             train=results[0].metrics,
             alpha=alpha_tail(alpha, upper, percentile),
             schedule=schedule_snapshot(job.schedule, before),

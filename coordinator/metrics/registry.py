@@ -48,6 +48,7 @@ ROLE_FAMILIES: dict[str, frozenset[str]] = {
         "sparrow_controller_decisions", "sparrow_controller_violation_steps",
         "sparrow_speedup_measured", "sparrow_speedup_predicted",
         "sparrow_train_step", "sparrow_rollout_kv_read_fraction", "sparrow_rollout_utilisation",
+        "sparrow_rollout_busy_batch_fraction", "sparrow_rollout_tail_share",
         "sparrow_weight_publication_seconds", "sparrow_staleness_steps",
         "sparrow_recoveries", "sparrow_recovery_seconds",
         "sparrow_eval_accuracy", "sparrow_eval_reward", "sparrow_eval_policy_version",
@@ -294,6 +295,9 @@ class SparrowMetrics:
             self.speedup_predicted.labels(pool="rollout").set(record.predicted_speedup)
         for worker, fraction in record.rollout.utilisation.items():
             self.utilisation.labels(worker=worker).set(fraction)
+        if record.rollout.busy_batch_fraction is not None:
+            self.busy_batch_fraction.set(record.rollout.busy_batch_fraction)
+            self.tail_share.set(record.rollout.tail_share)
         self.weight_publication.labels(pool="trainer").observe(record.publish.seconds)
         for fault in record.faults:
             if fault.recovery_seconds is not None:
@@ -399,6 +403,12 @@ _FAMILIES: dict[str, tuple[str, Callable[[], object]]] = {
         "sparrow_rollout_kv_read_fraction", "KV blocks read by sparse decode over what dense decode reads, last step")),
     "sparrow_rollout_utilisation": ("utilisation", _gauge(
         "sparrow_rollout_utilisation", "Fraction of the last step's wall time a rollout worker was generating", ("worker",))),
+    "sparrow_rollout_busy_batch_fraction": ("busy_batch_fraction", lambda: _Settable(
+        "sparrow_rollout_busy_batch_fraction", "Samples in flight over max_num_seqs, time-weighted over the last "
+        "step's rollout (engines' busy time, pooled)")),
+    "sparrow_rollout_tail_share": ("tail_share", lambda: _Settable(
+        "sparrow_rollout_tail_share", "Share of the last step's rollout time with fewer than half the peak batch in "
+        "flight (the long tail)")),
     "sparrow_recoveries": ("recoveries", _counter("sparrow_recoveries", "Recoveries from a lost process, by kind", ("kind",))),
     "sparrow_recovery_seconds": ("recovery_seconds", _histogram(
         "sparrow_recovery_seconds", "Seconds from a loss to the job running again, by kind", ("kind",), RECOVERY_BUCKETS)),

@@ -37,3 +37,63 @@ def busy_fractions(before: dict[str, float], now: dict[str, float], window_s: fl
         busy = now[worker] - before.get(worker, 0.0)
         fractions[worker] = min(1.0, (now[worker] if busy < 0 else busy) / window)
     return fractions
+
+
+@dataclass
+class BatchOccupancy:
+    """Seconds an engine worked with b samples in flight (`seconds[b]`), summed since the worker started.
+
+    Read from `EngineCounters.samples_running` on every turn of the worker's loop, so every backend has it. Its
+    shape over a step says whether the rollout kept the engine's batch full or a few long samples decoded alone.
+    """
+
+    seconds: list[float]
+
+    def __init__(self):
+        self.seconds = []
+
+    def add(self, running: int, seconds: float) -> None:
+        if running < 0 or seconds < 0:
+            raise ValueError(f"running={running}, seconds={seconds}: both must be >= 0")
+        if running >= len(self.seconds):
+            self.seconds.extend([0.0] * (running + 1 - len(self.seconds)))
+        self.seconds[running] += seconds
+
+
+@dataclass(frozen=True)
+class BatchShape:
+    """A step's rollout batch over time, pooled over the workers (only the time their engines had samples)."""
+
+    busy_batch_fraction: float | None
+    """Time-weighted samples in flight over `max_num_seqs`: 1.0 = every engine full all the time."""
+    tail_share: float | None
+    """Share of that time with fewer than half the step's peak batch in flight: the long tail."""
+    peak: int
+    """The most samples one engine had in flight during the step."""
+
+
+def batch_shape(before: dict[str, list[float]], now: dict[str, list[float]], max_num_seqs: int) -> BatchShape:
+    """The step's `BatchShape` from each worker's cumulative `BatchOccupancy.seconds` then and now.
+
+    A worker whose seconds went down is a replacement under the same name (it counts from 0): all of its time
+    fell in the step, as `busy_fractions` reads it.
+    """
+    pooled: list[float] = []
+    for worker, seconds in now.items():
+        old = before.get(worker, [])
+        delta = [s - (old[b] if b < len(old) else 0.0) for b, s in enumerate(seconds)]
+        if any(d < 0 for d in delta) or len(old) > len(seconds):
+            delta = list(seconds)
+        pooled.extend([0.0] * (len(delta) - len(pooled)))
+        for b, d in enumerate(delta):
+            pooled[b] += d
+    working = [(b, s) for b, s in enumerate(pooled) if b > 0 and s > 0]
+    total = sum(s for _, s in working)
+    if not total:
+        return BatchShape(None, None, 0)
+    peak = max(b for b, _ in working)
+    return BatchShape(
+        busy_batch_fraction=sum(b * s for b, s in working) / (max_num_seqs * total),
+        tail_share=sum(s for b, s in working if b < peak / 2) / total,
+        peak=peak,
+    )
