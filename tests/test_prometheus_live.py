@@ -69,6 +69,8 @@ KEY_PANELS = [
     ("KV reads, sparse over dense (last step)", "A"),
     ("Rollout tokens per second", "A"), ("Rollout tokens per second", "C"),
     ("Rollout utilisation per worker (last step)", "A"),
+    ("Rollout batch: busy-batch fraction and tail share (last step)", "A"),
+    ("Rollout batch: busy-batch fraction and tail share (last step)", "B"),
     ("Rollout speedup: measured vs predicted", "A"), ("Rollout speedup: measured vs predicted", "B"),
     ("Mean reward (5 m)", "A"),
     ("Policy version per worker", "A"),
