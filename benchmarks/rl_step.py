@@ -36,6 +36,10 @@ def register(actions) -> None:
     p.add_argument("--schedule", default=None, help="sparse mode's schedule (default: the shape's published 0.86 one)")
     p.add_argument("--placement", default="colocated", choices=("colocated", "disaggregated"))
     p.add_argument("--weights-channel", default="auto", help="run.weights_channel (disaggregated on one GPU: object_store)")
+    p.add_argument("--run-mode", default="sync", choices=("sync", "async"),
+                   help="run.mode (async: staleness 1, rollouts overlap training; a colocated job is sync whatever)")
+    p.add_argument("--pool-gpus", type=float, default=0.5,
+                   help="GPUs per rollout worker and per trainer rank (0.5 + 0.5 share one GPU; 1 each: two GPUs)")
     p.add_argument("--prompts", type=int, default=1, help="prompts per step")
     p.add_argument("--samples", type=int, default=8, help="samples per prompt")
     p.add_argument("--prompt-tokens", type=int, default=256)
@@ -98,7 +102,7 @@ def job_config(args, model_dir: Path, prompts_path: Path, run_root: Path) -> dic
     batch = args.prompts * args.samples
     blocks = batch * (-(-length // BLOCK_SIZE) + 2)
     cuda = args.device == "cuda"
-    share = 0.5 if cuda else 0.0
+    share = args.pool_gpus if cuda else 0.0
     schedule = "dense" if args.mode == "dense" else (args.schedule or f"{args.shape}-0.86")
     return {
         "model": str(model_dir),
@@ -118,7 +122,7 @@ def job_config(args, model_dir: Path, prompts_path: Path, run_root: Path) -> dic
                     "micro_batch_tokens": args.micro_batch_tokens or length},
         "controller": {"enabled": False},
         "metrics": {"enabled": False},
-        "run": {"steps": args.steps + 1, "prompts_per_step": args.prompts, "mode": "sync",
+        "run": {"steps": args.steps + 1, "prompts_per_step": args.prompts, "mode": args.run_mode,
                 "placement": args.placement, "weights_channel": args.weights_channel, "checkpoint_every": 0,
                 "out_dir": str(run_root), **({"cost_hardware": "h200"} if cuda else {})},
     }
@@ -218,6 +222,7 @@ def run_bench(args) -> int:
         if busy:
             busy.close()
     result = {"kind": KIND, "shape": args.shape, "mode": args.mode, "placement": args.placement,
+              "run_mode": config.run.mode if not config.run.synchronous else "sync", "pool_gpus": args.pool_gpus,
               "schedule": config.rollout.schedule if args.mode == "sparse" else None,
               "device": _device_name(args.device), "prompts": args.prompts, "samples": args.samples,
               "prompt_tokens": prompt_tokens, "max_tokens": args.max_tokens, "kv_cache_dtype": args.kv_cache_dtype,
@@ -248,7 +253,7 @@ def merge(results: list[dict]) -> dict:
     rows = []
     for r in results:
         n = len(r["steps"])
-        rows.append({"placement": r["placement"], "mode": r["mode"], "steps": n,
+        rows.append({"placement": _placement(r), "mode": r["mode"], "steps": n,
                      **{k: _mean([s[k] for s in r["steps"]]) for k, _ in COLUMNS if k != "step"}})
     speedups = {}
     for placement in sorted({r["placement"] for r in rows}):
@@ -258,6 +263,12 @@ def merge(results: list[dict]) -> dict:
             speedups[placement] = {"step": d["wall_s"] / s["wall_s"], "rollout": d["rollout_s"] / s["rollout_s"]}
     return {"kind": f"{KIND}-merge", "protocol": dict(zip(("shape", "prompts", "samples", "max_tokens"), keys.pop())),
             "rows": rows, "speedups": speedups}
+
+
+def _placement(result: dict) -> str:
+    """The placement and, when not sync, the run mode: the rows a dense/sparse pair is matched within."""
+    mode = result.get("run_mode", "sync")
+    return result["placement"] if mode == "sync" else f"{result['placement']} {mode}"
 
 
 def _mean(values: list) -> float | None:

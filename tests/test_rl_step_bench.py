@@ -13,7 +13,7 @@ from sparrow.coordinator.step_record import PublishStats, StepTiming
 def _args(**over):
     base = dict(shape="qwen3-1.7b", mode="sparse", schedule=None, placement="colocated", weights_channel="auto",
                 prompts=2, samples=4, prompt_tokens=256, max_tokens=4096, steps=1, device="cpu",
-                kv_cache_dtype="auto", micro_batch_tokens=None)
+                kv_cache_dtype="auto", micro_batch_tokens=None, run_mode="sync", pool_gpus=0.5)
     base.update(over)
     return argparse.Namespace(**base)
 
@@ -30,6 +30,14 @@ def test_the_job_it_builds_is_a_valid_config(tmp_path, placement, mode):
     assert config.run.steps == 2, "one step more than timed, so the timed ones never checkpoint"
     blocks_per_sample = raw["rollout"]["native"]["num_kv_blocks"] / 8
     assert blocks_per_sample * 16 >= 256 + 4096, "every sample's KV fits at the full length"
+
+
+def test_an_async_disaggregated_job_on_two_gpus(tmp_path):
+    (tmp_path / "p.jsonl").write_text('{"prompt": "1+1", "answer": "2"}\n')
+    args = _args(placement="disaggregated", run_mode="async", pool_gpus=1.0, device="cuda")
+    config = build_config(job_config(args, tmp_path, tmp_path / "p.jsonl", tmp_path / "runs"), "test")
+    assert config.run.mode == "async" and config.run.staleness == 1
+    assert config.rollout.pool.gpus == config.trainer.pool.gpus == 1.0
 
 
 def _record(rollout_wait, train, publish, to_train, to_rollout, update, recompute=None):
@@ -67,8 +75,9 @@ def _result(mode, walls, rollouts, placement="colocated", max_tokens=32768):
 
 def test_merge_gives_each_placements_step_and_rollout_speedup_from_mean_steps():
     merged = merge([_result("dense", [200.0, 220.0], [180.0, 200.0]), _result("sparse", [100.0, 110.0], [80.0, 90.0]),
-                    _result("dense", [300.0], [280.0], placement="disaggregated")])
-    assert merged["speedups"] == {"colocated": {"step": pytest.approx(2.0), "rollout": pytest.approx(190.0 / 85.0)}}
+                    _result("dense", [300.0], [280.0], placement="disaggregated"),
+                    {**_result("sparse", [90.0], [70.0], placement="disaggregated"), "run_mode": "async"}])
+    assert merged["speedups"] == {"colocated": {"step": pytest.approx(2.0), "rollout": pytest.approx(190.0 / 85.0)}}, "a sync dense run is not paired with an async sparse one"
     dense = next(r for r in merged["rows"] if r["mode"] == "dense" and r["placement"] == "colocated")
     assert dense["steps"] == 2 and dense["wall_s"] == 210.0 and dense["recompute_s"] is None
 
