@@ -222,7 +222,7 @@ def run_bench(args) -> int:
         if busy:
             busy.close()
     result = {"kind": KIND, "shape": args.shape, "mode": args.mode, "placement": args.placement,
-              "run_mode": config.run.mode if not config.run.synchronous else "sync", "pool_gpus": args.pool_gpus,
+              "run_mode": "sync" if config.run.synchronous else "async", "pool_gpus": args.pool_gpus,
               "schedule": config.rollout.schedule if args.mode == "sparse" else None,
               "device": _device_name(args.device), "prompts": args.prompts, "samples": args.samples,
               "prompt_tokens": prompt_tokens, "max_tokens": args.max_tokens, "kv_cache_dtype": args.kv_cache_dtype,

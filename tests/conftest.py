@@ -39,6 +39,16 @@ def smollm2() -> Path:
     return fetch_smollm2(CACHE / "smollm2-135m-instruct", log=lambda *_: None)
 
 
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A local Ray instance with 4 CPUs for one test module's jobs (a module may define its own instead)."""
+    ray = pytest.importorskip("ray")
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

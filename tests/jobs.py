@@ -38,3 +38,9 @@ def tiny_job(path: Path, model, out_dir, settings: dict | None = None) -> Path:
         section[leaf] = value
     path.write_text(yaml.safe_dump(job, sort_keys=False))
     return path
+
+
+def expected_ids(job, steps: range) -> list[str]:
+    """The sample ids a job dispatches for `steps`: every sample of every prompt of those steps, first attempts."""
+    n = job.config.rollout.sampling.n
+    return [f"{r.prompt_id}#{i}" for k in steps for r in job.data.batch(k, job.config.run.prompts_per_step) for i in range(n)]

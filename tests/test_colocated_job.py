@@ -6,13 +6,12 @@ on a GPU). Every sample is trained on exactly once, the workers serve exactly th
 worker killed while a step trains (its hand-off interrupted) is replaced and gets the current version.
 """
 
-import os
 import threading
 import time
 
 import pytest
 import torch
-from jobs import tiny_job
+from jobs import expected_ids, tiny_job
 
 ray = pytest.importorskip("ray")
 
@@ -24,25 +23,12 @@ from sparrow.weight_sync import HandleSource, receive_state_dict  # noqa: E402
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
 def _job(tmp_path, model, steps: int):
     path = tiny_job(tmp_path / "job.yaml", model, tmp_path / "runs", {
         "rollout.pool.size": 2, "trainer.pool.size": 2, "run.steps": steps, "run.placement": "colocated",
         "run.recovery": {"join_timeout_s": 120},
     })
     return load_config(path)
-
-
-def _expected_ids(job: TrainingJob, steps: range) -> list[str]:
-    n = job.config.rollout.sampling.n
-    return [f"{r.prompt_id}#{i}" for k in steps for r in job.data.batch(k, job.config.run.prompts_per_step) for i in range(n)]
 
 
 def _served_equals_trained(job: TrainingJob) -> None:
@@ -62,7 +48,7 @@ def test_a_colocated_job_takes_turns_and_hands_weights_over_in_place(ray_cluster
         assert job.channel == "shared"
         records = job.run()
         trained = sum(job.trained_ids(), [])
-        assert len(trained) == len(set(trained)) and sorted(trained) == sorted(_expected_ids(job, range(2)))
+        assert len(trained) == len(set(trained)) and sorted(trained) == sorted(expected_ids(job, range(2)))
         assert all(job.trained_ids()), "both ranks trained on a shard"
         _served_equals_trained(job)
     for r in records:
@@ -101,7 +87,7 @@ def test_a_worker_killed_while_its_step_trains_is_replaced_and_gets_the_version(
         killer.join(timeout=60)
         trained = sum(job.trained_ids(), [])
         assert len(trained) == len(set(trained)), "a sample was trained on twice"
-        assert sorted(trained) == sorted(_expected_ids(job, range(3))), "a sample was lost"
+        assert sorted(trained) == sorted(expected_ids(job, range(3))), "a sample was lost"
         faults = [f for r in records for f in r.faults]
         assert [f.subject for f in faults] == ["rollout-1"] and faults[0].recovery_seconds is not None
         assert len(job.fleet.live) == 2

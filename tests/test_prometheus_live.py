@@ -20,7 +20,6 @@ When the job closes, its file_sd list is emptied.
 """
 
 import json
-import os
 import re
 import shutil
 import socket
@@ -84,14 +83,6 @@ KEY_PANELS = [
     ("Processes up", "A"),
 ]
 PROCESSES = {"coordinator": "coordinator", "rollout-0": "rollout", "trainer-0": "trainer", "trainer-1": "trainer"}
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 def free_port() -> int:
