@@ -394,7 +394,9 @@ class RunConfig(_Section):
     )
     weights_channel: Literal["auto", "object_store", "collective", "shared"] = Field(
         "auto", description="auto = shared for a colocated placement (each rank's weights handed over in place: CUDA "
-        "IPC on a GPU, shared memory on a CPU), collective (NCCL) for sync GPU trainers, Ray's object store otherwise"
+        "IPC on a GPU, shared memory on a CPU) and for a sync GPU job whose rollout workers sit on trainer ranks' GPUs "
+        "(0.5 + 0.5 of one), collective (NCCL) for sync GPU jobs whose workers have GPUs of their own, Ray's object "
+        "store otherwise; chosen once the pools are placed, and an explicit collective over a shared GPU is refused then"
     )
     cost_hardware: str = Field("h200", description="hardware profile of the predicted speedup (sparrow.cost)")
     collect_timeout_s: float = Field(600.0, gt=0, description="seconds the trainer waits for a step's samples")

@@ -129,8 +129,7 @@ class TrainingJob:
             self.restore()
         self.time_sharing.before_engines_start()
         self.fleet.start(WorkerSetup(self.trainers.trajectory_address, self.schedule, None))
-        if self.publication.channel == "collective":
-            self.publication.join_group()
+        self.publication.start()
         if self.version:  # resumed: the engines started from the model directory
             self.time_sharing.to_training()
             self.publication.publish(self.version, wait=True)

@@ -31,7 +31,7 @@ from sparrow.rollout_workers.api import RequestFeed, RolloutRequest, RolloutSamp
 from sparrow.rollout_workers.registry import create_engine
 from sparrow.schedule import SparsitySchedule
 from sparrow.seeds import stable_seed
-from sparrow.weight_sync import SharedMappings
+from sparrow.weight_sync import SharedMappings, current_gpu
 
 from .config import SparrowConfig
 from .dispatcher import DispatcherClient
@@ -102,6 +102,7 @@ class RolloutWorker:
             "worker_id": self.worker_id, "node_id": ctx.get_node_id(), "pid": os.getpid(),
             "metrics_url": self.metrics_server.url if self.metrics_server else None,
             "engine": type(self.engine).__name__, "host": advertised_host(self.config.transport.host),
+            "gpu": current_gpu(),
         }
 
     def connect(self, trajectory_address: str) -> None:
@@ -150,11 +151,18 @@ class RolloutWorker:
         return {"version": report.version, "bytes": report.nbytes, "seconds": report.seconds}
 
     def load_shared_weights(self, handles: list, rollback: bool = False) -> dict:
-        """A version in the shared buffers of the trainer rank on this worker's GPU (colocated placement): rank i's
-        handle is `handles[i]`, this worker is in bundle i. Read in place: no host round trip."""
+        """A version in the shared buffers of the trainer rank on this worker's GPU (`handles`: one per rank), read
+        in place: no host round trip. On a CPU (shared memory, colocated) worker i reads rank i's. A worker whose
+        GPU holds no rank (a replacement placed elsewhere) loads nothing and says so (`"version": None`)."""
         from sparrow.weight_sync import SharedSource, WeightReceiver
 
-        handle = handles[self.index % len(handles)]
+        gpu = current_gpu()
+        if gpu is None:
+            handle = handles[self.index % len(handles)]
+        else:
+            handle = next((h for h in handles if h.buffers and h.buffers[0].device_uuid == gpu), None)
+            if handle is None:
+                return {"version": None, "worker": self.index, "bytes": 0, "seconds": 0.0}
         source = SharedSource(handle, self._shared_mappings)
         report = self._exclusive(lambda: WeightReceiver(self.engine).receive(source, allow_older=rollback))
         self.metrics.policy_version.labels(worker=self.worker_id, pool="rollout").set(report.version)

@@ -129,3 +129,36 @@ def test_buffers_of_a_sender_that_died_are_removed_by_the_next_one():
         assert remove_orphans() == [] and all(p.exists() for p in mine._paths), "a live sender's are kept"
     finally:
         mine.close()
+
+
+def _run(**settings):
+    from sparrow.coordinator.config import RunConfig
+
+    return RunConfig(**settings)
+
+
+def test_the_weights_channel_follows_where_ranks_and_workers_compute():
+    from sparrow.coordinator.job.publication import choose_channel
+
+    sync, gpu_a, gpu_b, gpu_c = _run(mode="sync"), "GPU-a", "GPU-b", "GPU-c"
+    assert choose_channel(_run(placement="colocated"), [gpu_a], [gpu_a]) == "shared"
+    assert choose_channel(_run(placement="colocated"), [None], [None]) == "shared", "shared memory on a CPU"
+    assert choose_channel(sync, [gpu_a], [gpu_a]) == "shared", "0.5 + 0.5 of one GPU, disaggregated: in place"
+    assert choose_channel(sync, [gpu_a, gpu_b], [gpu_b, gpu_a]) == "shared", "each worker on some rank's GPU"
+    assert choose_channel(sync, [gpu_a], [gpu_b, gpu_c]) == "collective", "GPUs of their own: NCCL broadcast"
+    assert choose_channel(sync, [gpu_a], [gpu_b, gpu_b]) == "object_store", "two workers on one GPU: no NCCL group"
+    assert choose_channel(sync, [gpu_a], [gpu_a, gpu_b]) == "object_store", "one worker beside rank 0, one apart"
+    assert choose_channel(_run(mode="async", max_staleness=1), [gpu_a], [gpu_a]) == "object_store"
+    assert choose_channel(sync, [None], [None]) == "object_store", "CPU trainers: the object store"
+    assert choose_channel(_run(mode="sync", weights_channel="object_store"), [gpu_a], [gpu_b]) == "object_store"
+
+
+def test_an_explicit_collective_channel_over_a_shared_gpu_is_refused_naming_both():
+    from sparrow.coordinator.job.publication import choose_channel
+
+    run = _run(mode="sync", weights_channel="collective")
+    assert choose_channel(run, ["GPU-a"], ["GPU-b"]) == "collective"
+    with pytest.raises(ValueError, match="trainer rank 0 and rollout-0 share GPU GPU-a.*use 'auto'"):
+        choose_channel(run, ["GPU-a"], ["GPU-a"])
+    with pytest.raises(ValueError, match="rollout-0 and rollout-1 share GPU GPU-b"):
+        choose_channel(run, ["GPU-a"], ["GPU-b", "GPU-b"])

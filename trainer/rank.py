@@ -14,6 +14,7 @@ import time
 import torch
 
 from sparrow.schedule import SparsitySchedule
+from sparrow.weight_sync import current_gpu
 
 from . import checkpoint, offload
 from .alpha import AlphaReport
@@ -59,7 +60,8 @@ class TrainerRank:
         merge_lora = self.config.distill_sparse.enabled
         self.publisher = WeightPublisher(self.rank, policy.exporter, self.config.publish, merge_lora, device)
         parameters = sum(p.numel() for p in policy.base_params)
-        return {"rank": self.rank, "device": str(device), "dtype": str(policy.dtype), "parameters": parameters}
+        gpu = current_gpu() if device.type == "cuda" else None
+        return {"rank": self.rank, "device": str(device), "gpu": gpu, "dtype": str(policy.dtype), "parameters": parameters}
 
     def set_schedule(self, schedule: SparsitySchedule | dict | str | None) -> None:
         """The schedule in force: α length bins and DistillSparse budgets (None = dense)."""

@@ -7,6 +7,8 @@ the workers are idle between steps); "object_store" puts the buckets in Ray's ob
 `WeightHandle` that each worker loads at its next barrier. The trainer refuses to send NaN/Inf weights
 (`PublishRefused`); the job then goes back to its last checkpoint. A worker that joins mid-run outside
 the broadcast group or without a GPU of the trainer's gets the current version through the object store.
+"auto" is chosen once the ranks and workers are placed (`choose_channel`): a disaggregated job whose pools
+share GPUs (0.5 + 0.5 of one) hands over in place too, since NCCL cannot put two ranks of a group on one GPU.
 """
 
 import ray
@@ -21,18 +23,51 @@ class PublishRefused(RuntimeError):
     """The trainer's new weights hold NaN/Inf: nothing was sent; the trainer goes back to its last checkpoint."""
 
 
+def choose_channel(run: RunConfig, trainer_gpus: list[str | None], worker_gpus: list[str | None]) -> str:
+    """The channel `run.weights_channel` means where trainer rank i computes on `trainer_gpus[i]` and rollout worker
+    j on `worker_gpus[j]` (GPU UUIDs; None on a CPU). "auto": shared when colocated, or when every worker sits on a
+    trainer rank's GPU (sync GPU jobs); collective for sync GPU jobs whose group members have GPUs of their own;
+    the object store otherwise. An explicit "collective" over a shared GPU is refused here, before any step."""
+    members = [("trainer rank 0", trainer_gpus[0] if trainer_gpus else None)]
+    members += [(f"rollout-{j}", gpu) for j, gpu in enumerate(worker_gpus)]
+    first: dict[str, str] = {}
+    clash = None
+    for name, gpu in members:
+        if gpu is not None and gpu in first and clash is None:
+            clash = (first[gpu], name, gpu)
+        first.setdefault(gpu, name)
+    requested = run.weights_channel
+    if requested == "collective" and clash:
+        raise ValueError(f"run.weights_channel='collective': {clash[0]} and {clash[1]} share GPU {clash[2]}, and NCCL "
+                         "cannot put two ranks of the weight group on one GPU; use 'auto' (hands the weights over in "
+                         "place there) or 'object_store'")
+    if requested != "auto":
+        return requested
+    if run.placement == "colocated":
+        return "shared"
+    on_gpu = bool(trainer_gpus) and all(trainer_gpus)
+    if not (on_gpu and run.synchronous):
+        return "object_store"
+    if worker_gpus and set(worker_gpus) <= set(trainer_gpus):
+        return "shared"
+    return "object_store" if clash else "collective"
+
+
 class Publication:
     def __init__(self, run: RunConfig, trainers: TrainerLink, fleet: RolloutFleet):
-        self.trainers, self.fleet = trainers, fleet
+        self.run, self.trainers, self.fleet = run, trainers, fleet
         self.channel = run.weights_channel
-        if self.channel == "auto":
-            if run.placement == "colocated":
-                self.channel = "shared"
-            else:
-                self.channel = "collective" if trainers.on_gpu and run.synchronous else "object_store"
+        """Resolved from "auto" by `start`, once the pools are placed."""
         self.group_members: list = []
         self.loads: list = []
         """Object-store loads submitted to the workers and not yet settled (async mode does not wait for them)."""
+
+    def start(self) -> None:
+        """Choose the channel for where the trainer ranks and the (started) workers compute; form the group."""
+        trainer_gpus = [info.get("gpu") for info in self.trainers.pool.setup_info]
+        self.channel = choose_channel(self.run, trainer_gpus, [info.get("gpu") for info in self.fleet.workers])
+        if self.channel == "collective":
+            self.join_group()
 
     def join_group(self) -> None:
         """(Re)form the broadcast group: trainer rank 0 and the serving workers. With none serving (every worker
@@ -85,11 +120,21 @@ class Publication:
         if reports[0].refused:
             raise PublishRefused(reports[0].refused)
         loads = settled(self.fleet.submit("load_shared_weights", [r.handle for r in reports], rollback))
+        elsewhere = {x["worker"] for x in loads if x["version"] is None}
+        if elsewhere:  # replacements placed on a GPU without a trainer rank
+            loads = [x for x in loads if x["version"] is not None] + self._through_object_store(version, rollback, elsewhere)
         self.fleet.setup.weights = None  # a worker joining later gets an object-store copy (`for_joiners`)
         send = max(r.seconds for r in reports)
         seconds = send + max((x["seconds"] for x in loads), default=0.0)
         return PublishStats(version=version, seconds=seconds, send_seconds=send, bytes=reports[0].nbytes,
                             channel="shared", waited=True)
+
+    def _through_object_store(self, version: int, rollback: bool, workers: set[int]) -> list[dict]:
+        report = self.trainers.call_all("publish_weights", version, "object_store")[0]
+        slots = [s for s in self.fleet.reachable if s.index in workers]
+        loads = settled(self.fleet.submit("load_weights", report.handle, rollback, slots=slots))
+        report.handle = None
+        return loads
 
     def for_joiners(self, version: int) -> None:
         """A worker that joins mid-run is not in the broadcast group yet (collective channel) or holds no mapping

@@ -11,7 +11,7 @@ and rollout workers receive, without either importing the other.
 from .buckets import Bucket, Entry, Manifest, pack, plan_buckets, unpack
 from .channels import CollectiveGroup, CollectiveSender, CollectiveSource, HandleSource, ObjectStoreSender, WeightHandle
 from .receive import ReceiveReport, WeightReceiver, WeightsRefused, receive_state_dict
-from .shared import SharedHandle, SharedMappings, SharedSender, SharedSource
+from .shared import SharedHandle, SharedMappings, SharedSender, SharedSource, current_gpu
 
 __all__ = [
     "Bucket",
@@ -27,6 +27,7 @@ __all__ = [
     "SharedMappings",
     "SharedSender",
     "SharedSource",
+    "current_gpu",
     "WeightHandle",
     "WeightReceiver",
     "WeightsRefused",

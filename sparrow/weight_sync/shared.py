@@ -53,6 +53,14 @@ def _device_uuid(device: torch.device) -> str:
     return str(torch.cuda.get_device_properties(device).uuid)
 
 
+def current_gpu() -> str | None:
+    """The UUID of the GPU this process computes on (None without one): two processes with the same one can hand
+    weights over in place, and cannot both be ranks of one NCCL group."""
+    if not torch.cuda.is_available():
+        return None
+    return _device_uuid(torch.device("cuda", torch.cuda.current_device()))
+
+
 def shm_dir() -> Path:
     """Where CPU buffers live: /dev/shm (RAM) where it exists, else the temp directory."""
     return Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
