@@ -76,7 +76,8 @@ class RolloutSample:
       that produced token t (its whole context when that pass was dense).
 
     `finish_reason` is "stop" (EOS or a stop id), "length" (max_tokens or the model's maximum
-    length) or "error" (then `error` says why and the tensors are empty).
+    length), "interrupted" (`RolloutEngine.interrupt`: the tokens so far, to be resumed) or "error"
+    (then `error` says why and the tensors are empty).
     """
 
     request_id: str
@@ -95,11 +96,17 @@ class RolloutSample:
 
     @classmethod
     def failed(cls, request: RolloutRequest, sample_index: int, error: str, policy_version: int, schedule_version: int):
+        return cls.empty(request, sample_index, "error", policy_version, schedule_version, error)
+
+    @classmethod
+    def empty(cls, request: RolloutRequest, sample_index: int, finish_reason: str, policy_version: int,
+              schedule_version: int, error: str | None = None):
+        """A sample that generated nothing: failed, or interrupted before its first token."""
         empty = torch.zeros(0)
         return cls(
             request_id=request.request_id, sample_index=sample_index, prompt_token_ids=list(request.prompt_token_ids),
             token_ids=empty.long(), logprobs=empty, top_ids=empty.long().view(0, 0), top_logprobs=empty.view(0, 0),
-            blocks_attended=empty.int(), finish_reason="error", policy_version=policy_version,
+            blocks_attended=empty.int(), finish_reason=finish_reason, policy_version=policy_version,
             schedule_version=schedule_version, error=error, metadata=dict(request.metadata),
         )
 
@@ -285,6 +292,14 @@ class RolloutEngine(ABC):
         """End the request's unfinished samples, from any thread: each comes out of the running call (or the
         next `step`) with finish_reason "error" and error "aborted", its KV blocks freed. Samples that already
         finished are unaffected; an unknown request id is ignored."""
+
+    def interrupt(self, request_id: str) -> None:
+        """End the request's unfinished samples keeping what they generated, from any thread (a partial rollout
+        resumes them later, under the weights in force then): each comes out of the running call with
+        finish_reason "interrupted", its tokens so far (none for a sample not started) and its KV blocks freed.
+        Samples that already finished are unaffected; an unknown request id is ignored. Engines whose config
+        says `interrupts` implement it."""
+        raise NotImplementedError(f"{type(self).__name__} cannot interrupt a sample and keep its tokens")
 
     # ------------------------------------------------------------------ weights and schedule
 

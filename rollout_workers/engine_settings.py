@@ -20,6 +20,9 @@ class EngineSettings(SparseLayoutSettings):
     releases_memory: ClassVar[bool] = False
     """The engine implements `sleep` / `wake` (a colocated placement needs it)."""
 
+    interrupts: ClassVar[bool] = False
+    """The engine implements `interrupt` (partial rollouts need it)."""
+
     def how_to_release_memory(self, section: str, name: str) -> str:
         """What a user changes when a colocated job needs `releases_memory` and this engine lacks it."""
         return f"{section}.engine={name!r} cannot: use run.placement='disaggregated'"

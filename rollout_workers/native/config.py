@@ -21,6 +21,7 @@ class NativeEngineConfig(EngineSettings):
     """
 
     releases_memory: ClassVar[bool] = True
+    interrupts: ClassVar[bool] = True
 
     model: str | None = Field(None, description="HF model directory (config.json + safetensors)")
     dtype: DType = Field("auto", description="weights, activations and KV cache; auto = float32 on CPU, bfloat16 on CUDA")

@@ -79,9 +79,10 @@ class NativeEngine(RolloutEngine):
         sequences (the end of a call) waits for it."""
         self._feed: RequestFeed | None = None
         """The running stream's feed."""
-        self._aborts: set[str] = set()
-        self._withdrawn: list[RolloutRequest] = []
-        """Aborted requests taken out of the feed before the loop admitted them."""
+        self._aborts: dict[str, str] = {}
+        """Request ids to end before the next step: "error" (`abort`) or "interrupted" (`interrupt`)."""
+        self._withdrawn: list[tuple[RolloutRequest, str]] = []
+        """Requests aborted or interrupted while still in the feed, before the loop admitted them."""
         self._aborts_lock = threading.Lock()
         self._counters = dict.fromkeys(
             ("tokens_generated", "prefill_tokens", "decode_tokens", "prefill_steps", "decode_steps",
@@ -164,9 +165,9 @@ class NativeEngine(RolloutEngine):
         with self._session(feed):
             while True:
                 aborts, withdrawn = self._take_aborts()
-                for request in withdrawn:
+                for request, reason in withdrawn:
                     for j in range(_num_samples(request)):
-                        yield self._failed(request, j, ABORTED)
+                        yield self._unstarted(request, j, reason)
                 for request in feed.take():
                     for failed in self.add_request(request):
                         yield failed
@@ -181,10 +182,16 @@ class NativeEngine(RolloutEngine):
                     await feed.wait()
 
     def abort(self, request_id: str) -> None:
+        self._end(request_id, "error")
+
+    def interrupt(self, request_id: str) -> None:
+        self._end(request_id, "interrupted")
+
+    def _end(self, request_id: str, reason: str) -> None:
         with self._aborts_lock:
-            self._aborts.add(request_id)
+            self._aborts.setdefault(request_id, reason)
             if self._feed is not None:
-                self._withdrawn += self._feed.withdraw(request_id)
+                self._withdrawn += [(r, reason) for r in self._feed.withdraw(request_id)]
 
     def stats(self) -> dict:
         c, busy = self._counters, sum(self._seconds.values())
@@ -228,7 +235,7 @@ class NativeEngine(RolloutEngine):
             finally:
                 self._drop_unfinished()
                 with self._aborts_lock:
-                    self._feed, self._aborts, self._withdrawn = None, set(), []
+                    self._feed, self._aborts, self._withdrawn = None, {}, []
 
     def _drop_unfinished(self) -> None:
         with self._stepping:  # a cancelled stream's step may still run in its thread
@@ -247,19 +254,33 @@ class NativeEngine(RolloutEngine):
         with self._aborts_lock:
             return feed.exhausted and not self._withdrawn
 
-    def _take_aborts(self) -> tuple[set[str], list[RolloutRequest]]:
+    def _take_aborts(self) -> tuple[dict[str, str], list[tuple[RolloutRequest, str]]]:
         with self._aborts_lock:
-            aborts, self._aborts = self._aborts, set()
+            aborts, self._aborts = self._aborts, {}
             withdrawn, self._withdrawn = self._withdrawn, []
         return aborts, withdrawn
 
-    def _abort(self, request_ids: set[str]) -> Finished:
-        """Fail the unfinished samples of these requests (their blocks are released)."""
+    def _abort(self, requests: dict[str, str]) -> Finished:
+        """End the unfinished samples of these requests (their blocks are released): failed ("error"), or with
+        their tokens so far ("interrupted")."""
         finished: Finished = []
-        for request_id in request_ids:
+        for request_id, reason in requests.items():
             for seq in self.scheduler.unfinished(request_id):
-                finished += self._fail(seq, ABORTED)
+                finished += self._fail(seq, ABORTED) if reason == "error" else self._interrupt(seq)
         return finished
+
+    def _interrupt(self, seq: Sequence) -> Finished:
+        """A leader that has not forked has generated nothing: each of its samples comes out empty."""
+        self._finish(seq)
+        if seq.fork_into > 1:
+            return [(seq.request, self._unstarted(seq.request, j, "interrupted")) for j in range(seq.fork_into)]
+        seq.finish_reason = "interrupted"
+        return [(seq.request, seq.to_sample(self._policy_version))]
+
+    def _unstarted(self, request: RolloutRequest, index: int, reason: str) -> RolloutSample:
+        if reason == "error":
+            return self._failed(request, index, ABORTED)
+        return RolloutSample.empty(request, index, "interrupted", self._policy_version, self.schedule_version)
 
     def add_request(self, request: RolloutRequest) -> list[RolloutSample]:
         """Queue a request's samples; returns them at once as errors if the request is invalid."""
