@@ -366,6 +366,27 @@ class RecoveryConfig(_Section):
     )
 
 
+class PartialRolloutConfig(_Section):
+    """Partial rollouts against the long tail: a step trains the first `prompts_per_step` groups to finish; the
+    groups still generating carry over to the next step instead of holding this one (docs/coordinator.md, The
+    long tail)."""
+
+    enabled: bool = Field(False, description="keep extra_groups more groups in flight than a step trains; a step "
+                          "closes once prompts_per_step of them are done")
+    extra_groups: int = Field(2, ge=1, description="groups in flight beyond prompts_per_step (over-provisioning): "
+                              "the slowest of them carry over, so the step no longer waits for them")
+    carry: Literal["resume", "finish"] = Field(
+        "resume", description="a carried group still generating at the next weight change: resume = interrupted "
+        "there and resumed under the new weights (its tokens keep the log-probabilities of the policy that sampled "
+        "them; needs an engine that interrupts); finish = the weight change waits until it is done, under the "
+        "policy that started it",
+    )
+    max_staleness: int | None = Field(
+        None, ge=1, description="most policy versions a carried sample's oldest token may lag the policy that trains "
+        "it; a group that would lag more holds its step open until it is done (default: the run's staleness + 1)",
+    )
+
+
 class RunConfig(_Section):
     steps: int = Field(100, ge=1, description="GRPO steps (policy updates) in total")
     prompts_per_step: int = Field(32, ge=1, description="prompts per step; each gives rollout.sampling.n samples")
@@ -407,6 +428,7 @@ class RunConfig(_Section):
     wandb: WandbConfig = Field(default_factory=WandbConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
     recovery: RecoveryConfig = Field(default_factory=RecoveryConfig)
+    partial_rollout: PartialRolloutConfig = Field(default_factory=PartialRolloutConfig)
 
     def exports_hf_at(self, step: int) -> bool:
         """Whether the job writes RUN_DIR/hf/step<step> once `step` steps are done."""
@@ -424,6 +446,28 @@ class RunConfig(_Section):
         if self.synchronous:
             return 0
         return self.max_staleness if self.max_staleness is not None else 1
+
+    @property
+    def carry_staleness(self) -> int | None:
+        """The bound on a carried sample's staleness (None: partial rollouts off)."""
+        partial = self.partial_rollout
+        if not partial.enabled:
+            return None
+        return partial.max_staleness if partial.max_staleness is not None else self.staleness + 1
+
+    @property
+    def trained_staleness(self) -> int:
+        """Most policy versions a trained sample's oldest token may lag (the trainer refuses older ones)."""
+        return self.carry_staleness if self.carry_staleness is not None else self.staleness
+
+    @model_validator(mode="after")
+    def _partial_rollout(self):
+        bound = self.carry_staleness
+        if bound is not None and bound <= self.staleness:
+            raise ValueError(f"run.partial_rollout.max_staleness={bound} must exceed the run's staleness "
+                             f"({self.staleness}): a carried group trains at least one step later; raise it or leave "
+                             "it unset")
+        return self
 
     @model_validator(mode="after")
     def _staleness(self):
@@ -512,6 +556,7 @@ class SparrowConfig(_Section):
                 "which in async mode are busy generating; use 'object_store' or 'auto'"
             )
         self._colocated_pools_pair_up()
+        self._partial_rollout_engine_interrupts()
         self.rollout.engine_config().check_job(
             SamplingParams(**s.model_dump()), self.schedule_template(), "rollout", self.rollout.engine
         )
@@ -534,6 +579,13 @@ class SparrowConfig(_Section):
         if not engine.releases_memory:
             raise ValueError("run.placement='colocated' needs an engine that gives its KV memory back between steps: "
                              + engine.how_to_release_memory("rollout", self.rollout.engine))
+
+    def _partial_rollout_engine_interrupts(self) -> None:
+        partial = self.run.partial_rollout
+        if partial.enabled and partial.carry == "resume" and not self.rollout.engine_config().interrupts:
+            raise ValueError(f"run.partial_rollout.carry='resume' needs an engine that interrupts a sample and keeps "
+                             f"its tokens; rollout.engine={self.rollout.engine!r} does not: set "
+                             "run.partial_rollout.carry='finish' or rollout.engine='native'")
 
     def _trainer_sparse_layers_match_rollout(self) -> None:
         """The trainer's sparse forward (DistillSparse, exact α) must select blocks as the rollout engines do."""

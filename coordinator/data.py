@@ -19,6 +19,9 @@ from .config import DataConfig
 from .tasks import TASKS, Item, Task
 
 
+SPARE_INDEX = 1 << 40
+"""Where the spare prompts' row stream starts: far past any batch's indices."""
+
 @dataclass(frozen=True)
 class PromptRecord:
     """One prompt as the rollout workers receive it: chat messages plus what its reward needs."""
@@ -169,14 +172,19 @@ class PromptSource:
         return self._perms[epoch][offset]
 
     def batch(self, step: int, size: int) -> list[PromptRecord]:
-        records = []
-        for i in range(size):
-            index = step * size + i
-            messages, answer = self.dataset.item(self._row(index))
-            if self.config.system_prompt:
-                messages = [{"role": "system", "content": self.config.system_prompt}] + messages
-            records.append(PromptRecord(f"{'s' if self.split == 'train' else 'e'}{step}-p{i}", tuple(messages), answer, index))
-        return records
+        return [self._record(f"{'s' if self.split == 'train' else 'e'}{step}-p{i}", step * size + i) for i in range(size)]
+
+    def spares(self, step: int, size: int) -> list[PromptRecord]:
+        """Prompts a partial-rollout job keeps in flight beyond a step's batch, queued with step `step` (the first
+        one after a start or a rollback): rows from a stream of their own (ids x<step>-p<i>), so every batch's
+        prompts are still dispatched in order."""
+        return [self._record(f"x{step}-p{i}", SPARE_INDEX + step * size + i) for i in range(size)]
+
+    def _record(self, prompt_id: str, index: int) -> PromptRecord:
+        messages, answer = self.dataset.item(self._row(index))
+        if self.config.system_prompt:
+            messages = [{"role": "system", "content": self.config.system_prompt}] + messages
+        return PromptRecord(prompt_id, tuple(messages), answer, index)
 
 
 def eval_prompts(config: DataConfig, seed: int) -> list[PromptRecord]:

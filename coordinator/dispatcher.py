@@ -17,8 +17,9 @@ from .work_queue import EvalTask, Lease, ProbeResult, StepWork, WorkQueue
 
 
 class Dispatcher:
-    def __init__(self, max_staleness: int, lease_timeout_s: float, speculate_after_s: float | None = None):
-        self.queue = WorkQueue(max_staleness, lease_timeout_s, speculate_after_s)
+    def __init__(self, max_staleness: int, lease_timeout_s: float, speculate_after_s: float | None = None,
+                 carry_staleness: int | None = None):
+        self.queue = WorkQueue(max_staleness, lease_timeout_s, speculate_after_s, carry_staleness)
         self._lock = threading.Lock()
         self.expired: list[Lease] = []
         """Leases that timed out since the driver last asked (`take_expired`)."""
@@ -29,10 +30,10 @@ class Dispatcher:
         return now
 
     # the driver
-    def add_step(self, step: int, records: list[PromptRecord], probe: list[PromptRecord]) -> None:
+    def add_step(self, step: int, records: list[PromptRecord], probe: list[PromptRecord], needed: int | None = None) -> None:
         with self._lock:
             self._now()
-            self.queue.add_step(step, records, probe)
+            self.queue.add_step(step, records, probe, needed)
 
     def add_eval(self, task: EvalTask) -> None:
         with self._lock:
@@ -48,7 +49,7 @@ class Dispatcher:
         with self._lock:
             self._now()
             work = self.queue.steps[step]
-            return len(work.done), work.groups, work.complete
+            return len(work.done), work.groups, self.queue.step_complete(step)
 
     def take_step(self, step: int) -> StepWork:
         with self._lock:

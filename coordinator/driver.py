@@ -114,7 +114,8 @@ class TrainingJob:
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         self.dispatcher = ray.remote(Dispatcher).options(  # on the driver's node: it lives and dies with the job
             num_cpus=0, max_concurrency=64, scheduling_strategy=here).remote(
-                cfg.run.staleness, cfg.run.recovery.lease_timeout_s, cfg.run.recovery.speculate_after_s)
+                cfg.run.staleness, cfg.run.recovery.lease_timeout_s, cfg.run.recovery.speculate_after_s,
+                cfg.run.carry_staleness)
         self.bundles = SharedBundles.create(cfg) if cfg.run.placement == "colocated" else None
         self.fleet = RolloutFleet(cfg, self.model, self.credentials, self.dispatcher, self.log, self.scrape_targets,
                                   self.bundles)

@@ -29,6 +29,7 @@ from sparrow.coordinator.metrics import BatchOccupancy, BusyRate, SparrowMetrics
 from sparrow.coordinator.transport import JobCredentials, Trajectory, TrajectoryClient, TransportError, advertised_host
 from sparrow.rollout_workers.api import RequestFeed, RolloutRequest, RolloutSample, SamplingParams
 from sparrow.rollout_workers.registry import create_engine
+from sparrow.rollout_workers.resume import INTERRUPTED, join, resume_request
 from sparrow.schedule import SparsitySchedule
 from sparrow.seeds import stable_seed
 from sparrow.weight_sync import SharedMappings, current_gpu
@@ -53,6 +54,25 @@ class _Group:
     request: RolloutRequest
     started: float
     samples: list[RolloutSample] = field(default_factory=list)
+    running: dict[str, int | None] = field(default_factory=dict)
+    """Engine request ids in flight -> the sample a resumed part continues (None: the group's own request)."""
+    outstanding: dict[str, int] = field(default_factory=dict)
+    """Samples each running request has still to return."""
+    parts: dict[int, list[RolloutSample]] = field(default_factory=dict)
+    """Interrupted parts by sample index (partial rollouts), joined when the sample finishes."""
+    interrupted: bool = False
+    """Its running requests were asked to stop for a weight change; they resume once it is done."""
+
+    def run(self, request: RolloutRequest, sample: int | None) -> RolloutRequest:
+        self.running[request.request_id] = sample
+        self.outstanding[request.request_id] = request.sampling.n
+        return request
+
+    def parked(self) -> list[int]:
+        """Samples interrupted and not resumed yet (once the group's own request has returned all of its)."""
+        if None in self.running.values():
+            return []
+        return [i for i, parts in self.parts.items() if parts[-1].finish_reason == INTERRUPTED and i not in self.running.values()]
 
 
 class RolloutWorker:
@@ -93,6 +113,9 @@ class RolloutWorker:
         """The colocated trainer rank's weight buffers, mapped once (`load_shared_weights`)."""
         self._probed_modes: set[str] = set()
         """Modes a speedup probe has run (untimed) once on this engine: its later passes are timed warm."""
+        partial = self.config.run.partial_rollout
+        self._interrupt_on_sync = partial.enabled and partial.carry == "resume"
+        """Partial rollouts: held groups stop at a weight change (or sleep) and resume after it."""
 
     # ------------------------------------------------------------------ set-up and control
 
@@ -260,6 +283,11 @@ class RolloutWorker:
                 if self._stop.is_set() and not held and sender.idle:
                     break
                 wants_sync = self._sync_wanted.is_set() or self._stop.is_set() or bool(waiting) or self._asleep
+                if stream is not None and self._interrupt_on_sync and (self._sync_wanted.is_set() or self._asleep):
+                    self._interrupt_held()
+                if not wants_sync and any(g.parked() for g in self._held.values()):
+                    stream = stream or _EngineStream(self)
+                    self._resume_held(stream)
                 leases = []
                 if not wants_sync and held < capacity:
                     leases = self._lease(capacity - held)
@@ -269,7 +297,7 @@ class RolloutWorker:
                     stream = stream or _EngineStream(self)
                     for lease in groups:
                         self._start(lease, stream)
-                if stream is not None and not self._held and (wants_sync or alone or not groups):
+                if stream is not None and not self._engine_busy() and (wants_sync or alone or not groups):
                     stream.close()
                     stream = None
                 # The queue grants exclusive work to a worker it sees idle, which can happen while this one
@@ -318,19 +346,47 @@ class RolloutWorker:
         return RolloutRequest(task.request_id, tuple(ids), sampling, metadata=meta)
 
     def _start(self, lease: Lease, stream: "_EngineStream") -> None:
-        request = self._requests(lease.task)
+        group = _Group(lease, self._requests(lease.task), time.perf_counter())
         with self._held_lock:
-            self._held[lease.lease_id] = _Group(lease, request, time.perf_counter())
-        stream.feed.put(request)
+            self._held[lease.lease_id] = group
+        stream.feed.put(group.run(group.request, None))
+
+    def _engine_busy(self) -> bool:
+        """Some held group has requests in the engine (parked ones wait for the next stream)."""
+        return any(g.running for g in list(self._held.values()))
+
+    def _interrupt_held(self) -> None:
+        """Stop the held groups' requests, keeping their tokens, before a weight change or a sleep."""
+        for g in list(self._held.values()):
+            if not g.interrupted:
+                g.interrupted = True
+                for request_id in list(g.running):
+                    self.engine.interrupt(request_id)
+
+    def _resume_held(self, stream: "_EngineStream") -> None:
+        """Each interrupted sample continues as a request of its own, under the weights in force now."""
+        for g in list(self._held.values()):
+            g.interrupted = False
+            for i in g.parked():
+                stream.feed.put(g.run(resume_request(g.request, i, g.parts[i]), i))
 
     def _collect(self, sample: RolloutSample, sender: "_Sender") -> None:
-        group = next((g for g in self._held.values() if g.request.request_id == sample.request_id), None)
+        group = next((g for g in self._held.values() if sample.request_id in g.running), None)
         if group is None:  # an abandoned attempt's sample (aborted or finished late): never sent
             return
-        n = int(sample.token_ids.numel())
-        self._tokens += n
+        request_id = sample.request_id
+        index = group.running[request_id]
+        index = sample.sample_index if index is None else index
+        group.outstanding[request_id] -= 1
+        if not group.outstanding[request_id]:
+            del group.running[request_id], group.outstanding[request_id]
+        self._tokens += int(sample.token_ids.numel())
+        parts = group.parts.setdefault(index, [])
+        parts.append(sample)
+        if sample.finish_reason == INTERRUPTED:
+            return
         self._samples += 1
-        group.samples.append(sample)
+        group.samples.append(join(group.request, index, group.parts.pop(index)))
         if len(group.samples) == group.request.sampling.n:
             with self._held_lock:
                 del self._held[group.lease.lease_id]
@@ -342,7 +398,8 @@ class RolloutWorker:
             groups = [self._held.pop(i) for i in lost if i in self._held]
         for g in groups:
             if stream is not None:
-                self.engine.abort(g.request.request_id)
+                for request_id in g.running:
+                    self.engine.abort(request_id)
 
     def _probe(self, lease: Lease) -> None:
         """Sparse, then dense, on the same requests and an otherwise idle engine; nothing is sent."""
@@ -413,8 +470,8 @@ class RolloutWorker:
             with self._held_lock:
                 ids = list(self._held)
             now_tokens = self.engine.counters().tokens_generated
-            if ids and now_tokens == tokens:
-                continue  # no progress since the last beat: let the leases run out
+            if ids and now_tokens == tokens and self._engine_busy():
+                continue  # no progress since the last beat: let the leases run out (parked groups wait for a sync)
             tokens = now_tokens
             lost = self._dispatcher.renew(self.worker_id, ids, self._busy_seconds)
             if lost:

@@ -37,6 +37,8 @@ class BatchSummary:
     """Samples of abandoned lease attempts (a worker lost its group) discarded instead of trained."""
     dropped_ids: list[str] = field(default_factory=list)
     """Their sample ids (the run's ledger lists them)."""
+    resumed: int = 0
+    """Samples whose tokens span more than one policy version (partial rollouts: interrupted and resumed)."""
 
 
 @dataclass
@@ -96,6 +98,14 @@ class RolloutStats:
     """Share of that time with fewer than half of `peak_batch` in flight: the long tail of the rollout."""
     peak_batch: int | None = None
     """The most samples one engine had in flight."""
+    carried_in: int = 0
+    """Partial rollouts: groups earlier steps handed to this one (trained here or carried on)."""
+    carried_out: int = 0
+    """Partial rollouts: this step's groups handed to the next step when it closed (done, generating or queued)."""
+    resumed_samples: int = 0
+    """Trained samples whose tokens span more than one policy version (interrupted, then resumed)."""
+    staleness_histogram: dict[str, int] = field(default_factory=dict)
+    """Trained samples by how many policy versions their oldest token lags the trained policy ("0", "1", ...)."""
 
 
 LOOSE_BOUND_GAP = 0.05
@@ -296,7 +306,8 @@ def schedule_snapshot(schedule: SparsitySchedule, before: SparsitySchedule) -> S
 
 def rollout_stats(reports: list[GroupReport], summary: BatchSummary, correct: float, rollout_seconds: float,
                   speedup_measured: float | None, requeued: int, utilisation: dict[str, float],
-                  speculated: int, batch: "BatchShape | None" = None) -> RolloutStats:
+                  speculated: int, batch: "BatchShape | None" = None, carried_in: int = 0,
+                  carried_out: int = 0) -> RolloutStats:
     rewards, lengths = summary.rewards, summary.response_lengths
     tokens = sum(r.tokens for r in reports)
     return RolloutStats(
@@ -313,6 +324,8 @@ def rollout_stats(reports: list[GroupReport], summary: BatchSummary, correct: fl
         accepted=sum(r.accepted for r in reports), duplicates=sum(r.duplicate for r in reports),
         streams=sum(r.streams for r in reports), requeued=requeued, speculated=speculated, dropped=summary.dropped,
         utilisation=utilisation, groups=dict(Counter(r.worker for r in reports)),
+        carried_in=carried_in, carried_out=carried_out, resumed_samples=summary.resumed,
+        staleness_histogram={str(lag): count for lag, count in sorted(Counter(summary.staleness).items())},
         **({} if batch is None else {"busy_batch_fraction": batch.busy_batch_fraction, "tail_share": batch.tail_share,
                                      "peak_batch": batch.peak or None}),
     )

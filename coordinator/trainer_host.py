@@ -82,6 +82,7 @@ def summarise(items: list, policy_version: int, block_size: int, dropped: list[s
         prompt_lengths=[len(t.sample.prompt_token_ids) for t in ok],
         truncated=sum(t.sample.finish_reason == "length" for t in ok),
         staleness=[policy_version - t.sample.policy_version for t in ok],
+        resumed=sum("policy_versions" in t.sample.metadata for t in ok),
         kv_read_fraction=attended / dense if dense else 1.0,
         schedule_versions=sorted({t.sample.schedule_version for t in ok}), dropped=len(dropped), dropped_ids=dropped,
     )
@@ -141,8 +142,11 @@ class TrainerHost(TrainerRank):
         """Reopen the trajectory server after a Drain RPC."""
         self.server.resume()
 
-    def collect(self, step: int, expected: list[str], policy_version: int, max_staleness: int, timeout_s: float) -> dict:
-        """Take exactly the `expected` samples; shards (object refs, one per rank) and a `BatchSummary`."""
+    def collect(self, step: int, expected: list[str], policy_version: int, max_staleness: int, timeout_s: float,
+                carried: list[str] = ()) -> dict:
+        """Take exactly the `expected` samples; shards (object refs, one per rank) and a `BatchSummary`. Samples of
+        earlier steps not expected are strays (abandoned attempts) and dropped, except those of the `carried` request
+        ids (partial rollouts: groups a later step trains)."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
             if self._ingest_error:
@@ -156,7 +160,8 @@ class TrainerHost(TrainerRank):
                     )
                 self._cond.wait(min(left, 1.0))
             items = [self.pending.pop(i) for i in expected]
-            strays = [i for i, t in self.pending.items() if sample_step(t) <= step]
+            keep = set(carried)
+            strays = [i for i, t in self.pending.items() if sample_step(t) <= step and i.rsplit("#", 1)[0] not in keep]
             for i in strays:
                 del self.pending[i]
         stale = [t.sample_id for t in items if policy_version - t.sample.policy_version > max_staleness]

@@ -17,6 +17,14 @@ Admission control (staleness s): a worker at policy version v may lease a group 
 j − s ≤ v ≤ j. Together with "step j is trained at step j" this bounds every trained sample's
 staleness by s, whichever worker generated it and however often it was retried.
 
+Partial rollouts (`carry_staleness`, off by default): a step may be given more groups than it trains
+(`needed`); it closes once `needed` are done, trains the first `needed` to complete, and its other groups — done,
+generating, or not started — carry over to the next step, leases and attempts unchanged (the worker holding one
+interrupts it at its next weight change and resumes it, `sparrow.rollout_workers.resume`). A group's **home** is
+the step it now counts toward. Bound: a group leased at policy version v that would be trained after step
+`v + carry_staleness` holds its step open until it is done, so no trained sample's oldest token is more than
+`carry_staleness` versions behind the policy that trains it.
+
 Times are passed in (`now`), so the bookkeeping is deterministic and unit-testable.
 """
 
@@ -82,6 +90,8 @@ class Lease:
     worker: str
     expires: float
     granted: float
+    policy_version: int = 0
+    """The worker's policy version when granted: a group's tokens are no older than it."""
 
     @property
     def exclusive(self) -> bool:
@@ -93,6 +103,7 @@ class Lease:
 class StepWork:
     step: int
     groups: int
+    """Groups this step trains (`needed`); more may be queued (spares, groups carried in)."""
     pending: "OrderedDict[str, GroupTask]" = field(default_factory=OrderedDict)
     done: dict[str, tuple[GroupTask, GroupReport]] = field(default_factory=dict)
     probe: ProbeTask | None = None
@@ -106,10 +117,16 @@ class StepWork:
     samples is trained."""
     first_lease: float | None = None
     last_done: float | None = None
+    carried_in: int = 0
+    """Groups a previous step handed over (partial rollouts)."""
+    leased_at: dict[str, int] = field(default_factory=dict)
+    """Per group done: the policy version its completing attempt was leased at."""
+    carried_out: list[str] = field(default_factory=list)
+    """Request ids of this step's groups handed to the next step when it closed (leased ones keep generating)."""
 
     @property
     def complete(self) -> bool:
-        return len(self.done) == self.groups and (self.probe is None or self.probe_result is not None)
+        return len(self.done) >= self.groups and (self.probe is None or self.probe_result is not None)
 
 
 @dataclass
@@ -131,13 +148,20 @@ class LeaseError(RuntimeError):
 
 
 class WorkQueue:
-    def __init__(self, max_staleness: int, lease_timeout_s: float, speculate_after_s: float | None = None):
+    def __init__(self, max_staleness: int, lease_timeout_s: float, speculate_after_s: float | None = None,
+                 carry_staleness: int | None = None):
         if max_staleness < 0 or lease_timeout_s <= 0:
             raise ValueError(f"max_staleness={max_staleness} must be >= 0 and lease_timeout_s={lease_timeout_s} > 0")
         if speculate_after_s is not None and speculate_after_s <= 0:
             raise ValueError(f"speculate_after_s={speculate_after_s} must be > 0 (or None: no speculation)")
+        if carry_staleness is not None and carry_staleness <= max_staleness:
+            raise ValueError(f"carry_staleness={carry_staleness} must exceed max_staleness={max_staleness} (a carried "
+                             "group trains at least one step later than it could without carrying)")
         self.max_staleness, self.lease_timeout_s = max_staleness, lease_timeout_s
         self.speculate_after_s = speculate_after_s
+        self.carry_staleness = carry_staleness
+        self.home: dict[tuple[int, str], int] = {}
+        """Carried groups (their step and prompt) -> the step they now count toward; others count toward their own."""
         self.steps: dict[int, StepWork] = {}
         self.evals: dict[int, EvalWork] = {}
         """Evaluations by the policy version they score."""
@@ -149,14 +173,26 @@ class WorkQueue:
 
     # ------------------------------------------------------------------ the coordinator's side
 
-    def add_step(self, step: int, records: list[PromptRecord], probe: list[PromptRecord] = ()) -> None:
-        if step in self.steps:
+    def add_step(self, step: int, records: list[PromptRecord], probe: list[PromptRecord] = (),
+                 needed: int | None = None) -> None:
+        """Queue a step's groups; it trains `needed` of them (default: all; fewer only with partial rollouts)."""
+        needed = len(records) if needed is None else needed
+        if step in self.steps and self.steps[step].groups:
             raise ValueError(f"step {step} is already queued")
-        work = StepWork(step, len(records), probe=ProbeTask(step, tuple(probe)) if probe else None)
+        if needed < len(records) and self.carry_staleness is None:
+            raise ValueError(f"step {step}: {len(records)} groups for {needed} trained needs partial rollouts")
+        work = self.steps.pop(step, None) or StepWork(step, 0)  # groups carried in wait in a placeholder
+        work.groups, work.probe = needed, ProbeTask(step, tuple(probe)) if probe else None
         for r in records:
             task = GroupTask(step, r, self._new_attempt(r.prompt_id))
             work.pending[r.prompt_id] = task
         self.steps[step] = work
+
+    def _home(self, task: GroupTask) -> int:
+        return self.home.get(task.group, task.step)
+
+    def _work_of(self, task) -> "StepWork | None":
+        return self.steps.get(self._home(task) if isinstance(task, GroupTask) else task.step)
 
     def _new_attempt(self, prompt_id: str) -> int:
         attempt = self._attempts.get(prompt_id, -1) + 1
@@ -176,20 +212,63 @@ class WorkQueue:
         return self.evals.pop(version).result
 
     def step_complete(self, step: int) -> bool:
-        return self.steps[step].complete
+        work = self.steps[step]
+        return work.groups > 0 and work.complete and not self.held_open(step)
+
+    def held_open(self, step: int) -> list[Lease]:
+        """Leases of groups at home in `step` that may not carry over: trained later, their oldest tokens would be
+        more than `carry_staleness` versions old."""
+        if self.carry_staleness is None:
+            return []
+        return [lease for lease in self.leases.values() if isinstance(lease.task, GroupTask)
+                and self._home(lease.task) == step and step + 1 - lease.policy_version > self.carry_staleness]
 
     def take_step(self, step: int) -> StepWork:
-        """A complete step's results; the step leaves the queue."""
+        """A complete step's results; the step leaves the queue. With partial rollouts it trains the groups done
+        that may not carry (the staleness bound) and then the first done, `groups` in all; the rest carry over."""
         work = self.steps[step]
-        if not work.complete:
-            raise ValueError(f"step {step} is not complete: {len(work.done)} of {work.groups} groups done")
-        return self.steps.pop(step)
+        if not self.step_complete(step):
+            raise ValueError(f"step {step} is not complete: {len(work.done)} of {work.groups} groups done"
+                             + (f", {len(self.held_open(step))} held open" if self.held_open(step) else ""))
+        self.steps.pop(step)
+        if self.carry_staleness is not None:
+            self._carry(work)
+        for group in [g for g, home in self.home.items() if home == step]:
+            del self.home[group]
+        return work
+
+    def _carry(self, work: StepWork) -> None:
+        """Hand `work`'s groups beyond the ones it trains to the next step (a placeholder until that is queued)."""
+        nxt = self.steps.setdefault(work.step + 1, StepWork(work.step + 1, 0))
+        moved: set[tuple[int, str]] = set()
+        must = [p for p in work.done if work.step + 1 - work.leased_at[p] > self.carry_staleness]
+        trained = must + [p for p in work.done if p not in must][:max(work.groups - len(must), 0)]
+        for prompt_id in [p for p in work.done if p not in trained]:
+            task, report = work.done.pop(prompt_id)
+            nxt.done[prompt_id] = (task, report)
+            nxt.leased_at[prompt_id] = work.leased_at.pop(prompt_id)
+            moved.add(task.group)
+            work.carried_out.append(task.request_id)
+        while work.pending:
+            prompt_id, task = work.pending.popitem(last=False)
+            nxt.pending[prompt_id] = task
+            moved.add(task.group)
+        for lease in self.leases.values():
+            if isinstance(lease.task, GroupTask) and self._home(lease.task) == work.step:
+                moved.add(lease.task.group)
+                work.carried_out.append(lease.task.request_id)
+        for group in moved:
+            self.home[group] = nxt.step
+        nxt.carried_in += len(moved)
 
     def discard_from(self, step: int) -> list[Lease]:
-        """Forget steps >= `step` (a trainer rollback regenerates them); their leases become invalid."""
-        dropped = [lease for lease in self.leases.values() if lease.task.step >= step]
+        """Forget steps >= `step` (a trainer rollback regenerates them), and the groups carried into them; their
+        leases become invalid."""
+        dropped = [lease for lease in self.leases.values()
+                   if (self._home(lease.task) if isinstance(lease.task, GroupTask) else lease.task.step) >= step]
         for lease in dropped:
             del self.leases[lease.lease_id]
+        self.home = {g: home for g, home in self.home.items() if home < step}
         for s in [s for s in self.steps if s >= step]:
             del self.steps[s]
         for v in [v for v in self.evals if v >= step]:
@@ -218,15 +297,15 @@ class WorkQueue:
 
     def _requeue(self, lease: Lease) -> None:
         del self.leases[lease.lease_id]
-        if isinstance(lease.task, GroupTask) and lease.task.step in self.steps:
-            self.steps[lease.task.step].abandoned.append(lease.task.request_id)
+        if isinstance(lease.task, GroupTask) and self._work_of(lease.task) is not None:
+            self._work_of(lease.task).abandoned.append(lease.task.request_id)
         if isinstance(lease.task, GroupTask) and self._attempts_of(lease.task):
             return  # another worker's attempt of the same group (speculation) still runs: it is the group's now
         if isinstance(lease.task, EvalTask):
             if lease.task.version in self.evals:
                 self.evals[lease.task.version].leased = False
             return
-        work = self.steps.get(lease.task.step)
+        work = self._work_of(lease.task)
         if work is None:
             return
         task = lease.task
@@ -263,7 +342,8 @@ class WorkQueue:
                 work.probe_leased = True
                 return [self._grant(work, work.probe, worker, now)]
         steps = {w.step for w in admissible}
-        leased = [lease for lease in self.leases.values() if isinstance(lease.task, GroupTask) and lease.task.step in steps]
+        leased = [lease for lease in self.leases.values()
+                  if isinstance(lease.task, GroupTask) and self._home(lease.task) in steps]
         outstanding = sum(len(w.pending) for w in admissible) + len(leased)
         active = sum(1 for s in self.workers.values() if not s.retiring and now - s.last_seen < self.lease_timeout_s)
         mine = sum(lease.worker == worker for lease in leased)
@@ -272,16 +352,16 @@ class WorkQueue:
         for work in admissible:
             while work.pending and len(out) < share:
                 _, task = work.pending.popitem(last=False)
-                out.append(self._grant(work, task, worker, now))
+                out.append(self._grant(work, task, worker, now, policy_version))
         if not out and idle and self.speculate_after_s is not None and not any(w.pending for w in admissible):
-            out = self._backups(worker, steps, max_groups, now)
+            out = self._backups(worker, steps, max_groups, now, policy_version)
         return out
 
-    def _backups(self, worker: str, steps: set[int], max_groups: int, now: float) -> list[Lease]:
+    def _backups(self, worker: str, steps: set[int], max_groups: int, now: float, policy_version: int) -> list[Lease]:
         """New attempts, for an idle `worker`, of groups other workers have held `speculate_after_s` or longer."""
         held: dict[tuple[int, str], list[Lease]] = {}
         for lease in self.leases.values():
-            if isinstance(lease.task, GroupTask) and lease.task.step in steps:
+            if isinstance(lease.task, GroupTask) and self._home(lease.task) in steps:
                 held.setdefault(lease.task.group, []).append(lease)
         candidates = sorted((leases[0] for leases in held.values()
                              if len(leases) == 1 and leases[0].worker != worker
@@ -289,9 +369,9 @@ class WorkQueue:
                             key=lambda lease: lease.granted)
         out = []
         for lease in candidates[:max_groups]:
-            work = self.steps[lease.task.step]
+            work = self._work_of(lease.task)
             task = GroupTask(lease.task.step, lease.task.record, self._new_attempt(lease.task.record.prompt_id))
-            out.append(self._grant(work, task, worker, now))
+            out.append(self._grant(work, task, worker, now, policy_version))
             work.speculated += 1
         return out
 
@@ -299,8 +379,8 @@ class WorkQueue:
         """The leases held on `task`'s group (its step and prompt), whatever their attempt."""
         return [lease for lease in self.leases.values() if isinstance(lease.task, GroupTask) and lease.task.group == task.group]
 
-    def _grant(self, work: StepWork | None, task, worker: str, now: float) -> Lease:
-        lease = Lease(self._next_lease, task, worker, now + self.lease_timeout_s, now)
+    def _grant(self, work: StepWork | None, task, worker: str, now: float, policy_version: int = 0) -> Lease:
+        lease = Lease(self._next_lease, task, worker, now + self.lease_timeout_s, now, policy_version)
         self._next_lease += 1
         self.leases[lease.lease_id] = lease
         if work is not None and work.first_lease is None:
@@ -334,11 +414,12 @@ class WorkQueue:
         if isinstance(lease.task, EvalTask):
             self.evals[lease.task.version].result = result
             return
-        work = self.steps[lease.task.step]
+        work = self._work_of(lease.task)
         if isinstance(lease.task, ProbeTask):
             work.probe_result = result
         else:
             work.done[lease.task.record.prompt_id] = (lease.task, result)
+            work.leased_at[lease.task.record.prompt_id] = lease.policy_version
             for other in self._attempts_of(lease.task):  # a speculative twin: withdrawn, never trained
                 del self.leases[other.lease_id]
                 work.abandoned.append(other.task.request_id)

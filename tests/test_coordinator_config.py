@@ -104,6 +104,23 @@ def test_a_colocated_placement_pairs_pools_that_can_take_turns():
         ["run.placement=colocated", "rollout.engine=vllm", "rollout.sampling.top_p=1.0"])
 
 
+def test_partial_rollouts_bound_staleness_past_the_runs_and_need_an_engine_that_interrupts():
+    sync = load_config(None, ["run.partial_rollout.enabled=true", "run.mode=sync"])
+    assert (sync.run.carry_staleness, sync.run.trained_staleness) == (1, 1)
+    off = load_config(None, ["run.mode=sync"])
+    assert off.run.carry_staleness is None and off.run.trained_staleness == 0
+    asynchronous = load_config(None, ["run.partial_rollout.enabled=true", "run.mode=async", "run.max_staleness=2"])
+    assert asynchronous.run.carry_staleness == 3
+    assert "run.partial_rollout.max_staleness=2 must exceed the run's staleness (2)" in _error(
+        ["run.partial_rollout.enabled=true", "run.mode=async", "run.max_staleness=2", "run.partial_rollout.max_staleness=2"])
+    assert ("run.partial_rollout.carry='resume' needs an engine that interrupts a sample and keeps its tokens; "
+            "rollout.engine='vllm' does not") in _error(
+        ["run.partial_rollout.enabled=true", "rollout.engine=vllm", "rollout.sampling.top_p=1.0"])
+    finish = ["run.partial_rollout.enabled=true", "run.partial_rollout.carry=finish", "rollout.engine=vllm"]
+    assert load_config(None, finish).run.partial_rollout.carry == "finish"
+    assert "extra_groups" in _error(["run.partial_rollout.extra_groups=0"])
+
+
 def test_set_override_parsing():
     data = {}
     set_override(data, "a.b.c=1e-5")

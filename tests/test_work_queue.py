@@ -196,3 +196,63 @@ def test_every_group_completes_exactly_once_under_random_faults(speculate_after_
     all_ids = [i for w in finished.values() for _, rep in w.done.values() for i in rep.sample_ids]
     assert len(all_ids) == len(set(all_ids)) == steps * groups * 2
     assert (sum(w.speculated for w in finished.values()) > 0) == (speculate_after_s is not None)
+
+
+def test_partial_rollouts_train_the_first_groups_done_and_carry_the_rest_with_their_leases():
+    q = WorkQueue(max_staleness=0, lease_timeout_s=10, carry_staleness=2)
+    q.add_step(0, records(0, 3) + records(90, 2), needed=3)  # 2 spare groups
+    leases = q.lease("w", 0, 8, now=0.0)
+    assert len(leases) == 5 and all(lease.policy_version == 0 for lease in leases)
+    for lease in [leases[4], leases[1], leases[0], leases[2]]:  # completion order: s90-p1, s0-p1, s0-p0, s0-p2
+        q.complete("w", lease.lease_id, report("w", lease.task), now=1.0)
+    assert q.step_complete(0)
+    work = q.take_step(0)
+    assert list(work.done) == ["s90-p1", "s0-p1", "s0-p0"], "the first 3 done are trained"
+    assert sorted(work.carried_out) == ["s0-p2", "s90-p0"], "one done, one still generating: both carry over"
+    q.add_step(1, records(1, 3), needed=3)
+    nxt = q.steps[1]
+    assert nxt.carried_in == 2 and list(nxt.done) == ["s0-p2"] and len(nxt.pending) == 3
+    assert q.renew("w", [leases[3].lease_id], now=2.0) == [], "the carried lease is still held: it keeps generating"
+    q.complete("w", leases[3].lease_id, report("w", leases[3].task), now=3.0)
+    assert list(nxt.done) == ["s0-p2", "s90-p0"], "a carried group completes into the step it now counts toward"
+    for lease in q.lease("w", 1, 8, now=3.0)[:1]:
+        q.complete("w", lease.lease_id, report("w", lease.task), now=4.0)
+    work = q.take_step(1)
+    assert list(work.done) == ["s0-p2", "s90-p0", "s1-p0"] and sorted(work.carried_out) == ["s1-p1", "s1-p2"]
+    assert work.carried_out and len(q.steps[2].pending) == 0, "groups leased at step 1 carry as leases"
+
+
+def test_a_group_that_would_pass_the_staleness_bound_holds_its_step_open():
+    q = WorkQueue(max_staleness=0, lease_timeout_s=10, carry_staleness=1)
+    q.add_step(0, records(0, 2), needed=1)
+    slow, fast = q.lease("w", 0, 8, now=0.0)
+    q.complete("w", fast.lease_id, report("w", fast.task), now=1.0)
+    assert q.step_complete(0), "step 0 closes: the slow group, leased at version 0, may still train at step 1"
+    q.take_step(0)
+    q.add_step(1, records(1, 2), needed=1)
+    first = q.lease("w", 1, 8, now=2.0)
+    q.complete("w", first[0].lease_id, report("w", first[0].task), now=3.0)
+    assert len(q.steps[1].done) == 1 and not q.step_complete(1), "trained at step 2 it would be 2 versions old"
+    assert [lease.lease_id for lease in q.held_open(1)] == [slow.lease_id]
+    with pytest.raises(ValueError, match="1 held open"):
+        q.take_step(1)
+    q.complete("w", slow.lease_id, report("w", slow.task), now=4.0)
+    assert q.step_complete(1) and "s0-p0" in q.take_step(1).done
+
+
+def test_a_carried_group_whose_worker_is_lost_is_requeued_whole_and_a_rollback_drops_carried_groups():
+    q = WorkQueue(max_staleness=0, lease_timeout_s=10, carry_staleness=2)
+    q.add_step(0, records(0, 2), needed=1)
+    a, b = q.lease("w1", 0, 8, now=0.0)
+    q.complete("w1", a.lease_id, report("w1", a.task), now=1.0)
+    q.take_step(0)
+    assert q.release("w1") == [b], "the carried lease is the lost worker's"
+    q.add_step(1, records(1, 1), needed=1)
+    retry = q.lease("w2", 1, 8, now=2.0)
+    assert sorted(lease.task.request_id for lease in retry) == ["s0-p1.r1", "s1-p0"], "a new attempt, leased fresh"
+    assert q.steps[1].abandoned == ["s0-p1"], "the lost attempt's samples are never trained"
+    assert len(q.discard_from(1)) == 2 and q.home == {} and 1 not in q.steps
+    with pytest.raises(ValueError, match="needs partial rollouts"):
+        WorkQueue(max_staleness=0, lease_timeout_s=10).add_step(0, records(0, 2), needed=1)
+    with pytest.raises(ValueError, match="carry_staleness=1 must exceed max_staleness=1"):
+        WorkQueue(max_staleness=1, lease_timeout_s=10, carry_staleness=1)

@@ -37,6 +37,8 @@ class StepLoop:
         self.busy_mark = (time.perf_counter(), {})
         self.occupancy_mark: dict[str, list[float]] = {}
         """Each worker's cumulative `BatchOccupancy` when the previous step's rollouts were in."""
+        self.spares_due = True
+        """Partial rollouts: the next step queued brings the spare groups (after a start or a rollback)."""
 
     def dispatch_until(self, last: int) -> None:
         """Queue the groups of every step up to `last` not yet queued (admission happens at lease time)."""
@@ -44,15 +46,21 @@ class StepLoop:
         first = max([job.step - 1, *self.inflight]) + 1
         every, n = job.config.rollout.speedup_probe_every, job.config.rollout.sampling.n
         probe_groups = max(1, job.config.rollout.engine_config().max_num_seqs // n)
+        run = job.config.run
         for j in range(first, last + 1):
-            records = job.data.batch(j, job.config.run.prompts_per_step)
+            records = job.data.batch(j, run.prompts_per_step)
             probe = records[:probe_groups] if every and j % every == 0 else []
-            ray.get(job.dispatcher.add_step.remote(j, records, probe))
+            if run.partial_rollout.enabled and self.spares_due:
+                records += job.data.spares(j, run.partial_rollout.extra_groups)
+                self.spares_due = False
+            ray.get(job.dispatcher.add_step.remote(j, records, probe, run.prompts_per_step))
             self.inflight.add(j)
 
     def forget_from(self, step: int) -> None:
-        """The job went back to `step` (a trainer recovery): steps from there on are queued again."""
+        """The job went back to `step` (a trainer recovery): steps from there on are queued again (with the spares:
+        the groups carried into them are gone with them)."""
         self.inflight = {j for j in self.inflight if j < step}
+        self.spares_due = True
 
     def _utilisation(self, now: float) -> dict[str, float]:
         """Per worker: engine-busy seconds over wall seconds since the previous step's rollouts completed."""
@@ -105,7 +113,7 @@ class StepLoop:
             for sid, field, message in g.rejected:
                 job.log(f"step {k + 1}: {g.worker} sample {sid} rejected by the trainer ({field}: {message})")
         collected = job.trainers.call([job.trainers.rank0.collect.remote(
-            k, expected, job.version, cfg.run.staleness, cfg.run.collect_timeout_s)])[0]
+            k, expected, job.version, cfg.run.trained_staleness, cfg.run.collect_timeout_s, work.carried_out)])[0]
         t_collect = time.perf_counter()
         shards = collected["shards"]
         results: list[ShardResult] = job.trainers.call([a.train_shard.remote(s, k) for a, s in zip(job.trainers.actors, shards)])
@@ -131,7 +139,8 @@ class StepLoop:
             step=k, policy_version=job.version - 1,
             rollout=rollout_stats(groups, collected["summary"], cfg.reward.correct, _rollout_seconds(work),
                                   work.probe_result.speedup if work.probe_result else None, work.requeued,
-                                  self._utilisation(t_rollout), work.speculated, batch),
+                                  self._utilisation(t_rollout), work.speculated, batch, work.carried_in,
+                                  len(work.carried_out)),
             train=results[0].metrics,
             alpha=alpha_tail(alpha, upper, percentile),
             schedule=schedule_snapshot(job.schedule, before),
