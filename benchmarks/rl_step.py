@@ -43,7 +43,14 @@ def register(actions) -> None:
     p.add_argument("--prompts", type=int, default=1, help="prompts per step")
     p.add_argument("--samples", type=int, default=8, help="samples per prompt")
     p.add_argument("--prompt-tokens", type=int, default=256)
-    p.add_argument("--max-tokens", type=int, default=32768, help="generated tokens per sample (always reached)")
+    p.add_argument("--max-tokens", type=int, default=32768,
+                   help="generated tokens per sample (always reached, unless --stop-at-eos)")
+    p.add_argument("--stop-at-eos", action="store_true",
+                   help="variable lengths: samples end at EOS, which a random-weight model draws about once per "
+                        "vocabulary size of tokens (geometric lengths, mean ~2K with the 2,048-token vocabulary)")
+    p.add_argument("--partial-rollout", type=int, default=0, metavar="EXTRA",
+                   help="run.partial_rollout with EXTRA groups in flight beyond --prompts (0 = off)")
+    p.add_argument("--carry", default="resume", choices=("resume", "finish"), help="run.partial_rollout.carry")
     p.add_argument("--steps", type=int, default=1, help="timed steps (the job is set to one more, so none checkpoints)")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--kv-cache-dtype", default="auto", help="rollout.native.kv_cache_dtype (fp8_e4m3: half the pages)")
@@ -99,7 +106,7 @@ def job_config(args, model_dir: Path, prompts_path: Path, run_root: Path) -> dic
     from sparrow.layout import BLOCK_SIZE
 
     length = args.prompt_tokens + args.max_tokens + 64
-    batch = args.prompts * args.samples
+    batch = (args.prompts + args.partial_rollout) * args.samples
     blocks = batch * (-(-length // BLOCK_SIZE) + 2)
     cuda = args.device == "cuda"
     share = args.pool_gpus if cuda else 0.0
@@ -115,7 +122,7 @@ def job_config(args, model_dir: Path, prompts_path: Path, run_root: Path) -> dic
                        "max_model_len": length, "max_num_seqs": batch, "num_kv_blocks": blocks,
                        "prefill_chunk_size": max(2048, args.prompt_tokens), "kv_cache_dtype": args.kv_cache_dtype},
             "sampling": {"temperature": 1.0, "top_p": 1.0, "max_tokens": args.max_tokens, "n": args.samples,
-                         "ignore_eos": True},
+                         "ignore_eos": not args.stop_at_eos},
         },
         "trainer": {"pool": {"size": 1, "cpus": 4 if cuda else 1, "gpus": share}, "device": args.device,
                     "dtype": "bfloat16" if cuda else "float32", "zero_stage": 2, "gradient_checkpointing": True,
@@ -124,6 +131,8 @@ def job_config(args, model_dir: Path, prompts_path: Path, run_root: Path) -> dic
         "metrics": {"enabled": False},
         "run": {"steps": args.steps + 1, "prompts_per_step": args.prompts, "mode": args.run_mode,
                 "placement": args.placement, "weights_channel": args.weights_channel, "checkpoint_every": 0,
+                "partial_rollout": {"enabled": args.partial_rollout > 0, "extra_groups": max(args.partial_rollout, 1),
+                                    "carry": args.carry},
                 "out_dir": str(run_root), **({"cost_hardware": "h200"} if cuda else {})},
     }
 
@@ -165,18 +174,22 @@ def step_row(record, wall: float, busy: float | None) -> dict:
             "transitions": t.transitions, "samples": record.rollout.samples, "tokens": record.rollout.tokens,
             "rollout_tokens_per_s": record.rollout.tokens_per_s, "kv_read_fraction": record.rollout.kv_read_fraction,
             "prompt_tokens_mean": record.rollout.prompt_length_mean,
-            "response_tokens_mean": record.rollout.response_length_mean}
+            "response_tokens_mean": record.rollout.response_length_mean,
+            "response_tokens_max": record.rollout.response_length_max, "tail_share": record.rollout.tail_share,
+            "busy_batch_fraction": record.rollout.busy_batch_fraction, "carried_out": record.rollout.carried_out,
+            "resumed_samples": record.rollout.resumed_samples, "staleness": record.rollout.staleness_histogram}
 
 
 COLUMNS = [("step", "step"), ("wall_s", "wall s"), ("rollout_s", "rollout"), ("recompute_s", "recompute"),
            ("update_s", "update"), ("publish_s", "publish"), ("to_train_s", "to train"), ("to_rollout_s", "to rollout"),
-           ("idle_s", "idle"), ("publish_fraction", "publish %"), ("idle_fraction", "idle %"), ("gpu_busy", "GPU busy %")]
+           ("idle_s", "idle"), ("publish_fraction", "publish %"), ("idle_fraction", "idle %"), ("gpu_busy", "GPU busy %"),
+           ("tail_share", "tail %"), ("response_tokens_mean", "mean len"), ("carried_out", "carried")]
 
 
 def _cell(key: str, value) -> str:
     if value is None:
         return "-"
-    if key.endswith("fraction") or key == "gpu_busy":
+    if key.endswith("fraction") or key in ("gpu_busy", "tail_share"):
         return f"{100 * value:.1f}"
     return str(value) if isinstance(value, int) else f"{value:.2f}"
 
@@ -226,7 +239,9 @@ def run_bench(args) -> int:
               "schedule": config.rollout.schedule if args.mode == "sparse" else None,
               "device": _device_name(args.device), "prompts": args.prompts, "samples": args.samples,
               "prompt_tokens": prompt_tokens, "max_tokens": args.max_tokens, "kv_cache_dtype": args.kv_cache_dtype,
-              "weights_channel": rows[0]["publish_channel"], "startup_s": startup, "steps": rows,
+              "weights_channel": rows[0]["publish_channel"], "stop_at_eos": args.stop_at_eos,
+              "partial_rollout": args.partial_rollout, "carry": args.carry if args.partial_rollout else None,
+              "startup_s": startup, "steps": rows,
               "seconds": time.perf_counter() - started, "run_dir": str(run_dir.path)}
     out = args.out or default_out_path(result["device"], KIND)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -254,7 +269,7 @@ def merge(results: list[dict]) -> dict:
     for r in results:
         n = len(r["steps"])
         rows.append({"placement": _placement(r), "mode": r["mode"], "steps": n,
-                     **{k: _mean([s[k] for s in r["steps"]]) for k, _ in COLUMNS if k != "step"}})
+                     **{k: _mean([s.get(k) for s in r["steps"]]) for k, _ in COLUMNS if k != "step"}})
     speedups = {}
     for placement in sorted({r["placement"] for r in rows}):
         by_mode = {r["mode"]: r for r in rows if r["placement"] == placement}
@@ -266,9 +281,12 @@ def merge(results: list[dict]) -> dict:
 
 
 def _placement(result: dict) -> str:
-    """The placement and, when not sync, the run mode: the rows a dense/sparse pair is matched within."""
+    """The placement, the run mode when not sync, partial rollouts when on: the rows a dense/sparse pair is
+    matched within."""
     mode = result.get("run_mode", "sync")
-    return result["placement"] if mode == "sync" else f"{result['placement']} {mode}"
+    label = result["placement"] if mode == "sync" else f"{result['placement']} {mode}"
+    extra = result.get("partial_rollout", 0)
+    return label if not extra else f"{label} partial+{extra} {result['carry']}"
 
 
 def _mean(values: list) -> float | None:

@@ -13,7 +13,8 @@ from sparrow.coordinator.step_record import PublishStats, StepTiming
 def _args(**over):
     base = dict(shape="qwen3-1.7b", mode="sparse", schedule=None, placement="colocated", weights_channel="auto",
                 prompts=2, samples=4, prompt_tokens=256, max_tokens=4096, steps=1, device="cpu",
-                kv_cache_dtype="auto", micro_batch_tokens=None, run_mode="sync", pool_gpus=0.5)
+                kv_cache_dtype="auto", micro_batch_tokens=None, run_mode="sync", pool_gpus=0.5, stop_at_eos=False,
+                partial_rollout=0, carry="resume")
     base.update(over)
     return argparse.Namespace(**base)
 
@@ -40,11 +41,23 @@ def test_an_async_disaggregated_job_on_two_gpus(tmp_path):
     assert config.rollout.pool.gpus == config.trainer.pool.gpus == 1.0
 
 
+def test_variable_lengths_and_partial_rollouts_keep_every_group_in_flight_in_the_batch(tmp_path):
+    (tmp_path / "p.jsonl").write_text('{"prompt": "1+1", "answer": "2"}\n')
+    raw = job_config(_args(stop_at_eos=True, partial_rollout=2), tmp_path, tmp_path / "p.jsonl", tmp_path / "runs")
+    config = build_config(raw, "test")
+    assert not config.rollout.sampling.ignore_eos
+    assert config.run.partial_rollout.enabled and config.run.partial_rollout.extra_groups == 2
+    assert config.rollout.native.max_num_seqs == (2 + 2) * 4, "the spare groups decode beside the step's"
+    assert not build_config(job_config(_args(), tmp_path, tmp_path / "p.jsonl", tmp_path / "runs"), "t").run.partial_rollout.enabled
+
+
 def _record(rollout_wait, train, publish, to_train, to_rollout, update, recompute=None):
     timing = StepTiming(rollout_wait=rollout_wait, collect=0.1, train=train, publish=publish, control=0.0,
                         step=0.0, elapsed=0.0, to_train=to_train, to_rollout=to_rollout)
     rollout = SimpleNamespace(samples=8, tokens=8192, tokens_per_s=100.0, kv_read_fraction=0.25,
-                              prompt_length_mean=256.0, response_length_mean=1024.0)
+                              prompt_length_mean=256.0, response_length_mean=1024.0, response_length_max=4096,
+                              tail_share=0.4, busy_batch_fraction=0.5, carried_out=0, resumed_samples=0,
+                              staleness_histogram={"0": 8})
     train_metrics = {"train/seconds": update, **({} if recompute is None else {"recompute/seconds": recompute})}
     return SimpleNamespace(step=3, timing=timing, train=train_metrics, rollout=rollout,
                            publish=PublishStats(version=4, seconds=publish, send_seconds=publish, bytes=2 * 10**9,
@@ -78,6 +91,10 @@ def test_merge_gives_each_placements_step_and_rollout_speedup_from_mean_steps():
                     _result("dense", [300.0], [280.0], placement="disaggregated"),
                     {**_result("sparse", [90.0], [70.0], placement="disaggregated"), "run_mode": "async"}])
     assert merged["speedups"] == {"colocated": {"step": pytest.approx(2.0), "rollout": pytest.approx(190.0 / 85.0)}}, "a sync dense run is not paired with an async sparse one"
+    partial = merge([_result("dense", [100.0], [90.0]), {**_result("sparse", [50.0], [40.0]), "partial_rollout": 2,
+                                                         "carry": "resume"}])
+    assert partial["speedups"] == {}, "partial rollouts are paired with partial rollouts only"
+    assert {r["placement"] for r in partial["rows"]} == {"colocated", "colocated partial+2 resume"}
     dense = next(r for r in merged["rows"] if r["mode"] == "dense" and r["placement"] == "colocated")
     assert dense["steps"] == 2 and dense["wall_s"] == 210.0 and dense["recompute_s"] is None
 
