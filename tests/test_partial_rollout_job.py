@@ -20,14 +20,14 @@ STEPS, PROMPTS, EXTRA, N = 4, 3, 2, 2
 
 
 def _config(tmp_path, model, name: str, workers: int, settings: dict | None = None):
-    path = tiny_job(tmp_path / f"{name}.yaml", model, tmp_path / "runs", (settings or {}) | {
+    path = tiny_job(tmp_path / f"{name}.yaml", model, tmp_path / "runs", {
         "rollout.pool": {"size": workers, "cpus": 0.5},
         "rollout.native": {"max_num_seqs": 4, "max_model_len": 256, "num_kv_blocks": 256},  # 2 groups at a time
         "rollout.sampling.max_tokens": 48,
         "run.steps": STEPS, "run.prompts_per_step": PROMPTS, "run.checkpoint_every": 0,
         "run.partial_rollout": {"enabled": True, "extra_groups": EXTRA, "max_staleness": 2},
         "run.recovery": {"lease_timeout_s": 8, "hung_worker_timeout_s": 5},
-    })
+    } | (settings or {}))
     return load_config(path, [f"run.name={name}"])
 
 
@@ -80,3 +80,17 @@ def test_a_worker_killed_holding_a_carried_group_loses_nothing(ray_cluster, tiny
         _check(job, records)
     lost = [e for r in records for e in r.faults if e.kind == "rollout_worker_lost"]
     assert len(lost) == 1 and records[1].rollout.requeued >= 1, "the carried group was generated again, whole"
+
+
+def test_carry_finish_trains_carried_groups_whole_under_the_policy_that_started_them(ray_cluster, tiny_qwen3,
+                                                                                      tmp_path):
+    config = _config(tmp_path, tiny_qwen3, "partial-finish", workers=1,
+                     settings={"run.partial_rollout": {"enabled": True, "extra_groups": EXTRA, "max_staleness": 2,
+                                                       "carry": "finish"}})
+    run_dir = RunDir.create(config.run.out_dir, "partial-finish")
+    with TrainingJob(config, run_dir, progress=False) as job:
+        job.run()
+        records = [StepRecord.from_dict(r) for r in RunDir.read_jsonl(run_dir.metrics_file)]
+        _check(job, records)
+    assert sum(r.rollout.resumed_samples for r in records) == 0, "never interrupted: one version per sample"
+    assert sum(r.rollout.carried_out for r in records) >= EXTRA * STEPS
