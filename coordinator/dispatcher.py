@@ -12,6 +12,7 @@ import time
 import ray
 
 from .data import PromptRecord
+from .metrics.throughput import EngineTime
 from .step_record import EvalRecord, GroupReport
 from .work_queue import EvalTask, Lease, ProbeResult, StepWork, WorkQueue
 
@@ -78,22 +79,23 @@ class Dispatcher:
         with self._lock:
             return len(self.queue.discard_from(step))
 
-    def busy_seconds(self) -> dict[str, float]:
+    def engine_time(self) -> dict[str, EngineTime]:
+        """Each worker's latest engine-time report (the step loop's utilisation and batch shape)."""
         with self._lock:
-            return {w: s.busy_seconds for w, s in self.queue.workers.items()}
+            return {w: s.engine for w, s in self.queue.workers.items()}
 
     # the workers
-    def lease(self, worker: str, policy_version: int, max_groups: int, busy_seconds: float) -> list[Lease]:
+    def lease(self, worker: str, policy_version: int, max_groups: int, engine: EngineTime) -> list[Lease]:
         with self._lock:
-            return self.queue.lease(worker, policy_version, max_groups, self._now(), busy_seconds)
+            return self.queue.lease(worker, policy_version, max_groups, self._now(), engine)
 
-    def renew(self, worker: str, lease_ids: list[int], busy_seconds: float) -> list[int]:
+    def renew(self, worker: str, lease_ids: list[int], engine: EngineTime) -> list[int]:
         with self._lock:
-            return self.queue.renew(worker, lease_ids, self._now(), busy_seconds)
+            return self.queue.renew(worker, lease_ids, self._now(), engine)
 
-    def complete(self, worker: str, lease_id: int, result: GroupReport | ProbeResult | EvalRecord, busy_seconds: float) -> None:
+    def complete(self, worker: str, lease_id: int, result: GroupReport | ProbeResult | EvalRecord, engine: EngineTime) -> None:
         with self._lock:
-            self.queue.complete(worker, lease_id, result, self._now(), busy_seconds)
+            self.queue.complete(worker, lease_id, result, self._now(), engine)
 
 
 class DispatcherClient:
@@ -108,11 +110,11 @@ class DispatcherClient:
         method = getattr(self.dispatcher, name)
         return ray.get(method.remote(*args)) if self.remote else method(*args)
 
-    def lease(self, worker: str, policy_version: int, max_groups: int, busy_seconds: float) -> list[Lease]:
-        return self._call("lease", worker, policy_version, max_groups, busy_seconds)
+    def lease(self, worker: str, policy_version: int, max_groups: int, engine: EngineTime) -> list[Lease]:
+        return self._call("lease", worker, policy_version, max_groups, engine)
 
-    def renew(self, worker: str, lease_ids: list[int], busy_seconds: float) -> list[int]:
-        return self._call("renew", worker, lease_ids, busy_seconds)
+    def renew(self, worker: str, lease_ids: list[int], engine: EngineTime) -> list[int]:
+        return self._call("renew", worker, lease_ids, engine)
 
-    def complete(self, worker: str, lease_id: int, result: GroupReport | ProbeResult | EvalRecord, busy_seconds: float) -> None:
-        self._call("complete", worker, lease_id, result, busy_seconds)
+    def complete(self, worker: str, lease_id: int, result: GroupReport | ProbeResult | EvalRecord, engine: EngineTime) -> None:
+        self._call("complete", worker, lease_id, result, engine)

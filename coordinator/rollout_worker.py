@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 import ray
 import torch
 
-from sparrow.coordinator.metrics import BatchOccupancy, BusyRate, SparrowMetrics, start_metrics_server
+from sparrow.coordinator.metrics import BatchOccupancy, BusyRate, EngineTime, SparrowMetrics, start_metrics_server
 from sparrow.coordinator.transport import JobCredentials, Trajectory, TrajectoryClient, TransportError, advertised_host
 from sparrow.rollout_workers.api import RequestFeed, RolloutRequest, RolloutSample, SamplingParams
 from sparrow.rollout_workers.registry import create_engine
@@ -225,7 +225,7 @@ class RolloutWorker:
 
     def progress(self) -> dict:
         return {"worker": self.worker_id, "serving": self._serving, "tokens": self._tokens, "samples": self._samples,
-                "busy_seconds": self._busy_seconds, "occupancy": list(self._occupancy.seconds), "held": len(self._held), "policy_version": self.engine.policy_version,
+                "busy_seconds": self._busy_seconds, "held": len(self._held), "policy_version": self.engine.policy_version,
                 "schedule_version": self.engine.schedule_version}
 
     def parameters(self, names: list[str]) -> dict[str, torch.Tensor]:
@@ -332,7 +332,10 @@ class RolloutWorker:
             self.metrics.tokens_per_second.labels(worker=self.worker_id, pool="rollout").set(rate)
 
     def _lease(self, groups: int) -> list[Lease]:
-        return self._dispatcher.lease(self.worker_id, self.engine.policy_version, groups, self._busy_seconds)
+        return self._dispatcher.lease(self.worker_id, self.engine.policy_version, groups, self._engine_time())
+
+    def _engine_time(self) -> EngineTime:
+        return EngineTime(self._busy_seconds, tuple(self._occupancy.seconds))
 
     def _requests(self, task: GroupTask) -> RolloutRequest:
         s, r = self.config.rollout.sampling, task.record
@@ -451,7 +454,7 @@ class RolloutWorker:
 
     def _complete(self, lease: Lease, result) -> bool:
         try:
-            self._dispatcher.complete(self.worker_id, lease.lease_id, result, self._busy_seconds)
+            self._dispatcher.complete(self.worker_id, lease.lease_id, result, self._engine_time())
             return True
         except LeaseError:
             return False
@@ -473,7 +476,7 @@ class RolloutWorker:
             if ids and now_tokens == tokens and self._engine_busy():
                 continue  # no progress since the last beat: let the leases run out (parked groups wait for a sync)
             tokens = now_tokens
-            lost = self._dispatcher.renew(self.worker_id, ids, self._busy_seconds)
+            lost = self._dispatcher.renew(self.worker_id, ids, self._engine_time())
             if lost:
                 with self._held_lock:
                     self._lost.update(lost)

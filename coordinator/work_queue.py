@@ -33,6 +33,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from .data import PromptRecord
+from .metrics.throughput import EngineTime
 from .step_record import EvalRecord, GroupReport
 
 
@@ -139,7 +140,8 @@ class EvalWork:
 @dataclass
 class WorkerState:
     last_seen: float
-    busy_seconds: float = 0.0
+    engine: EngineTime = EngineTime()
+    """Its latest report (the one with the most busy seconds: reports may arrive out of order)."""
     retiring: bool = False
 
 
@@ -319,7 +321,8 @@ class WorkQueue:
 
     # ------------------------------------------------------------------ the workers' side
 
-    def lease(self, worker: str, policy_version: int, max_groups: int, now: float, busy_seconds: float = 0.0) -> list[Lease]:
+    def lease(self, worker: str, policy_version: int, max_groups: int, now: float,
+              engine: EngineTime = EngineTime()) -> list[Lease]:
         """Up to `max_groups` admissible groups (oldest step first), or, to an idle worker, one evaluation of
         exactly its version or one probe.
 
@@ -328,7 +331,7 @@ class WorkQueue:
         one that finishes early takes more of what is left. With speculation on, an idle worker that
         finds nothing pending gets backups of other workers' long-held groups (`_backups`).
         """
-        state = self._seen(worker, now, busy_seconds)
+        state = self._seen(worker, now, engine)
         if state.retiring:
             return []
         admissible = [w for s, w in sorted(self.steps.items()) if s - self.max_staleness <= policy_version <= s]
@@ -387,14 +390,16 @@ class WorkQueue:
             work.first_lease = now
         return lease
 
-    def _seen(self, worker: str, now: float, busy_seconds: float) -> WorkerState:
+    def _seen(self, worker: str, now: float, engine: EngineTime) -> WorkerState:
         state = self.workers.setdefault(worker, WorkerState(now))
-        state.last_seen, state.busy_seconds = now, max(state.busy_seconds, busy_seconds)
+        state.last_seen = now
+        if engine.busy_seconds >= state.engine.busy_seconds:
+            state.engine = engine
         return state
 
-    def renew(self, worker: str, lease_ids: list[int], now: float, busy_seconds: float = 0.0) -> list[int]:
+    def renew(self, worker: str, lease_ids: list[int], now: float, engine: EngineTime = EngineTime()) -> list[int]:
         """Extend the worker's leases; returns the ids it must abandon (expired, requeued or discarded)."""
-        self._seen(worker, now, busy_seconds)
+        self._seen(worker, now, engine)
         lost = []
         for i in lease_ids:
             lease = self.leases.get(i)
@@ -405,12 +410,12 @@ class WorkQueue:
         return lost
 
     def complete(self, worker: str, lease_id: int, result: GroupReport | ProbeResult | EvalRecord, now: float,
-                 busy_seconds: float = 0.0) -> None:
+                 engine: EngineTime = EngineTime()) -> None:
         lease = self.leases.get(lease_id)
         if lease is None or lease.worker != worker:
             raise LeaseError(f"{worker}: lease {lease_id} is no longer held (expired, requeued or discarded)")
         del self.leases[lease_id]
-        self._seen(worker, now, busy_seconds)
+        self._seen(worker, now, engine)
         if isinstance(lease.task, EvalTask):
             self.evals[lease.task.version].result = result
             return

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import ray
 
-from sparrow.coordinator.metrics import BatchShape, batch_shape, busy_fractions
+from sparrow.coordinator.metrics import BatchShape, EngineTime, batch_shape, busy_fractions
 
 from ..progress import fmt
 from ..step_record import ControllerSummary, StepRecord, StepTiming, alpha_tail, rollout_stats, schedule_snapshot
@@ -34,9 +34,8 @@ class StepLoop:
         self.evaluations: list = []
         """Held-out evaluations since the last step record (it carries them)."""
         self.events_logged = 0
-        self.busy_mark = (time.perf_counter(), {})
-        self.occupancy_mark: dict[str, list[float]] = {}
-        """Each worker's cumulative `BatchOccupancy` when the previous step's rollouts were in."""
+        self.engine_mark: tuple[float, dict[str, EngineTime]] = (time.perf_counter(), {})
+        """When the previous step's rollouts were in, and each worker's `EngineTime` then."""
         self.spares_due = True
         """Partial rollouts: the next step queued brings the spare groups (after a start or a rollback)."""
 
@@ -62,20 +61,18 @@ class StepLoop:
         self.inflight = {j for j in self.inflight if j < step}
         self.spares_due = True
 
-    def _utilisation(self, now: float) -> dict[str, float]:
-        """Per worker: engine-busy seconds over wall seconds since the previous step's rollouts completed."""
-        busy = ray.get(self.job.dispatcher.busy_seconds.remote())
-        since, before = self.busy_mark
-        self.busy_mark = (now, busy)
-        return busy_fractions(before, busy, now - since)
-
-    def _batch_shape(self) -> BatchShape:
-        """The rollout's batch over time since the previous step's rollouts (best effort: a worker that does not
-        answer within a second is left out, its time counted with the next step)."""
-        now = {r["worker"]: r["occupancy"] for r in self.job.fleet.progress() if "occupancy" in r}
-        shape = batch_shape(self.occupancy_mark, now, self.job.config.rollout.engine_config().max_num_seqs)
-        self.occupancy_mark = {**self.occupancy_mark, **now}
-        return shape
+    def _engine_window(self, now: float) -> tuple[dict[str, float], BatchShape]:
+        """Since the previous step's rollouts were in: per worker, engine-busy seconds over wall seconds, and the
+        batch over the busy time, from the workers' latest `EngineTime` reports to the dispatcher."""
+        reports = ray.get(self.job.dispatcher.engine_time.remote())
+        since, before = self.engine_mark
+        self.engine_mark = (now, {**before, **reports})
+        utilisation = busy_fractions({w: r.busy_seconds for w, r in before.items()},
+                                     {w: r.busy_seconds for w, r in reports.items()}, now - since)
+        shape = batch_shape({w: list(r.occupancy) for w, r in before.items()},
+                            {w: list(r.occupancy) for w, r in reports.items()},
+                            self.job.config.rollout.engine_config().max_num_seqs)
+        return utilisation, shape
 
     def _await_rollouts(self, step: int):
         """Wait for step `step`'s groups, supervising the fleet and moving the token bar meanwhile."""
@@ -102,7 +99,7 @@ class StepLoop:
         work = self._await_rollouts(k)
         self.inflight.discard(k)
         t_rollout = time.perf_counter()
-        batch = self._batch_shape()
+        utilisation, batch = self._engine_window(t_rollout)
         to_train = job.time_sharing.to_training()
         t_turned = time.perf_counter()
         if job.publication.loads:
@@ -139,7 +136,7 @@ class StepLoop:
             step=k, policy_version=job.version - 1,
             rollout=rollout_stats(groups, collected["summary"], cfg.reward.correct, _rollout_seconds(work),
                                   work.probe_result.speedup if work.probe_result else None, work.requeued,
-                                  self._utilisation(t_rollout), work.speculated, batch, work.carried_in,
+                                  utilisation, work.speculated, batch, work.carried_in,
                                   len(work.carried_out)),
             train=results[0].metrics,
             alpha=alpha_tail(alpha, upper, percentile),

@@ -54,7 +54,7 @@ def step_scalars(record: StepRecord) -> dict[str, float]:
         "rollout/carried_in": r.carried_in,
         "rollout/carried_out": r.carried_out,
         "rollout/resumed_samples": r.resumed_samples,
-        **_per_worker("rollout/staleness", r.staleness_histogram),
+        **_per_worker("rollout/staleness_histogram", r.staleness_histogram),
         **_per_worker("rollout/utilisation", r.utilisation),
         **_per_worker("rollout/groups", r.groups),
         **(record.train or {}),

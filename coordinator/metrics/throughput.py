@@ -1,4 +1,5 @@
-"""Tokens per engine-busy second, reported in windows: the `sparrow_rollout_tokens_per_second` gauge's arithmetic."""
+"""Engine-busy time: tokens per busy second in windows (the `sparrow_rollout_tokens_per_second` gauge), each worker's
+`EngineTime` report, and what a step reads from two of them (utilisation, batch shape)."""
 
 from dataclasses import dataclass
 
@@ -23,6 +24,16 @@ class BusyRate:
         rate = (tokens - self.tokens) / busy
         self.tokens, self.busy_seconds = tokens, busy_seconds
         return rate
+
+
+@dataclass(frozen=True)
+class EngineTime:
+    """A worker's engine time, cumulative since it started: busy seconds and `BatchOccupancy.seconds`. It travels
+    with every lease, renew and complete call to the dispatcher (one channel), which keeps the latest per worker;
+    the step loop compares two readings."""
+
+    busy_seconds: float = 0.0
+    occupancy: tuple[float, ...] = ()
 
 
 def busy_fractions(before: dict[str, float], now: dict[str, float], window_s: float) -> dict[str, float]:
