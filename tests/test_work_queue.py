@@ -256,3 +256,17 @@ def test_a_carried_group_whose_worker_is_lost_is_requeued_whole_and_a_rollback_d
         WorkQueue(max_staleness=0, lease_timeout_s=10).add_step(0, records(0, 2), needed=1)
     with pytest.raises(ValueError, match="carry_staleness=1 must exceed max_staleness=1"):
         WorkQueue(max_staleness=1, lease_timeout_s=10, carry_staleness=1)
+
+
+def test_the_queue_keeps_each_workers_latest_engine_time_whatever_order_reports_arrive_in():
+    from sparrow.coordinator.metrics import EngineTime
+
+    q = WorkQueue(max_staleness=0, lease_timeout_s=10)
+    q.add_step(0, records(0, 2))
+    (lease, *_) = q.lease("w", 0, 1, now=0.0, engine=EngineTime(2.0, (0.0, 2.0)))
+    q.renew("w", [lease.lease_id], now=1.0, engine=EngineTime(5.0, (0.0, 4.0, 1.0)))
+    q.complete("w", lease.lease_id, report("w", lease.task), now=1.5, engine=EngineTime(4.0, (0.0, 4.0)))  # older
+    assert q.workers["w"].engine == EngineTime(5.0, (0.0, 4.0, 1.0)), "a late-arriving older report is ignored"
+    q.release("w")
+    q.lease("w", 0, 1, now=2.0, engine=EngineTime(0.5, (0.0, 0.5)))
+    assert q.workers["w"].engine.busy_seconds == 0.5, "a replacement under the same name counts from 0"
