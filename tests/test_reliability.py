@@ -332,9 +332,14 @@ def test_a_replacement_that_hangs_at_start_is_replaced_in_turn(cluster, tiny_qwe
 def test_a_killed_vllm_worker_is_replaced(cluster, tiny_qwen3, tmp_path, monkeypatch):
     """The only rollout worker, a vLLM engine, is killed holding a lease: its samples wait for the replacement engine
     and are trained exactly once. One worker, not two, spares the suite a vLLM load (2-core CPU: 202 s -> 133-152 s);
-    a pool that keeps serving while a member is replaced is the native tests' case."""
+    a pool that keeps serving while a member is replaced is the native tests' case.
+
+    The same job is also the suite's `sparrow train` with `rollout.engine=vllm` (it was tests/test_train_vllm.py, a
+    third vLLM load, 60-90 s): the first step's samples, all with the initial schedule, α measured on every trained
+    token, and after each step the trainer's new weights served by the vLLM worker, the replacement included."""
     pytest.importorskip("vllm")
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core stays in the worker's process
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     config, run_dir = _job(tmp_path, tiny_qwen3, "vllm-kill", steps=2, max_tokens=16)
     config = load_config(None, [
         f"model={tiny_qwen3}", "rollout.engine=vllm", "rollout.vllm.max_model_len=512", "rollout.vllm.max_num_seqs=8",
@@ -342,10 +347,12 @@ def test_a_killed_vllm_worker_is_replaced(cluster, tiny_qwen3, tmp_path, monkeyp
         "rollout.schedule={name: tiny, edges: [80], topk_blocks: [2, 3]}", "rollout.pool={size: 1, cpus: 0.5, node_label: rollout_node}",
         "trainer.pool={size: 1, cpus: 0.5, node_label: trainer_node}", "trainer.micro_batch_tokens=512",
         "trainer.recompute_topk=8", "controller.ladder=[1, 2, 3, 4, 6]", "controller.min_samples=20",
-        "metrics.enabled=false", "run.steps=2", "run.prompts_per_step=4", "run.mode=sync",
+        "metrics.port=0", "run.steps=2", "run.prompts_per_step=4", "run.mode=sync",
         "run.recovery={lease_timeout_s: 8, hung_worker_timeout_s: 5}", f"run.out_dir={run_dir.path.parent}",
     ])
     with TrainingJob(config, run_dir, progress=False, log=_log) as job:
+        assert job.fleet.workers[0]["engine"] == "VllmEngine"
+
         def fault():
             _when(_holding(job, 0))
             ray.kill(job.fleet.pool.slots[0].actor, no_restart=True)
@@ -354,9 +361,16 @@ def test_a_killed_vllm_worker_is_replaced(cluster, tiny_qwen3, tmp_path, monkeyp
         killer.start()
         job.run(steps=1)
         killer.join()
+        assert ray.get(job.fleet.pool.slots[0].actor.policy_version.remote()) == 1, "weights reached the replacement"
         _recovered(job, {"rollout_worker_lost"})
         job.run(steps=1)
+        assert ray.get(job.fleet.pool.slots[0].actor.policy_version.remote()) == 2, "weights reached the vLLM worker"
         _assert_exactly_once(job, 2)
     _print_figures(run_dir)
-    lost = [e for r in _records(run_dir) for e in r.faults if e.kind == "rollout_worker_lost"]
+    records = _records(run_dir)
+    lost = [e for r in records for e in r.faults if e.kind == "rollout_worker_lost"]
     assert len(lost) == 1 and lost[0].subject == "rollout-0"
+    assert records[0].rollout.schedule_versions == [0]
+    for r in records:
+        assert r.rollout.samples == 8 and r.rollout.failed == 0, r.rollout
+        assert sum(r.alpha.tokens) == r.train["train/loss_tokens"] > 0
