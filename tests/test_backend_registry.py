@@ -85,3 +85,11 @@ def test_an_installed_package_registers_its_backend_through_the_entry_point(tmp_
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={"PYTHONPATH": str(tmp_path), "PATH": ""}, cwd=tmp_path).stdout
     assert out.split() == ["NativeEngineConfig", "8"]
+
+
+def test_partial_rollouts_that_resume_need_a_backend_that_interrupts(toy, monkeypatch):
+    monkeypatch.setattr(ToyEngineConfig, "interrupts", False)
+    job = ["rollout.engine=toy", "rollout.sampling.n=2", "run.partial_rollout.enabled=true"]
+    assert ("run.partial_rollout.carry='resume' needs an engine that interrupts a sample and keeps its tokens; "
+            "rollout.engine='toy' does not: set run.partial_rollout.carry='finish'") in _error(job)
+    assert load_config(None, job + ["run.partial_rollout.carry=finish"]).run.partial_rollout.carry == "finish"

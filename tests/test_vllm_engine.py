@@ -193,6 +193,37 @@ def test_fed_requests_match_generate_and_abort_ends_a_generation(sparse_qwen3):
     assert asyncio.run(collect(empty)) == []
 
 
+def test_an_interrupted_sample_keeps_its_tokens_and_resumes_to_the_uninterrupted_one(sparse_qwen3):
+    from sparrow.rollout_workers.resume import join, resume_request
+
+    sparse_qwen3.set_schedule(None)  # dense: a resumed sample's first token comes from a prefill, as parity needs
+    short = greedy_requests(random_prompts((40,), seed=8), max_tokens=4)[0]
+    long = RolloutRequest("long", random_prompts((50,), seed=9)[0],
+                          SamplingParams(max_tokens=160, temperature=0.0, logprobs=20, ignore_eos=True))
+    whole = sparse_qwen3.generate([long])[0]
+    feed = RequestFeed([short, long])
+
+    async def collect():
+        out = []
+        async for sample in sparse_qwen3.stream(feed):
+            out.append(sample)
+            if sample.request_id == short.request_id:
+                await asyncio.sleep(0.5)  # the long one decodes on
+                sparse_qwen3.interrupt("long")
+                feed.close()
+        return out
+
+    part = next(s for s in asyncio.run(collect()) if s.request_id == "long")
+    cut = int(part.token_ids.numel())
+    assert part.finish_reason == "interrupted" and part.error is None and 0 < cut < 160, (part.finish_reason, cut)
+    assert part.token_ids.tolist() == whole.token_ids[:cut].tolist(), "the tokens so far, as generated"
+    assert sparse_qwen3.counters().samples_running == 0
+    rest = sparse_qwen3.generate([resume_request(long, 0, [part])])[0]
+    joined = join(long, 0, [part, rest])
+    assert joined.token_ids.tolist() == whole.token_ids.tolist() and joined.finish_reason == "length"
+    torch.testing.assert_close(joined.logprobs, whole.logprobs, atol=LOGPROB_TOL, rtol=0)
+
+
 def test_bad_requests_fail_alone_with_a_reason(sparse_qwen3):
     good = greedy_requests(random_prompts((40,), seed=5), max_tokens=4)[0]
     nucleus = RolloutRequest("nucleus", good.prompt_token_ids, SamplingParams(max_tokens=4, temperature=1.0, top_p=0.9))

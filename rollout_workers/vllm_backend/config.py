@@ -1,6 +1,6 @@
 """`VllmEngineConfig`: the vLLM rollout engine's section of the Sparrow config (no vLLM import)."""
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -52,6 +52,8 @@ class VllmEngineConfig(EngineSettings):
     )
     trace_steps: int = Field(0, ge=0, description="keep the last N decode steps' blocks attended (tests, debugging)")
     engine_args: dict[str, Any] = Field(default_factory=dict, description="extra vllm AsyncEngineArgs (escape hatch)")
+
+    interrupts: ClassVar[bool] = True
 
     @property
     def releases_memory(self) -> bool:

@@ -66,6 +66,8 @@ class VllmEngine(RolloutEngine):
         self._running: dict[str, set[asyncio.Task]] = {}
         """Sample tasks of the running call by request id (abort cancels them)."""
         self._aborting: set[str] = set()
+        self._interrupting: set[str] = set()
+        """Requests whose running samples are being cancelled to end as "interrupted" (their tokens kept)."""
         self._feed: RequestFeed | None = None
         self._deliver = None
         """Where the running call's samples go (`_run`)."""
@@ -215,6 +217,9 @@ class VllmEngine(RolloutEngine):
 
     def abort(self, request_id: str) -> None:
         self._loop.call_soon_threadsafe(self._abort, request_id)
+
+    def interrupt(self, request_id: str) -> None:
+        self._loop.call_soon_threadsafe(self._interrupt, request_id)
 
     def _set_schedule(self, schedule: SparsitySchedule | None) -> None:
         if self.config.attention == "stock":
@@ -390,6 +395,7 @@ class VllmEngine(RolloutEngine):
         aborted = request.request_id in self._aborting
         if not tasks:
             self._aborting.discard(request.request_id)
+            self._interrupting.discard(request.request_id)
         if self._deliver is None:  # the call has ended (a stream closed early)
             return
         if task.cancelled():
@@ -408,6 +414,20 @@ class VllmEngine(RolloutEngine):
         tasks = self._running.get(request_id)
         if tasks:
             self._aborting.add(request_id)
+            for task in tasks:
+                task.cancel()
+
+    def _interrupt(self, request_id: str) -> None:
+        """On the engine loop: the request's samples still in the feed end empty, its running ones are cancelled
+        and end with the tokens they have (`_sample`)."""
+        if self._feed is not None and self._deliver is not None:
+            for request in self._feed.withdraw(request_id):
+                for index in range(request.sampling.n):
+                    self._deliver((request, RolloutSample.empty(request, index, "interrupted", self._policy_version,
+                                                                self.schedule_version)))
+        tasks = self._running.get(request_id)
+        if tasks:
+            self._interrupting.add(request_id)
             for task in tasks:
                 task.cancel()
 
@@ -457,7 +477,11 @@ class VllmEngine(RolloutEngine):
                 before = builder.num_tokens
                 builder.add(output.outputs[0])
                 self._counters["tokens_generated"] += builder.num_tokens - before
-        except (_vllm.EngineDeadError, asyncio.CancelledError):
+        except asyncio.CancelledError:
+            if request.request_id not in self._interrupting:
+                raise
+            builder.finish_reason = "interrupted"  # vLLM aborted the generation; the tokens so far are the sample
+        except _vllm.EngineDeadError:
             raise
         except Exception as exc:  # a request vLLM rejects fails alone, as the contract says
             self._counters["samples_failed"] += 1

@@ -17,7 +17,7 @@ from sparrow.layout import BLOCK_SIZE
 from sparrow.rollout_workers.api import RolloutRequest, RolloutSample
 from sparrow.schedule import SparsitySchedule
 
-FINISH_REASONS = {"stop": "stop", "length": "length"}
+FINISH_REASONS = {"stop": "stop", "length": "length", "interrupted": "interrupted"}
 
 
 def blocks_attended_per_token(
