@@ -46,8 +46,9 @@ def register(actions) -> None:
     p.add_argument("--max-tokens", type=int, default=32768,
                    help="generated tokens per sample (always reached, unless --stop-at-eos)")
     p.add_argument("--stop-at-eos", action="store_true",
-                   help="variable lengths: samples end at EOS, which a random-weight model draws about once per "
-                        "vocabulary size of tokens (geometric lengths, mean ~2K with the 2,048-token vocabulary)")
+                   help="variable lengths: samples end when the random-weight model draws its EOS token, a fixed "
+                        "chance per token (geometric lengths, capped at --max-tokens); the table's mean length says "
+                        "what it was")
     p.add_argument("--partial-rollout", type=int, default=0, metavar="EXTRA",
                    help="run.partial_rollout with EXTRA groups in flight beyond --prompts (0 = off)")
     p.add_argument("--carry", default="resume", choices=("resume", "finish"), help="run.partial_rollout.carry")
