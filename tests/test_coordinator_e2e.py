@@ -4,7 +4,8 @@ Sync job with 2 trainer ranks and weights broadcast over a gloo weight group: ev
 is trained on exactly once, also across a forced retry (the trajectory server drains mid-step, the
 workers back off and resend) and forced duplicates (resends of already-trained ids are acked
 DUPLICATE); the workers serve exactly the trainer's weights after each update; /metrics is served
-over HTTP by the coordinator, the worker and both trainer ranks, each listed in the run's file_sd file.
+over HTTP by the coordinator, the worker and both trainer ranks, each listed in the run's file_sd file;
+then the run resumed on 1 trainer rank through DeepSpeed's universal checkpoint.
 Async job (1 rank, max_staleness 1): rollouts of step k+1 run while step k trains, no sample is
 more than one policy version old, and `sparrow train --resume` continues from the checkpoint.
 """
@@ -59,9 +60,15 @@ def _scrape(url: str) -> str:
         return response.read().decode()
 
 
-def test_sync_job_trains_every_sample_exactly_once_and_publishes_weights(ray_cluster, tiny_qwen3, tmp_path):
-    config = load_config(_config_file(tmp_path, tiny_qwen3, ranks=2, steps=2, mode="sync"), ["run.weights_channel=collective"])
+def test_sync_job_trains_every_sample_exactly_once_publishes_weights_and_resumes_on_another_pool_size(
+        ray_cluster, tiny_qwen3, tmp_path, capsys):
+    """Then, saved by its 2 trainer ranks, the run resumed on 1 (`--set trainer.pool.size=1`): the checkpoint goes through
+    DeepSpeed's universal format, whose copy lives inside the checkpoint and is pruned with it. (The resume was a test
+    of its own, on a 1-step job like this one's first step.)"""
+    config = load_config(_config_file(tmp_path, tiny_qwen3, ranks=2, steps=2, mode="sync"),
+                         ["run.weights_channel=collective", "run.checkpoint_every=1"])
     run_dir = RunDir.create(config.run.out_dir, "sync")
+    run_dir.config_file.write_text(config.dump())
     initial = _initial_weights(tiny_qwen3)
     with TrainingJob(config, run_dir, progress=False, log=lambda *_: None) as job:
         assert job.channel == "collective"
@@ -130,6 +137,17 @@ def test_sync_job_trains_every_sample_exactly_once_and_publishes_weights(ray_clu
     assert run_dir.latest_tag() == "step2"
     assert not ray.util.list_named_actors(), "the job left actors behind"
 
+    assert (run_dir.checkpoints / "step2").is_dir() and not (run_dir.checkpoints / "step2" / "universal").exists()
+    assert not (run_dir.checkpoints / "step1").exists(), "keep_checkpoints=1 deletes older checkpoints"
+    capsys.readouterr()
+    resume = ["train", "--resume", str(run_dir.path), "--set", "trainer.pool.size=1", "--set", "run.steps=3"]
+    assert main([*resume, "--no-progress"]) == 0
+    assert "resumed from" in capsys.readouterr().out
+    rows = RunDir.read_jsonl(run_dir.metrics_file)
+    assert [r["step"] for r in rows] == [0, 1, 2] and [r["policy_version"] for r in rows] == [0, 1, 2]
+    assert json.loads((run_dir.checkpoints / "step3.json").read_text())["step"] == 3
+    assert not (run_dir.checkpoints / "step2").exists(), "the universal copy went with its checkpoint"
+
 
 def test_async_job_bounds_staleness_and_resumes(ray_cluster, tiny_qwen3, tmp_path, capsys):
     path = _config_file(tmp_path, tiny_qwen3, ranks=1, steps=3, mode="async")
@@ -159,25 +177,6 @@ def test_async_job_bounds_staleness_and_resumes(ray_cluster, tiny_qwen3, tmp_pat
     assert [line["policy_version"] for line in ledger] == [0, 1, 2] and all(line["schedule_versions"] for line in ledger)
     ids = [i for line in ledger for rank in line["trained_ids"] for i in rank]
     assert len(ids) == len(set(ids)) and sorted(ids) == sorted(expected_ids(job, range(3)))
-
-
-def test_resume_with_another_trainer_pool_size(ray_cluster, tiny_qwen3, tmp_path, capsys):
-    """Saved by 2 trainer ranks, resumed on 1: the checkpoint goes through DeepSpeed's universal format,
-    whose copy lives inside the checkpoint and is pruned with it."""
-    path = _config_file(tmp_path, tiny_qwen3, ranks=2, steps=2, mode="sync")
-    config = load_config(path, ["run.checkpoint_every=1", "run.name=resize"])
-    run_dir = RunDir.create(config.run.out_dir, "resize")
-    run_dir.config_file.write_text(config.dump())
-    with TrainingJob(config, run_dir, progress=False, log=lambda *_: None) as job:
-        job.run(steps=1)
-    assert (run_dir.checkpoints / "step1").is_dir() and not (run_dir.checkpoints / "step1" / "universal").exists()
-
-    assert main(["train", "--resume", str(run_dir.path), "--set", "trainer.pool.size=1", "--no-progress"]) == 0
-    assert "resumed from" in capsys.readouterr().out
-    rows = RunDir.read_jsonl(run_dir.metrics_file)
-    assert [r["step"] for r in rows] == [0, 1] and [r["policy_version"] for r in rows] == [0, 1]
-    assert json.loads((run_dir.checkpoints / "step2.json").read_text())["step"] == 2
-    assert not (run_dir.checkpoints / "step1").exists(), "the universal copy went with its checkpoint"
 
 
 def test_held_out_evaluation_before_during_and_after_training(ray_cluster, tiny_qwen3, tmp_path):
