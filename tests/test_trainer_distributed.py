@@ -197,29 +197,6 @@ def test_two_ranks_match_single_process_reference(ray_session, tiny_qwen3, case)
     assert result.alpha.tokens() == batch.num_response_tokens
 
 
-def test_checkpoint_resume_and_hf_export(ray_session, tiny_qwen3, tmp_path):
-    from transformers import AutoModelForCausalLM
-
-    group = _group(tiny_qwen3, 2)
-    try:
-        group.train_step(_batch(0))
-        tag = group.save_checkpoint(str(tmp_path / "ckpt"))
-        second = group.train_step(_batch(1)).metrics
-        w_second = _weights(group, 1)
-        assert group.load_checkpoint(str(tmp_path / "ckpt")) == {"tag": tag, "step_count": 1}
-        again = group.train_step(_batch(1)).metrics
-        w_again = _weights(group, 2)
-        exported = group.export_hf(str(tmp_path / "hf"))
-    finally:
-        group.shutdown()
-    assert again["train/pg_loss"] == second["train/pg_loss"] and again["train/lr"] == second["train/lr"]
-    assert all(torch.equal(w_second[k], w_again[k]) for k in w_second)
-    model = AutoModelForCausalLM.from_pretrained(exported["policy"], dtype=torch.float32)
-    state = model.state_dict()
-    assert all(torch.equal(state[k], w_again[k]) for k in w_again)
-    assert "tokenizer.json" in exported["files"]
-
-
 RESIZE_CASES = {  # DistillSparse needs ZeRO ≤ 2; with it the adapter and its own optimizer must come back too
     "zero2-distill": (2, {"distill_sparse": {"enabled": True, "kl_coef": 1.0, "rank": 4, "alpha": 8}, "micro_batch_tokens": 256}),
     "zero3": (3, {}),
@@ -317,7 +294,12 @@ class RolloutWorker:
         return self.engine.generate([req])[0].token_ids.tolist()
 
 
-def test_publish_into_native_engine_and_refuse_bad_updates(ray_session, tiny_qwen3):
+def test_checkpoint_resume_hf_export_and_publish_into_native_engine_refusing_bad_updates(ray_session, tiny_qwen3,
+                                                                                          tmp_path):
+    """One ZeRO-2 pool of 2 ranks (it was one per part): a checkpoint resumed exactly and exported to HF, then its
+    weights published into two native engines over a collective group and bad updates refused."""
+    from transformers import AutoModelForCausalLM
+
     from sparrow.trainer.publish import publish_state_dict
     from sparrow.weight_sync import ObjectStoreSender
 
@@ -325,6 +307,14 @@ def test_publish_into_native_engine_and_refuse_bad_updates(ray_session, tiny_qwe
     workers = [RolloutWorker.remote(str(tiny_qwen3)) for _ in range(2)]
     try:
         group.train_step(_batch(0))
+        tag = group.save_checkpoint(str(tmp_path / "ckpt"))
+        second = group.train_step(_batch(1)).metrics
+        w_second = _weights(group, 1)
+        assert group.load_checkpoint(str(tmp_path / "ckpt")) == {"tag": tag, "step_count": 1}
+        again = group.train_step(_batch(1)).metrics
+        w_again = _weights(group, 2)
+        exported = group.export_hf(str(tmp_path / "hf"))
+
         host, port = ray.get(group.actors[0].address.remote())
         joins = [w.join.remote(host, port, 3, r + 1) for r, w in enumerate(workers)]
         ray.get(group.submit("init_weight_group", host, port, 3) + joins)
@@ -355,8 +345,16 @@ def test_publish_into_native_engine_and_refuse_bad_updates(ray_session, tiny_qwe
         group.shutdown()
         for w in workers:
             ray.kill(w)
+    assert again["train/pg_loss"] == second["train/pg_loss"] and again["train/lr"] == second["train/lr"]
+    assert all(torch.equal(w_second[k], w_again[k]) for k in w_second)
+    model = AutoModelForCausalLM.from_pretrained(exported["policy"], dtype=torch.float32)
+    state = model.state_dict()
+    assert all(torch.equal(state[k], w_again[k]) for k in w_again)
+    assert "tokenizer.json" in exported["files"]
+
     assert versions == [1, 1] and version == 1 and report.version == 1 and report.num_buckets > 5
     assert report.seconds > 0 and report.metrics()["publish/bytes"] == sum(t.numel() * 4 for t in trained.values())
+    assert all(torch.equal(trained[k], w_again[k]) for k in w_again), "the pool's weights did not move after the export"
     for name, w in served.items():
         assert torch.equal(w, trained.get(name, trained["model.embed_tokens.weight"] if name == "lm_head.weight" else None))
     assert "model.norm.weight: contains NaN" in errors[0] and "still serving version 1" in errors[0]
