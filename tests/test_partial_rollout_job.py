@@ -94,3 +94,15 @@ def test_carry_finish_trains_carried_groups_whole_under_the_policy_that_started_
         _check(job, records)
     assert sum(r.rollout.resumed_samples for r in records) == 0, "never interrupted: one version per sample"
     assert sum(r.rollout.carried_out for r in records) >= EXTRA * STEPS
+
+
+def test_async_mode_carries_groups_into_steps_already_queued(ray_cluster, tiny_qwen3, tmp_path):
+    config = _config(tmp_path, tiny_qwen3, "partial-async", workers=1,
+                     settings={"run.mode": "async", "run.max_staleness": 1,
+                               "run.partial_rollout": {"enabled": True, "extra_groups": EXTRA, "max_staleness": 2}})
+    run_dir = RunDir.create(config.run.out_dir, "partial-async")
+    with TrainingJob(config, run_dir, progress=False) as job:
+        job.run()
+        records = [StepRecord.from_dict(r) for r in RunDir.read_jsonl(run_dir.metrics_file)]
+        _check(job, records)
+    assert sum(r.rollout.carried_out for r in records) >= EXTRA * STEPS
