@@ -52,34 +52,25 @@ def _check(job: TrainingJob, records: list[StepRecord]) -> Counter:
     return trained
 
 
-def test_carried_groups_resume_under_the_new_policy_and_train_exactly_once(ray_cluster, tiny_qwen3, tmp_path):
+def test_carried_groups_resume_under_the_new_policy_and_a_worker_killed_holding_one_loses_nothing(
+        ray_cluster, tiny_qwen3, tmp_path):
     # Colocated: the engine sleeps while the trainer updates, so groups still generating when a step closes are
     # interrupted there, every step (disaggregated, they go on generating during the update and may finish first).
     config = _config(tmp_path, tiny_qwen3, "partial", workers=1, settings={"run.placement": "colocated"})
     run_dir = RunDir.create(config.run.out_dir, "partial")
     with TrainingJob(config, run_dir, progress=False) as job:
-        job.run()
-        records = [StepRecord.from_dict(r) for r in RunDir.read_jsonl(run_dir.metrics_file)]
-        _check(job, records)
-    assert all(r.rollout.carried_out >= EXTRA for r in records), [r.rollout.carried_out for r in records]
-    assert sum(r.rollout.resumed_samples for r in records) > 0, "some samples span two policy versions"
-    assert any(r.rollout.staleness_histogram.get("1") for r in records[1:]), "carried samples lag one version"
-
-
-def test_a_worker_killed_holding_a_carried_group_loses_nothing(ray_cluster, tiny_qwen3, tmp_path):
-    config = _config(tmp_path, tiny_qwen3, "partial-kill", workers=1, settings={"run.placement": "colocated"})
-    run_dir = RunDir.create(config.run.out_dir, "partial-kill")
-    with TrainingJob(config, run_dir, progress=False) as job:
         job.run(steps=1)
         held = [s for s in job.fleet.pool.slots.values() if ray.get(s.actor.progress.remote())["held"]]
         assert held, "step 0 closed with carried groups, resumed by the worker once it woke"
-        victim = held[0]
-        ray.kill(victim.actor, no_restart=True)
+        ray.kill(held[0].actor, no_restart=True)
         job.run()
         records = [StepRecord.from_dict(r) for r in RunDir.read_jsonl(run_dir.metrics_file)]
         _check(job, records)
     lost = [e for r in records for e in r.faults if e.kind == "rollout_worker_lost"]
     assert len(lost) == 1 and records[1].rollout.requeued >= 1, "the carried group was generated again, whole"
+    assert all(r.rollout.carried_out >= EXTRA for r in records), [r.rollout.carried_out for r in records]
+    assert sum(r.rollout.resumed_samples for r in records) > 0, "some samples span two policy versions"
+    assert any(r.rollout.staleness_histogram.get("1") for r in records[1:]), "carried samples lag one version"
 
 
 def test_carry_finish_trains_carried_groups_whole_under_the_policy_that_started_them(ray_cluster, tiny_qwen3,
