@@ -132,8 +132,8 @@ def job_config(args, model_dir: Path, prompts_path: Path, run_root: Path) -> dic
         "metrics": {"enabled": False},
         "run": {"steps": args.steps + 1, "prompts_per_step": args.prompts, "mode": args.run_mode,
                 "placement": args.placement, "weights_channel": args.weights_channel, "checkpoint_every": 0,
-                "partial_rollout": {"enabled": args.partial_rollout > 0, "extra_groups": max(args.partial_rollout, 1),
-                                    "carry": args.carry},
+                **({"partial_rollout": {"enabled": True, "extra_groups": args.partial_rollout, "carry": args.carry}}
+                   if args.partial_rollout else {}),
                 "out_dir": str(run_root), **({"cost_hardware": "h200"} if cuda else {})},
     }
 

@@ -27,9 +27,9 @@ import torch
 
 from sparrow.coordinator.metrics import BatchOccupancy, BusyRate, EngineTime, SparrowMetrics, start_metrics_server
 from sparrow.coordinator.transport import JobCredentials, Trajectory, TrajectoryClient, TransportError, advertised_host
-from sparrow.rollout_workers.api import RequestFeed, RolloutRequest, RolloutSample, SamplingParams
+from sparrow.rollout_workers.api import INTERRUPTED, RequestFeed, RolloutRequest, RolloutSample, SamplingParams
 from sparrow.rollout_workers.registry import create_engine
-from sparrow.rollout_workers.resume import INTERRUPTED, join, resume_request
+from sparrow.rollout_workers.resume import join, resume_request
 from sparrow.schedule import SparsitySchedule
 from sparrow.seeds import stable_seed
 from sparrow.weight_sync import SharedMappings, current_gpu

@@ -122,8 +122,10 @@ class StepWork:
     """Groups a previous step handed over (partial rollouts)."""
     leased_at: dict[str, int] = field(default_factory=dict)
     """Per group done: the policy version its completing attempt was leased at."""
-    carried_out: list[str] = field(default_factory=list)
-    """Request ids of this step's groups handed to the next step when it closed (leased ones keep generating)."""
+    carried_out: int = 0
+    """This step's groups handed to the next step when it closed: done, generating or not started."""
+    carried_requests: list[str] = field(default_factory=list)
+    """The request ids among them whose samples may still reach the trainer (done, or leased and generating)."""
 
     @property
     def complete(self) -> bool:
@@ -250,7 +252,7 @@ class WorkQueue:
             nxt.done[prompt_id] = (task, report)
             nxt.leased_at[prompt_id] = work.leased_at.pop(prompt_id)
             moved.add(task.group)
-            work.carried_out.append(task.request_id)
+            work.carried_requests.append(task.request_id)
         while work.pending:
             prompt_id, task = work.pending.popitem(last=False)
             nxt.pending[prompt_id] = task
@@ -258,9 +260,10 @@ class WorkQueue:
         for lease in self.leases.values():
             if isinstance(lease.task, GroupTask) and self._home(lease.task) == work.step:
                 moved.add(lease.task.group)
-                work.carried_out.append(lease.task.request_id)
+                work.carried_requests.append(lease.task.request_id)
         for group in moved:
             self.home[group] = nxt.step
+        work.carried_out = len(moved)
         nxt.carried_in += len(moved)
 
     def discard_from(self, step: int) -> list[Lease]:
@@ -299,8 +302,9 @@ class WorkQueue:
 
     def _requeue(self, lease: Lease) -> None:
         del self.leases[lease.lease_id]
-        if isinstance(lease.task, GroupTask) and self._work_of(lease.task) is not None:
-            self._work_of(lease.task).abandoned.append(lease.task.request_id)
+        owner = self._work_of(lease.task) if isinstance(lease.task, GroupTask) else None
+        if owner is not None:
+            owner.abandoned.append(lease.task.request_id)
         if isinstance(lease.task, GroupTask) and self._attempts_of(lease.task):
             return  # another worker's attempt of the same group (speculation) still runs: it is the group's now
         if isinstance(lease.task, EvalTask):

@@ -140,6 +140,9 @@ WeightsSource = Mapping[str, torch.Tensor] | str | Path
 ABORTED = "aborted"
 """The `error` of a sample ended by `RolloutEngine.abort`."""
 
+INTERRUPTED = "interrupted"
+"""The `finish_reason` of a sample ended by `RolloutEngine.interrupt`, its tokens kept."""
+
 
 @dataclass(frozen=True)
 class EngineCounters:

@@ -17,8 +17,6 @@ from sparrow.seeds import stable_seed
 
 from .api import RolloutRequest, RolloutSample
 
-INTERRUPTED = "interrupted"
-
 
 def resume_request(request: RolloutRequest, sample_index: int, parts: list[RolloutSample]) -> RolloutRequest:
     """The request that continues sample `sample_index` of `request` after the `parts` it generated so far."""

@@ -208,7 +208,8 @@ def test_partial_rollouts_train_the_first_groups_done_and_carry_the_rest_with_th
     assert q.step_complete(0)
     work = q.take_step(0)
     assert list(work.done) == ["s90-p1", "s0-p1", "s0-p0"], "the first 3 done are trained"
-    assert sorted(work.carried_out) == ["s0-p2", "s90-p0"], "one done, one still generating: both carry over"
+    assert sorted(work.carried_requests) == ["s0-p2", "s90-p0"], "one done, one still generating: both carry over"
+    assert work.carried_out == 2
     q.add_step(1, records(1, 3), needed=3)
     nxt = q.steps[1]
     assert nxt.carried_in == 2 and list(nxt.done) == ["s0-p2"] and len(nxt.pending) == 3
@@ -218,8 +219,8 @@ def test_partial_rollouts_train_the_first_groups_done_and_carry_the_rest_with_th
     for lease in q.lease("w", 1, 8, now=3.0)[:1]:
         q.complete("w", lease.lease_id, report("w", lease.task), now=4.0)
     work = q.take_step(1)
-    assert list(work.done) == ["s0-p2", "s90-p0", "s1-p0"] and sorted(work.carried_out) == ["s1-p1", "s1-p2"]
-    assert work.carried_out and len(q.steps[2].pending) == 0, "groups leased at step 1 carry as leases"
+    assert list(work.done) == ["s0-p2", "s90-p0", "s1-p0"] and sorted(work.carried_requests) == ["s1-p1", "s1-p2"]
+    assert work.carried_out == 2 and len(q.steps[2].pending) == 0, "groups leased at step 1 carry as leases"
 
 
 def test_a_group_that_would_pass_the_staleness_bound_holds_its_step_open():

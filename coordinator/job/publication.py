@@ -33,7 +33,9 @@ def choose_channel(run: RunConfig, trainer_gpus: list[str | None], worker_gpus: 
     first: dict[str, str] = {}
     clash = None
     for name, gpu in members:
-        if gpu is not None and gpu in first and clash is None:
+        if gpu is None:
+            continue
+        if gpu in first and clash is None:
             clash = (first[gpu], name, gpu)
         first.setdefault(gpu, name)
     requested = run.weights_channel

@@ -110,7 +110,7 @@ class StepLoop:
             for sid, field, message in g.rejected:
                 job.log(f"step {k + 1}: {g.worker} sample {sid} rejected by the trainer ({field}: {message})")
         collected = job.trainers.call([job.trainers.rank0.collect.remote(
-            k, expected, job.version, cfg.run.trained_staleness, cfg.run.collect_timeout_s, work.carried_out)])[0]
+            k, expected, job.version, cfg.run.trained_staleness, cfg.run.collect_timeout_s, work.carried_requests)])[0]
         t_collect = time.perf_counter()
         shards = collected["shards"]
         results: list[ShardResult] = job.trainers.call([a.train_shard.remote(s, k) for a, s in zip(job.trainers.actors, shards)])
@@ -137,7 +137,7 @@ class StepLoop:
             rollout=rollout_stats(groups, collected["summary"], cfg.reward.correct, _rollout_seconds(work),
                                   work.probe_result.speedup if work.probe_result else None, work.requeued,
                                   utilisation, work.speculated, batch, work.carried_in,
-                                  len(work.carried_out)),
+                                  work.carried_out),
             train=results[0].metrics,
             alpha=alpha_tail(alpha, upper, percentile),
             schedule=schedule_snapshot(job.schedule, before),

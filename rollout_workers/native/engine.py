@@ -22,7 +22,7 @@ from torch import distributed as dist
 from tqdm import tqdm
 
 from sparrow.rollout_workers.api import (
-    ABORTED, EngineCounters, RequestFeed, RolloutEngine, RolloutRequest, RolloutSample, TeacherForcedOutput,
+    ABORTED, INTERRUPTED, EngineCounters, RequestFeed, RolloutEngine, RolloutRequest, RolloutSample, TeacherForcedOutput,
     WeightsSource,
 )
 from sparrow.schedule import SparsitySchedule, load_schedule
@@ -80,7 +80,7 @@ class NativeEngine(RolloutEngine):
         self._feed: RequestFeed | None = None
         """The running stream's feed."""
         self._aborts: dict[str, str] = {}
-        """Request ids to end before the next step: "error" (`abort`) or "interrupted" (`interrupt`)."""
+        """Request ids to end before the next step: ABORTED (`abort`) or INTERRUPTED (`interrupt`)."""
         self._withdrawn: list[tuple[RolloutRequest, str]] = []
         """Requests aborted or interrupted while still in the feed, before the loop admitted them."""
         self._aborts_lock = threading.Lock()
@@ -182,10 +182,10 @@ class NativeEngine(RolloutEngine):
                     await feed.wait()
 
     def abort(self, request_id: str) -> None:
-        self._end(request_id, "error")
+        self._end(request_id, ABORTED)
 
     def interrupt(self, request_id: str) -> None:
-        self._end(request_id, "interrupted")
+        self._end(request_id, INTERRUPTED)
 
     def _end(self, request_id: str, reason: str) -> None:
         with self._aborts_lock:
@@ -262,25 +262,25 @@ class NativeEngine(RolloutEngine):
 
     def _abort(self, requests: dict[str, str]) -> Finished:
         """End the unfinished samples of these requests (their blocks are released): failed ("error"), or with
-        their tokens so far ("interrupted")."""
+        their tokens so far (INTERRUPTED)."""
         finished: Finished = []
         for request_id, reason in requests.items():
             for seq in self.scheduler.unfinished(request_id):
-                finished += self._fail(seq, ABORTED) if reason == "error" else self._interrupt(seq)
+                finished += self._fail(seq, ABORTED) if reason == ABORTED else self._interrupt(seq)
         return finished
 
     def _interrupt(self, seq: Sequence) -> Finished:
         """A leader that has not forked has generated nothing: each of its samples comes out empty."""
         self._finish(seq)
         if seq.fork_into > 1:
-            return [(seq.request, self._unstarted(seq.request, j, "interrupted")) for j in range(seq.fork_into)]
-        seq.finish_reason = "interrupted"
+            return [(seq.request, self._unstarted(seq.request, j, INTERRUPTED)) for j in range(seq.fork_into)]
+        seq.finish_reason = INTERRUPTED
         return [(seq.request, seq.to_sample(self._policy_version))]
 
     def _unstarted(self, request: RolloutRequest, index: int, reason: str) -> RolloutSample:
-        if reason == "error":
+        if reason == ABORTED:
             return self._failed(request, index, ABORTED)
-        return RolloutSample.empty(request, index, "interrupted", self._policy_version, self.schedule_version)
+        return RolloutSample.empty(request, index, INTERRUPTED, self._policy_version, self.schedule_version)
 
     def add_request(self, request: RolloutRequest) -> list[RolloutSample]:
         """Queue a request's samples; returns them at once as errors if the request is invalid."""

@@ -26,7 +26,7 @@ from pathlib import Path
 from sparrow.architecture import decoder_facts, read_model_config
 from sparrow.layout import BLOCK_SIZE
 from sparrow.rollout_workers.api import (
-    ABORTED, EngineCounters, RequestFeed, RolloutEngine, RolloutRequest, RolloutSample, WeightsSource,
+    ABORTED, INTERRUPTED, EngineCounters, RequestFeed, RolloutEngine, RolloutRequest, RolloutSample, WeightsSource,
 )
 from sparrow.schedule import SparsitySchedule, load_schedule
 from sparrow.seeds import sample_seed
@@ -67,7 +67,7 @@ class VllmEngine(RolloutEngine):
         """Sample tasks of the running call by request id (abort cancels them)."""
         self._aborting: set[str] = set()
         self._interrupting: set[str] = set()
-        """Requests whose running samples are being cancelled to end as "interrupted" (their tokens kept)."""
+        """Requests whose running samples are being cancelled to end INTERRUPTED (their tokens kept)."""
         self._feed: RequestFeed | None = None
         self._deliver = None
         """Where the running call's samples go (`_run`)."""
@@ -216,10 +216,10 @@ class VllmEngine(RolloutEngine):
                 future.cancel()
 
     def abort(self, request_id: str) -> None:
-        self._loop.call_soon_threadsafe(self._abort, request_id)
+        self._loop.call_soon_threadsafe(self._end, request_id, ABORTED)
 
     def interrupt(self, request_id: str) -> None:
-        self._loop.call_soon_threadsafe(self._interrupt, request_id)
+        self._loop.call_soon_threadsafe(self._end, request_id, INTERRUPTED)
 
     def _set_schedule(self, schedule: SparsitySchedule | None) -> None:
         if self.config.attention == "stock":
@@ -404,30 +404,19 @@ class VllmEngine(RolloutEngine):
         elif task.exception() is None:
             self._deliver((request, task.result()))
 
-    def _abort(self, request_id: str) -> None:
-        """On the engine loop: fail the request's samples still in the feed, cancel its running ones (vLLM
-        aborts a cancelled generation and frees its KV pages)."""
+    def _end(self, request_id: str, reason: str) -> None:
+        """On the engine loop: the request's samples still in the feed end at once (failed, or empty when
+        interrupted), its running ones are cancelled (vLLM aborts a cancelled generation and frees its KV pages) and
+        end failed, or with the tokens they have (`_sample`)."""
         if self._feed is not None and self._deliver is not None:
             for request in self._feed.withdraw(request_id):
                 for index in range(request.sampling.n):
-                    self._deliver((request, self._failed(request, index, ABORTED)))
+                    self._deliver((request, self._failed(request, index, ABORTED) if reason == ABORTED else
+                                   RolloutSample.empty(request, index, INTERRUPTED, self._policy_version,
+                                                       self.schedule_version)))
         tasks = self._running.get(request_id)
         if tasks:
-            self._aborting.add(request_id)
-            for task in tasks:
-                task.cancel()
-
-    def _interrupt(self, request_id: str) -> None:
-        """On the engine loop: the request's samples still in the feed end empty, its running ones are cancelled
-        and end with the tokens they have (`_sample`)."""
-        if self._feed is not None and self._deliver is not None:
-            for request in self._feed.withdraw(request_id):
-                for index in range(request.sampling.n):
-                    self._deliver((request, RolloutSample.empty(request, index, "interrupted", self._policy_version,
-                                                                self.schedule_version)))
-        tasks = self._running.get(request_id)
-        if tasks:
-            self._interrupting.add(request_id)
+            (self._aborting if reason == ABORTED else self._interrupting).add(request_id)
             for task in tasks:
                 task.cancel()
 
@@ -480,7 +469,7 @@ class VllmEngine(RolloutEngine):
         except asyncio.CancelledError:
             if request.request_id not in self._interrupting:
                 raise
-            builder.finish_reason = "interrupted"  # vLLM aborted the generation; the tokens so far are the sample
+            builder.finish_reason = INTERRUPTED  # vLLM aborted the generation; the tokens so far are the sample
         except _vllm.EngineDeadError:
             raise
         except Exception as exc:  # a request vLLM rejects fails alone, as the contract says

@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 import torch
 
 from sparrow.layout import BLOCK_SIZE
-from sparrow.rollout_workers.api import RolloutRequest, RolloutSample
+from sparrow.rollout_workers.api import INTERRUPTED, RolloutRequest, RolloutSample
 from sparrow.schedule import SparsitySchedule
 
-FINISH_REASONS = {"stop": "stop", "length": "length", "interrupted": "interrupted"}
+FINISH_REASONS = {"stop": "stop", "length": "length", INTERRUPTED: INTERRUPTED}
 
 
 def blocks_attended_per_token(
