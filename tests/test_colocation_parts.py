@@ -1,16 +1,19 @@
 """The pieces of the colocated placement, outside a job: an engine that gives its KV memory back and takes it
 again, and weights handed over in place to another process (shared memory here; CUDA IPC on a GPU)."""
 
+import gc
 import pickle
 import subprocess
 import sys
 import textwrap
+import weakref
 
 import pytest
 import torch
 
 from sparrow.rollout_workers.api import RolloutRequest, SamplingParams
 from sparrow.rollout_workers.native import NativeEngine
+from sparrow.rollout_workers.native.cuda_graphs import DecodeGraphs
 from sparrow.schedule import SparsitySchedule
 from sparrow.weight_sync import SharedMappings, SharedSender, SharedSource, WeightReceiver, WeightsRefused
 from sparrow.trainer.publish.send import publish_state_dict
@@ -37,6 +40,28 @@ def test_an_engine_gives_its_kv_memory_back_and_generates_the_same_after_waking(
     awake = engine.wake()
     assert awake.bytes == pool and not engine.asleep and engine.policy_version == 1
     assert _tokens(engine) == before, "same weights, schedule and seeds: the same tokens after a sleep"
+    engine.shutdown()
+
+
+def test_a_sleep_frees_the_kv_pool_at_once_with_decode_graphs_in_use(tiny_qwen3):
+    """The decode graphs' steps refer back to the graphs (a reference cycle); a sleep must still drop the KV pool
+    right away, not when Python's cycle collector runs: on an H200 a pool left behind per step ran a colocated job
+    out of memory at its fourth step."""
+    engine = NativeEngine.from_pretrained(tiny_qwen3, num_kv_blocks=24, max_num_seqs=2)
+    runner = engine.runner
+    for _ in range(3):
+        runner.graphs = DecodeGraphs(runner.model, runner.cache, runner.backend, runner.layout, 2,
+                                     runner.layout.blocks_for(runner.max_model_len))
+        _tokens(engine)
+        assert runner.graphs.num_captured > 0
+        pool, graphs = weakref.ref(runner.cache), weakref.ref(runner.graphs)
+        gc.disable()
+        try:
+            engine.sleep()
+            assert pool() is None and graphs() is None, "the released KV pool is still referenced"
+        finally:
+            gc.enable()
+        engine.wake()
     engine.shutdown()
 
 

@@ -111,6 +111,12 @@ class DecodeGraphs:
         """(batch, width, sparse) of every captured step: what a new set of graphs over a new cache recaptures."""
         return list(self._steps)
 
+    def free(self) -> None:
+        """Drop the steps and their memory pool now: each step's forward refers back to these graphs, a cycle that
+        would keep the KV pool they read alive until Python's cycle collector happens to run."""
+        self._steps.clear()
+        self._pool = None
+
     def recapture(self, keys: list[tuple[int, int, bool]]) -> None:
         for key in keys:
             if key not in self._steps:

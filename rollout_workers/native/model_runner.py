@@ -90,7 +90,10 @@ class ModelRunner:
         """Free the KV pool and the decode graphs with their memory pool (the engine is idle: no sequence holds a
         block or a row); returns the bytes of the pool freed. `restore_memory` brings both back."""
         freed = self.cache.nbytes
-        self._recapture = [] if self.graphs is None else self.graphs.captured
+        self._recapture = []
+        if self.graphs is not None:
+            self._recapture = self.graphs.captured
+            self.graphs.free()
         self.cache = self.graphs = None
         self._unzeroed.clear()
         if self.device.type == "cuda":
