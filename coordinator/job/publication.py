@@ -107,10 +107,8 @@ class Publication:
             report = self.trainers.call_all("publish_weights", version, "object_store")[0]
             if report.refused:
                 raise PublishRefused(report.refused)
-            self.fleet.setup.weights = report.handle
-            self.loads = self.fleet.submit("load_weights", report.handle, rollback)
+            self.loads = self._load_from_object_store(report, rollback)
             loads = self.settle_loads() if wait else []
-            report.handle = None
         seconds = report.seconds + max((x["seconds"] for x in loads), default=0.0)
         return PublishStats(version=version, seconds=seconds, send_seconds=report.seconds, bytes=report.nbytes,
                             channel=channel, waited=wait)
@@ -124,19 +122,24 @@ class Publication:
         loads = settled(self.fleet.submit("load_shared_weights", [r.handle for r in reports], rollback))
         elsewhere = {x["worker"] for x in loads if x["version"] is None}
         if elsewhere:  # replacements placed on a GPU without a trainer rank
-            loads = [x for x in loads if x["version"] is not None] + self._through_object_store(version, rollback, elsewhere)
+            report = self.trainers.call_all("publish_weights", version, "object_store")[0]
+            slots = [s for s in self.fleet.reachable if s.index in elsewhere]
+            loads = [x for x in loads if x["version"] is not None]
+            loads += settled(self._load_from_object_store(report, rollback, slots))
         self.fleet.setup.weights = None  # a worker joining later gets an object-store copy (`for_joiners`)
         send = max(r.seconds for r in reports)
         seconds = send + max((x["seconds"] for x in loads), default=0.0)
         return PublishStats(version=version, seconds=seconds, send_seconds=send, bytes=reports[0].nbytes,
                             channel="shared", waited=True)
 
-    def _through_object_store(self, version: int, rollback: bool, workers: set[int]) -> list[dict]:
-        report = self.trainers.call_all("publish_weights", version, "object_store")[0]
-        slots = [s for s in self.fleet.reachable if s.index in workers]
-        loads = settled(self.fleet.submit("load_weights", report.handle, rollback, slots=slots))
+    def _load_from_object_store(self, report, rollback: bool, slots: list | None = None) -> list:
+        """`slots` (default: every reachable worker) load rank 0's object-store `report`, which becomes the version a
+        worker starting later is set up with; the load refs. One path for a publication, the joiners, replacements
+        off a trainer's GPU and a reset; the callers differ in how the report was made and when the loads settle."""
+        self.fleet.setup.weights = report.handle
+        refs = self.fleet.submit("load_weights", report.handle, rollback, slots=slots)
         report.handle = None
-        return loads
+        return refs
 
     def for_joiners(self, version: int) -> None:
         """A worker that joins mid-run is not in the broadcast group yet (collective channel) or holds no mapping
@@ -146,8 +149,7 @@ class Publication:
         if self.channel == "object_store" or not version or self.fleet.setup.weights is not None or not joining:
             return
         report = self.trainers.call_all("publish_weights", version, "object_store")[0]
-        self.fleet.setup.weights = report.handle
-        self.loads += self.fleet.submit("load_weights", report.handle, slots=joining)
+        self.loads += self._load_from_object_store(report, False, joining)
 
     def settle_loads(self) -> list[dict]:
         loads, self.loads = settled(self.loads), []
@@ -156,6 +158,4 @@ class Publication:
     def reset_workers(self) -> None:
         """Back to version 0 (no checkpoint yet): the initial weights, published from a fresh trainer pool."""
         report = self.trainers.pool.call("publish_weights", 0, "object_store")[0]
-        self.fleet.setup.weights = report.handle
-        settled(self.fleet.submit("load_weights", report.handle, True))
-        report.handle = None
+        settled(self._load_from_object_store(report, True))
