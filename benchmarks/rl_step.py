@@ -192,6 +192,8 @@ def _cell(key: str, value) -> str:
         return "-"
     if key.endswith("fraction") or key in ("gpu_busy", "tail_share"):
         return f"{100 * value:.1f}"
+    if key == "wall_s_per_1k_tokens":
+        return f"{value:.3f}"
     return str(value) if isinstance(value, int) else f"{value:.2f}"
 
 
@@ -259,7 +261,9 @@ def _device_name(device: str) -> str:
 
 
 def merge(results: list[dict]) -> dict:
-    """Mean step parts per (placement, mode), and each placement's dense/sparse speedup of the step."""
+    """Mean step parts per (placement, mode) over the steady steps (step 0, with the engine's and trainer's
+    warm-up, is left out when a run timed more), and each placement's dense/sparse speedup of the step: per step,
+    and per trained token, which is the fair one when lengths end at EOS and differ between runs."""
     for r in results:
         if r.get("kind") != KIND:
             raise ValueError(f"{r.get('kind')!r}: not a `bench rl-step` result")
@@ -268,15 +272,21 @@ def merge(results: list[dict]) -> dict:
         raise ValueError(f"results of different protocols (shape, prompts, samples, max_tokens): {sorted(keys)}")
     rows = []
     for r in results:
-        n = len(r["steps"])
-        rows.append({"placement": _placement(r), "mode": r["mode"], "steps": n,
-                     **{k: _mean([s.get(k) for s in r["steps"]]) for k, _ in COLUMNS if k != "step"}})
+        steady = r["steps"][1:] or r["steps"]
+        tokens = [s.get("tokens") for s in steady]
+        per_k = (1000 * sum(s["wall_s"] for s in steady) / sum(tokens)) if all(tokens) else None
+        rows.append({"placement": _placement(r), "mode": r["mode"], "steps": len(steady),
+                     "warmup_excluded": len(steady) < len(r["steps"]), "wall_s_per_1k_tokens": per_k,
+                     **{k: _mean([s.get(k) for s in steady]) for k, _ in COLUMNS if k != "step"}})
     speedups = {}
     for placement in sorted({r["placement"] for r in rows}):
         by_mode = {r["mode"]: r for r in rows if r["placement"] == placement}
         if {"dense", "sparse"} <= set(by_mode):
             d, s = by_mode["dense"], by_mode["sparse"]
-            speedups[placement] = {"step": d["wall_s"] / s["wall_s"], "rollout": d["rollout_s"] / s["rollout_s"]}
+            per_token = None if None in (d["wall_s_per_1k_tokens"], s["wall_s_per_1k_tokens"]) else (
+                d["wall_s_per_1k_tokens"] / s["wall_s_per_1k_tokens"])
+            speedups[placement] = {"step": d["wall_s"] / s["wall_s"], "rollout": d["rollout_s"] / s["rollout_s"],
+                                   "step_per_token": per_token}
     return {"kind": f"{KIND}-merge", "protocol": dict(zip(("shape", "prompts", "samples", "max_tokens"), keys.pop())),
             "rows": rows, "speedups": speedups}
 
@@ -297,12 +307,14 @@ def _mean(values: list) -> float | None:
 
 def run_merge(args) -> int:
     merged = merge([json.loads(f.read_text()) for f in args.files])
-    head = ["placement", "mode", "steps"] + [name for k, name in COLUMNS if k != "step"]
-    body = [[r["placement"], r["mode"], str(r["steps"])] + [_cell(k, r.get(k)) for k, _ in COLUMNS if k != "step"]
+    head = ["placement", "mode", "steps"] + [name for k, name in COLUMNS if k != "step"] + ["s / 1K tok"]
+    body = [[r["placement"], r["mode"], f"{r['steps']}{' (after step 0)' if r['warmup_excluded'] else ''}"]
+            + [_cell(k, r.get(k)) for k, _ in COLUMNS if k != "step"] + [_cell("wall_s_per_1k_tokens", r["wall_s_per_1k_tokens"])]
             for r in merged["rows"]]
     print(format_table(head, body))
     for placement, s in merged["speedups"].items():
-        print(f"{placement}: RL step {s['step']:.2f}x faster sparse (rollout {s['rollout']:.2f}x)")
+        per_token = "" if s["step_per_token"] is None else f"; per trained token {s['step_per_token']:.2f}x"
+        print(f"{placement}: RL step {s['step']:.2f}x faster sparse (rollout {s['rollout']:.2f}x{per_token})")
     if args.out:
         args.out.write_text(json.dumps(merged, indent=1) + "\n")
     return 0

@@ -78,25 +78,40 @@ def test_an_on_policy_update_has_no_recompute():
     assert row["recompute_s"] is None and row["train_other_s"] == 0.0
 
 
-def _result(mode, walls, rollouts, placement="colocated", max_tokens=32768):
+def _result(mode, walls, rollouts, placement="colocated", max_tokens=32768, tokens=None):
+    tokens = tokens or [8 * max_tokens] * len(walls)
     steps = [{"wall_s": w, "rollout_s": r, "recompute_s": None, "update_s": 10.0, "publish_s": 0.1, "to_train_s": 0.2,
               "to_rollout_s": 2.0, "idle_s": 0.1, "publish_fraction": 0.1 / w, "idle_fraction": 0.1 / w,
-              "gpu_busy": None} for w, r in zip(walls, rollouts)]
+              "gpu_busy": None, "tokens": t} for w, r, t in zip(walls, rollouts, tokens)]
     return {"kind": "rl-step", "shape": "qwen3-1.7b", "prompts": 1, "samples": 8, "max_tokens": max_tokens,
             "mode": mode, "placement": placement, "steps": steps}
 
 
-def test_merge_gives_each_placements_step_and_rollout_speedup_from_mean_steps():
-    merged = merge([_result("dense", [200.0, 220.0], [180.0, 200.0]), _result("sparse", [100.0, 110.0], [80.0, 90.0]),
+def test_merge_gives_each_placements_step_and_rollout_speedup_from_the_steps_after_the_warm_up():
+    merged = merge([_result("dense", [400.0, 200.0, 220.0], [300.0, 180.0, 200.0]),
+                    _result("sparse", [150.0, 100.0, 110.0], [120.0, 80.0, 90.0]),
                     _result("dense", [300.0], [280.0], placement="disaggregated"),
                     {**_result("sparse", [90.0], [70.0], placement="disaggregated"), "run_mode": "async"}])
-    assert merged["speedups"] == {"colocated": {"step": pytest.approx(2.0), "rollout": pytest.approx(190.0 / 85.0)}}, "a sync dense run is not paired with an async sparse one"
+    assert merged["speedups"] == {"colocated": {"step": pytest.approx(2.0), "rollout": pytest.approx(190.0 / 85.0),
+                                                "step_per_token": pytest.approx(2.0)}}, (
+        "step 0 left out; a sync dense run is not paired with an async sparse one")
+    dense = next(r for r in merged["rows"] if r["mode"] == "dense" and r["placement"] == "colocated")
+    assert dense["steps"] == 2 and dense["warmup_excluded"] and dense["wall_s"] == 210.0 and dense["recompute_s"] is None
+    single = next(r for r in merged["rows"] if r["placement"] == "disaggregated")
+    assert single["steps"] == 1 and not single["warmup_excluded"] and single["wall_s"] == 300.0, "one step: it is kept"
     partial = merge([_result("dense", [100.0], [90.0]), {**_result("sparse", [50.0], [40.0]), "partial_rollout": 2,
                                                          "carry": "resume"}])
     assert partial["speedups"] == {}, "partial rollouts are paired with partial rollouts only"
     assert {r["placement"] for r in partial["rows"]} == {"colocated", "colocated partial+2 resume"}
-    dense = next(r for r in merged["rows"] if r["mode"] == "dense" and r["placement"] == "colocated")
-    assert dense["steps"] == 2 and dense["wall_s"] == 210.0 and dense["recompute_s"] is None
+
+
+def test_with_lengths_ending_at_eos_the_speedup_per_trained_token_corrects_for_the_tokens_each_run_drew():
+    """Sparse drew twice the tokens: the same step time is 2x faster per token."""
+    merged = merge([_result("dense", [1.0, 40.0], [1.0, 30.0], tokens=[1, 50_000]),
+                    _result("sparse", [1.0, 40.0], [1.0, 30.0], tokens=[1, 100_000])])
+    speedup = merged["speedups"]["colocated"]
+    assert speedup["step"] == pytest.approx(1.0) and speedup["step_per_token"] == pytest.approx(2.0)
+    assert merged["rows"][0]["wall_s_per_1k_tokens"] == pytest.approx(0.8)
 
 
 def test_merge_refuses_results_of_different_protocols_or_kinds():
