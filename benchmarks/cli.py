@@ -7,6 +7,7 @@ from .handoff import register as register_handoff
 from .publish import register as register_publish
 from .rl_step import register as register_rl_step
 from .rollout.cli import register_decode_step, register_rollout, register_rollout_merge, register_rollout_paper
+from .tail_model import register as register_tail_model
 from .trainer import register as register_trainer
 
 
@@ -21,3 +22,4 @@ def configure(p) -> None:
     register_publish(actions)
     register_handoff(actions)
     register_rl_step(actions)
+    register_tail_model(actions)

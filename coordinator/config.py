@@ -374,7 +374,9 @@ class PartialRolloutConfig(_Section):
     enabled: bool = Field(False, description="keep extra_groups more groups in flight than a step trains; a step "
                           "closes once prompts_per_step of them are done")
     extra_groups: int = Field(2, ge=1, description="groups in flight beyond prompts_per_step (over-provisioning): "
-                              "the slowest of them carry over, so the step no longer waits for them")
+                              "the slowest of them carry over, so the step no longer waits for them; at most "
+                              "prompts_per_step x (max_staleness - the run's staleness), which the staleness bound "
+                              "lets the steps carry")
     carry: Literal["resume", "finish"] = Field(
         "resume", description="a carried group still generating at the next weight change: resume = interrupted "
         "there and resumed under the new weights (its tokens keep the log-probabilities of the policy that sampled "
@@ -467,6 +469,15 @@ class RunConfig(_Section):
             raise ValueError(f"run.partial_rollout.max_staleness={bound} must exceed the run's staleness "
                              f"({self.staleness}): a carried group trains at least one step later; raise it or leave "
                              "it unset")
+        if bound is not None:
+            most = self.prompts_per_step * (bound - self.staleness)
+            if self.partial_rollout.extra_groups > most:
+                raise ValueError(
+                    f"run.partial_rollout.extra_groups={self.partial_rollout.extra_groups} is more than the "
+                    f"{most} spare groups prompts_per_step={self.prompts_per_step} can keep in flight: a carried group "
+                    f"may wait {bound - self.staleness} step(s) before the staleness bound trains it, so a step would "
+                    f"train more than its {self.prompts_per_step} groups and the spares would shrink back to {most}; "
+                    "lower extra_groups or raise run.partial_rollout.max_staleness")
         return self
 
     @model_validator(mode="after")

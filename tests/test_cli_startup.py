@@ -49,7 +49,7 @@ def test_help_lists_every_subcommand(capsys):
 
 @pytest.mark.parametrize("argv", [[name] for name in SUBCOMMANDS]
                          + [["schedule", a] for a in ("list", "show", "budget")]
-                         + [["bench", a] for a in ("rollout", "kernels", "decode-step", "rollout-paper", "trainer")]
+                         + [["bench", a] for a in ("rollout", "kernels", "decode-step", "rollout-paper", "trainer", "tail-model")]
                          + [["pool", a] for a in ("resize", "status")],
                          ids=" ".join)
 def test_every_subcommand_help_works(argv, capsys):

@@ -118,6 +118,17 @@ def test_partial_rollouts_bound_staleness_past_the_runs_and_need_an_engine_that_
     assert "extra_groups" in _error(["run.partial_rollout.extra_groups=0"])
 
 
+def test_more_spare_groups_than_a_step_may_carry_are_refused_with_the_most_it_can():
+    """tests/test_tail_model.py shows why: more would make the staleness bound train them at once and shrink back."""
+    base = ["run.partial_rollout.enabled=true", "run.prompts_per_step=4", "run.mode=sync"]
+    assert load_config(None, base + ["run.partial_rollout.extra_groups=4"]).run.partial_rollout.extra_groups == 4
+    message = _error(base + ["run.partial_rollout.extra_groups=5"])
+    assert "run.partial_rollout.extra_groups=5 is more than the 4 spare groups prompts_per_step=4" in message
+    assert "lower extra_groups or raise run.partial_rollout.max_staleness" in message
+    assert load_config(None, base + ["run.partial_rollout.extra_groups=8", "run.partial_rollout.max_staleness=2"])
+    assert "more than the 4 spare groups" in _error(base + ["run.partial_rollout.extra_groups=5", "run.mode=async"])
+
+
 def test_set_override_parsing():
     data = {}
     set_override(data, "a.b.c=1e-5")

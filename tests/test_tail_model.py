@@ -1,0 +1,56 @@
+"""`sparrow bench tail-model`: the step model drives the job's own `WorkQueue`; its arithmetic on fixed lengths,
+its bookkeeping (each step trains prompts_per_step groups, none twice, the spares stay in flight), and why the
+config refuses more spare groups than the staleness bound lets a step carry."""
+
+import pytest
+
+from sparrow.bench.tail_model import TailModel, simulate, steady
+
+
+def _model(**over) -> TailModel:
+    base = dict(prompts=4, samples=8, mean_tokens=3000, max_tokens=8192, decode_s=3.5e-3, decode_s_per_seq=3e-5,
+                update_s=8.0)
+    return TailModel(**{**base, **over})
+
+
+def test_fixed_lengths_give_the_decode_arithmetic_and_no_tail():
+    model = _model(prompts=2, samples=4, mean_tokens=1e12, max_tokens=100, decode_s=1e-3, decode_s_per_seq=1e-4,
+                   update_s=1.0)
+    steps = simulate(model, extra_groups=0, steps=3)
+    for s in steps:
+        assert s.rollout_s == pytest.approx(100 * (1e-3 + 8 * 1e-4)) and s.wall_s == pytest.approx(s.rollout_s + 1.0)
+        assert s.trained_tokens == 8 * 100 and s.tail_share == 0.0 and s.busy_batch_fraction == pytest.approx(8 / 256)
+
+
+@pytest.mark.parametrize("extra", [0, 2, 4])
+def test_each_step_trains_its_groups_once_and_the_spares_stay_in_flight(extra):
+    steps = simulate(_model(), extra_groups=extra, steps=12, seed=1)
+    assert [s.trained_groups for s in steps] == [4] * 12
+    assert [s.carried_out for s in steps] == [extra] * 12
+    ids = [i for s in steps for i in s.trained_ids]
+    assert len(ids) == len(set(ids)) == 12 * 4 * 8
+
+
+def test_spares_beyond_what_the_staleness_bound_lets_a_step_carry_shrink_back():
+    """One step of staleness: 5 spares for 4 prompts make the next step train all 5 carried groups (the bound),
+    and the job queues only 4 new ones: 4 in flight from then on (the config refuses extra_groups=5 for this)."""
+    steps = simulate(_model(), extra_groups=5, steps=6)
+    assert steps[1].trained_groups == 5 and [s.carried_out for s in steps[2:]] == [4] * 4
+    assert [s.carried_out for s in simulate(_model(carry_staleness=2), extra_groups=5, steps=6)] == [5] * 6
+
+
+def test_spare_groups_cut_the_tail_of_geometric_lengths():
+    sync = [steady(simulate(_model(), 0, 20, seed), warmup=3) for seed in range(3)]
+    spares = [steady(simulate(_model(), 4, 20, seed), warmup=3) for seed in range(3)]
+    mean = lambda rows, key: sum(r[key] for r in rows) / len(rows)  # noqa: E731
+    assert mean(spares, "wall_s") < 0.8 * mean(sync, "wall_s")
+    assert mean(spares, "tail_share") < mean(sync, "tail_share") - 0.2
+
+
+def test_bad_inputs_name_the_field():
+    with pytest.raises(ValueError, match="max_num_seqs=4 < samples=8"):
+        _model(max_num_seqs=4)
+    with pytest.raises(ValueError, match="mean_tokens=0"):
+        _model(mean_tokens=0)
+    with pytest.raises(ValueError, match="extra_groups=-1"):
+        simulate(_model(), extra_groups=-1, steps=2)
