@@ -178,7 +178,8 @@ def step_row(record, wall: float, busy: float | None) -> dict:
             "response_tokens_mean": record.rollout.response_length_mean,
             "response_tokens_max": record.rollout.response_length_max, "tail_share": record.rollout.tail_share,
             "busy_batch_fraction": record.rollout.busy_batch_fraction, "carried_out": record.rollout.carried_out,
-            "resumed_samples": record.rollout.resumed_samples, "staleness": record.rollout.staleness_histogram}
+            "resumed_samples": record.rollout.resumed_samples, "stale_tokens": record.rollout.stale_tokens,
+            "staleness": record.rollout.staleness_histogram}
 
 
 COLUMNS = [("step", "step"), ("wall_s", "wall s"), ("rollout_s", "rollout"), ("recompute_s", "recompute"),

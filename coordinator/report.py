@@ -143,8 +143,9 @@ def summary_table(rows: list[StepRecord], target: float) -> str:
          f"{fmt(_mean(r.rollout.tail_share for r in rows), '.2f')}"),
         ("steps whose α tail was only bracketed (top-k bounds > "
          f"{LOOSE_BOUND_GAP:g} apart)", str(sum(bool(r.alpha.loose_bins()) for r in rows))),
-        ("groups carried over / samples resumed (partial rollouts)",
-         f"{sum(r.rollout.carried_out for r in rows)} / {sum(r.rollout.resumed_samples for r in rows)}"),
+        ("groups carried over / samples resumed / trained tokens from an older policy (partial rollouts)",
+         f"{sum(r.rollout.carried_out for r in rows)} / {sum(r.rollout.resumed_samples for r in rows)} / "
+         f"{sum(r.rollout.stale_tokens for r in rows)} of {sum(r.rollout.tokens for r in rows)}"),
         ("most policy versions a trained sample lagged", str(max((r.rollout.staleness_max or 0) for r in rows))),
         ("groups generated again (lost workers)", str(sum(r.rollout.requeued for r in rows))),
         ("groups also given to a second worker (speculation)", str(sum(r.rollout.speculated for r in rows))),

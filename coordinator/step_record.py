@@ -39,6 +39,8 @@ class BatchSummary:
     """Their sample ids (the run's ledger lists them)."""
     resumed: int = 0
     """Samples whose tokens span more than one policy version (partial rollouts: interrupted and resumed)."""
+    stale_tokens: int = 0
+    """Tokens sampled by an older policy than the one trained (partial rollouts: carried and resumed samples)."""
 
 
 @dataclass
@@ -104,6 +106,8 @@ class RolloutStats:
     """Partial rollouts: this step's groups handed to the next step when it closed (done, generating or queued)."""
     resumed_samples: int = 0
     """Trained samples whose tokens span more than one policy version (interrupted, then resumed)."""
+    stale_tokens: int = 0
+    """Trained tokens sampled by an older policy than the one trained (partial rollouts: the carried-over share)."""
     staleness_histogram: dict[str, int] = field(default_factory=dict)
     """Trained samples by how many policy versions their oldest token lags the trained policy ("0", "1", ...)."""
 
@@ -325,6 +329,7 @@ def rollout_stats(reports: list[GroupReport], summary: BatchSummary, correct: fl
         streams=sum(r.streams for r in reports), requeued=requeued, speculated=speculated, dropped=summary.dropped,
         utilisation=utilisation, groups=dict(Counter(r.worker for r in reports)),
         carried_in=carried_in, carried_out=carried_out, resumed_samples=summary.resumed,
+        stale_tokens=summary.stale_tokens,
         staleness_histogram={str(lag): count for lag, count in sorted(Counter(summary.staleness).items())},
         **({} if batch is None else {"busy_batch_fraction": batch.busy_batch_fraction, "tail_share": batch.tail_share,
                                      "peak_batch": batch.peak or None}),

@@ -26,6 +26,7 @@ import torch
 
 from sparrow.coordinator.metrics import MetricsConfig, SparrowMetrics, start_metrics_server
 from sparrow.coordinator.transport import JobCredentials, TrajectoryServer, TransportConfig, advertised_host
+from sparrow.rollout_workers.resume import tokens_by_version
 from sparrow.trainer import TrainerRank, Trajectory, TrajectoryBatch
 from sparrow.trainer.alpha import AlphaReport
 
@@ -83,6 +84,7 @@ def summarise(items: list, policy_version: int, block_size: int, dropped: list[s
         truncated=sum(t.sample.finish_reason == "length" for t in ok),
         staleness=[policy_version - t.sample.policy_version for t in ok],
         resumed=sum("policy_versions" in t.sample.metadata for t in ok),
+        stale_tokens=sum(n for t in ok for v, n in tokens_by_version(t.sample).items() if v < policy_version),
         kv_read_fraction=attended / dense if dense else 1.0,
         schedule_versions=sorted({t.sample.schedule_version for t in ok}), dropped=len(dropped), dropped_ids=dropped,
     )

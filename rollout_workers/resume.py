@@ -33,6 +33,20 @@ def resume_id(request_id: str, sample_index: int, part: int) -> str:
     return f"{request_id}~{sample_index}.{part}"
 
 
+def tokens_by_version(sample: RolloutSample) -> dict[int, int]:
+    """How many of the sample's tokens each policy version sampled (from `metadata["policy_versions"]` when it spans
+    more than one, else all of them by its `policy_version`)."""
+    total = int(sample.token_ids.numel())
+    spans = sample.metadata.get("policy_versions")
+    if not spans:
+        return {sample.policy_version: total} if total else {}
+    starts = [tuple(int(x) for x in span.split(":")) for span in spans.split(",")]
+    counts: dict[int, int] = {}
+    for (offset, version), (end, _) in zip(starts, starts[1:] + [(total, None)]):
+        counts[version] = counts.get(version, 0) + end - offset
+    return counts
+
+
 def join(request: RolloutRequest, sample_index: int, parts: list[RolloutSample]) -> RolloutSample:
     """One sample of `request` from its parts in order (the last one finished, the others were interrupted)."""
     last = parts[-1]

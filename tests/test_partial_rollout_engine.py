@@ -5,7 +5,7 @@ import torch
 
 from sparrow.rollout_workers.api import RolloutRequest, SamplingParams
 from sparrow.rollout_workers.native import NativeEngine
-from sparrow.rollout_workers.resume import join, resume_request
+from sparrow.rollout_workers.resume import join, resume_request, tokens_by_version
 
 GREEDY = SamplingParams(max_tokens=20, temperature=1e-5, n=2, seed=3, ignore_eos=True, logprobs=4)
 
@@ -56,3 +56,19 @@ def test_a_request_interrupted_before_its_first_token_comes_back_empty_and_resum
     joined = join(request, 1, [parts[1], rest])
     assert joined.token_ids.numel() == 20 and "policy_versions" not in joined.metadata
     engine.shutdown()
+
+
+def _part(tokens: int, version: int, finish: str = "interrupted"):
+    from sparrow.rollout_workers.api import RolloutSample
+
+    return RolloutSample("g", 0, list(range(5, 37)), torch.arange(tokens), torch.zeros(tokens), torch.zeros(tokens, 1, dtype=torch.long),
+                         torch.zeros(tokens, 1), torch.ones(tokens, dtype=torch.int32), finish, version, 0)
+
+
+def test_a_joined_sample_counts_its_tokens_by_the_policy_that_sampled_them():
+    """What the step record's stale_tokens adds up: 120 tokens of version 3, then 45 of version 4 (two parts)."""
+    joined = join(_request(), 0, [_part(120, 3), _part(30, 4), _part(15, 4, finish="stop")])
+    assert joined.metadata["policy_versions"] == "0:3,120:4" and joined.policy_version == 3
+    assert tokens_by_version(joined) == {3: 120, 4: 45}
+    assert tokens_by_version(_part(50, 2, finish="stop")) == {2: 50}, "one version: all of its tokens"
+    assert tokens_by_version(_part(0, 2, finish="stop")) == {}

@@ -92,6 +92,9 @@ def test_carried_groups_resume_under_the_new_policy_and_a_worker_killed_holding_
     assert len(lost) == 1 and sum(r.rollout.requeued for r in records) >= 1, "the carried group was generated again, whole"
     assert all(r.rollout.carried_out >= EXTRA for r in records), [r.rollout.carried_out for r in records]
     assert sum(r.rollout.resumed_samples for r in records) > 0, "some samples span two policy versions"
+    for r in records:
+        stale = sum(n for lag, n in r.rollout.staleness_histogram.items() if int(lag) > 0)
+        assert (r.rollout.stale_tokens > 0) == (stale > 0) and r.rollout.stale_tokens <= r.rollout.tokens, r.rollout
     assert any(r.rollout.staleness_histogram.get("1") for r in records[1:]), "carried samples lag one version"
 
 

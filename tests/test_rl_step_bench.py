@@ -57,7 +57,7 @@ def _record(rollout_wait, train, publish, to_train, to_rollout, update, recomput
     rollout = SimpleNamespace(samples=8, tokens=8192, tokens_per_s=100.0, kv_read_fraction=0.25,
                               prompt_length_mean=256.0, response_length_mean=1024.0, response_length_max=4096,
                               tail_share=0.4, busy_batch_fraction=0.5, carried_out=0, resumed_samples=0,
-                              staleness_histogram={"0": 8})
+                              stale_tokens=0, staleness_histogram={"0": 8})
     train_metrics = {"train/seconds": update, **({} if recompute is None else {"recompute/seconds": recompute})}
     return SimpleNamespace(step=3, timing=timing, train=train_metrics, rollout=rollout,
                            publish=PublishStats(version=4, seconds=publish, send_seconds=publish, bytes=2 * 10**9,
