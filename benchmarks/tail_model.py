@@ -74,13 +74,19 @@ class _Running:
     tokens: int
 
 
-def simulate(model: TailModel, extra_groups: int, steps: int, seed: int = 0) -> list[ModelStep]:
-    """`steps` sync steps, `extra_groups` spare groups in flight (0: no partial rollouts)."""
+def simulate(model: TailModel, extra_groups: int, steps: int, seed: int = 0, carry: str = "resume") -> list[ModelStep]:
+    """`steps` sync steps, `extra_groups` spare groups in flight (0: no partial rollouts). `carry="finish"`: the
+    engine may not interrupt the carried groups, so its sleep for the update waits until they are done."""
     if extra_groups < 0 or steps < 1:
         raise ValueError(f"extra_groups={extra_groups} must be >= 0 and steps={steps} >= 1")
+    if carry not in ("resume", "finish"):
+        raise ValueError(f"carry={carry!r}: one of 'resume', 'finish'")
     rng = random.Random(seed)
     queue = WorkQueue(max_staleness=0, lease_timeout_s=math.inf,
                       carry_staleness=model.carry_staleness if extra_groups else None)
+    running: list[_Running] = []
+    clock = {"now": 0.0}
+    occupancy = BatchOccupancy()
 
     def records(prefix: str, count: int) -> list[PromptRecord]:
         return [PromptRecord(f"{prefix}-p{i}", (), "", i) for i in range(count)]
@@ -88,43 +94,47 @@ def simulate(model: TailModel, extra_groups: int, steps: int, seed: int = 0) -> 
     def length() -> int:
         return min(model.max_tokens, 1 + int(rng.expovariate(1.0 / model.mean_tokens)))
 
-    queue.add_step(0, records("s0", model.prompts) + records("x0", extra_groups), needed=model.prompts)
-    running: list[_Running] = []
-    out: list[ModelStep] = []
-    now, version, started, occupancy = 0.0, 0, 0.0, BatchOccupancy()
-    while len(out) < steps:
-        if queue.step_complete(version):
-            work = queue.take_step(version)
-            reports = [report for _, report in work.done.values()]
-            shape = batch_shape({}, {WORKER: occupancy.seconds}, model.max_num_seqs)
-            rollout = now - started
-            out.append(ModelStep(rollout, rollout + model.update_s, len(reports), sum(r.tokens for r in reports),
-                                 shape.tail_share, shape.busy_batch_fraction, work.carried_out,
-                                 tuple(i for r in reports for i in r.sample_ids)))
-            version += 1
-            now += model.update_s
-            started, occupancy = now, BatchOccupancy()
-            queue.add_step(version, records(f"s{version}", model.prompts), needed=model.prompts)
-            continue
-        room = (model.max_num_seqs - sum(1 for g in running for n in g.left if n)) // model.samples
-        if room:
-            for lease in queue.lease(WORKER, version, room, now):
-                left = [length() for _ in range(model.samples)]
-                running.append(_Running(lease.lease_id, left, sum(left)))
+    def decode_to_next_finish() -> None:
         batch = sum(1 for g in running for n in g.left if n)
-        if not batch:
-            raise RuntimeError(f"step {version}: nothing to decode and the step is not complete")
         tokens = min(n for g in running for n in g.left if n)
         seconds = tokens * (model.decode_s + model.decode_s_per_seq * batch)
         occupancy.add(batch, seconds)
-        now += seconds
+        clock["now"] += seconds
         for g in list(running):
             g.left = [max(n - tokens, 0) for n in g.left]
             if not any(g.left):
                 running.remove(g)
                 ids = [f"{g.lease_id}#{j}" for j in range(model.samples)]
                 queue.complete(WORKER, g.lease_id, GroupReport(WORKER, model.samples, 0, g.tokens, model.samples, 0,
-                                                               [], 1, ids, seconds=0.0), now)
+                                                               [], 1, ids, seconds=0.0), clock["now"])
+
+    queue.add_step(0, records("s0", model.prompts) + records("x0", extra_groups), needed=model.prompts)
+    out: list[ModelStep] = []
+    version, started = 0, 0.0
+    while len(out) < steps:
+        if queue.step_complete(version):
+            work = queue.take_step(version)
+            while carry == "finish" and running:
+                decode_to_next_finish()
+            reports = [report for _, report in work.done.values()]
+            shape = batch_shape({}, {WORKER: occupancy.seconds}, model.max_num_seqs)
+            rollout = clock["now"] - started
+            out.append(ModelStep(rollout, rollout + model.update_s, len(reports), sum(r.tokens for r in reports),
+                                 shape.tail_share, shape.busy_batch_fraction, work.carried_out,
+                                 tuple(i for r in reports for i in r.sample_ids)))
+            version += 1
+            clock["now"] += model.update_s
+            started, occupancy = clock["now"], BatchOccupancy()
+            queue.add_step(version, records(f"s{version}", model.prompts), needed=model.prompts)
+            continue
+        room = (model.max_num_seqs - sum(1 for g in running for n in g.left if n)) // model.samples
+        if room:
+            for lease in queue.lease(WORKER, version, room, clock["now"]):
+                left = [length() for _ in range(model.samples)]
+                running.append(_Running(lease.lease_id, left, sum(left)))
+        if not running:
+            raise RuntimeError(f"step {version}: nothing to decode and the step is not complete")
+        decode_to_next_finish()
     return out
 
 
@@ -135,9 +145,15 @@ def steady(steps: list[ModelStep], warmup: int) -> dict:
     return {"steps": len(rest), "wall_s": wall / len(rest), "rollout_s": sum(s.rollout_s for s in rest) / len(rest),
             "trained_groups": sum(s.trained_groups for s in rest) / len(rest),
             "tokens_per_s": sum(s.trained_tokens for s in rest) / wall,
-            "tail_share": sum(s.tail_share or 0.0 for s in rest) / len(rest),
-            "busy_batch_fraction": sum(s.busy_batch_fraction or 0.0 for s in rest) / len(rest),
+            "tail_share": _mean_known([s.tail_share for s in rest]),
+            "busy_batch_fraction": _mean_known([s.busy_batch_fraction for s in rest]),
             "carried_out": sum(s.carried_out for s in rest) / len(rest)}
+
+
+def _mean_known(values: list) -> float:
+    """Over the steps that decoded (one whose groups were all done before it began has no batch shape)."""
+    known = [v for v in values if v is not None]
+    return sum(known) / len(known) if known else 0.0
 
 
 def register(actions) -> None:
@@ -152,6 +168,8 @@ def register(actions) -> None:
     p.add_argument("--update-s", type=float, default=8.0, help="seconds of an update (engine asleep)")
     p.add_argument("--max-num-seqs", type=int, default=256, help="the engine's batch limit")
     p.add_argument("--carry-staleness", type=int, default=1, help="run.partial_rollout.max_staleness")
+    p.add_argument("--carry", choices=("resume", "finish"), default="resume",
+                   help="run.partial_rollout.carry: finish = the update waits for the carried groups")
     p.add_argument("--extra-groups", type=int, nargs="+", default=[0, 2, 4, 8], help="spare groups to compare")
     p.add_argument("--steps", type=int, default=40, help="steps a seed (the first 3 are left out)")
     p.add_argument("--seeds", type=int, default=5, help="length draws averaged")
@@ -166,7 +184,7 @@ def run(args) -> int:
         raise ValueError(f"--steps {args.steps} must be >= 4 (3 are warm-up) and --seeds {args.seeds} >= 1")
     rows = []
     for extra in args.extra_groups:
-        per_seed = [steady(simulate(model, extra, args.steps, seed), warmup=3) for seed in range(args.seeds)]
+        per_seed = [steady(simulate(model, extra, args.steps, seed, args.carry), warmup=3) for seed in range(args.seeds)]
         rows.append({"extra_groups": extra, **{k: sum(s[k] for s in per_seed) / len(per_seed) for k in per_seed[0]}})
     base = next((r for r in rows if r["extra_groups"] == 0), None)
     head = ["extra groups", "step s", "rollout s", "groups trained", "trained tok/s", "tail %", "busy batch %",
@@ -178,7 +196,8 @@ def run(args) -> int:
                                                 f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x"]) for r in rows]
     print(f"model (not a run): {args.prompts} prompts x {args.samples} samples, lengths geometric mean "
           f"{args.mean_tokens:.0f} capped at {args.max_tokens}, decode step {args.decode_ms} ms + "
-          f"{args.decode_ms_per_seq} ms a sample, update {args.update_s} s; {args.seeds} seeds x {args.steps - 3} steps")
+          f"{args.decode_ms_per_seq} ms a sample, update {args.update_s} s, carry {args.carry}; {args.seeds} seeds x "
+          f"{args.steps - 3} steps")
     print(format_table(head, body))
     if args.out:
         args.out.write_text(json.dumps({"kind": "tail-model", "model": asdict(model), "rows": rows}, indent=1) + "\n")

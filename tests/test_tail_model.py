@@ -47,6 +47,17 @@ def test_spare_groups_cut_the_tail_of_geometric_lengths():
     assert mean(spares, "tail_share") < mean(sync, "tail_share") - 0.2
 
 
+def test_carry_finish_decodes_the_carried_groups_before_the_update_and_the_next_step_may_need_no_rollout():
+    """The sleep waits for groups that may not be interrupted: with as many spares as prompts, a step ends with all
+    8 groups done and the next trains the 4 carried without decoding (half the steps: no rollout at all)."""
+    steps = simulate(_model(), extra_groups=4, steps=12, seed=2, carry="finish")
+    assert [s.trained_groups for s in steps] == [4] * 12
+    idle = [s for s in steps if s.rollout_s == 0.0]
+    assert len(idle) == 6 and all(s.tail_share is None for s in idle)
+    ids = [i for s in steps for i in s.trained_ids]
+    assert len(ids) == len(set(ids))
+
+
 def test_bad_inputs_name_the_field():
     with pytest.raises(ValueError, match="max_num_seqs=4 < samples=8"):
         _model(max_num_seqs=4)
@@ -54,3 +65,5 @@ def test_bad_inputs_name_the_field():
         _model(mean_tokens=0)
     with pytest.raises(ValueError, match="extra_groups=-1"):
         simulate(_model(), extra_groups=-1, steps=2)
+    with pytest.raises(ValueError, match="carry='later'"):
+        simulate(_model(), extra_groups=2, steps=2, carry="later")
