@@ -1,14 +1,18 @@
-"""`sparrow bench tail-model`: a model of sync RL steps with variable lengths, to choose partial rollouts'
-`extra_groups` before spending GPU time on it.
+"""`sparrow bench tail-model`: a model of RL steps with variable lengths, to choose between sync, async and partial
+rollouts (`run.partial_rollout.extra_groups`, `carry`) before spending GPU time on them.
 
-A model, not a measurement. One colocated engine decodes every sample in flight at once, a decode step taking
+A model, not a measurement. One engine decodes every sample in flight at once, a decode step taking
 `decode_s + decode_s_per_seq * batch` (the weight-bound regime of a GPU decode step); each sample's length is
 geometric with the given mean, capped at `max_tokens` (what `bench rl-step --stop-at-eos` gives a random-weight
-model); the update takes a fixed `update_s` with the engine asleep, so carried groups pause through it. Which
-groups a step trains, which carry over and which hold a step open for the staleness bound are the job's own
-`WorkQueue` rules, driven by a simulated clock; tail share and busy-batch fraction are the step record's
-(`batch_shape`). Its terms come from measurements: `bench decode-step` for the decode step, a `bench rl-step`
-run's update and mean length.
+model); an update takes a fixed `update_s`. Colocated, the engine sleeps through the update (carried groups pause;
+with `carry: finish` the sleep first waits for them) and the new version is in place when it wakes. Disaggregated,
+the engine goes on decoding while the trainer updates; at each new version it interrupts its groups and resumes
+them (`carry: resume`) or stops leasing until its groups are done (any other case, as the rollout worker's barrier
+does), then pauses `load_s` to load the weights; with `staleness` > 0 (async) the steps up to the version plus the
+staleness are queued, so the engine has work while the trainer updates. Which groups a step trains, which carry over,
+admission by staleness and the staleness bound are the job's own `WorkQueue` rules, driven by a simulated clock; tail
+share and busy-batch fraction are the step record's (`batch_shape`). Its terms come from measurements:
+`bench decode-step` for the decode step, a `bench rl-step` run's update and mean length.
 """
 
 import json
@@ -38,17 +42,30 @@ class TailModel:
     """What each sample in the batch adds to a decode step, seconds."""
     update_s: float
     max_num_seqs: int = 256
+    placement: str = "colocated"
+    staleness: int = 0
+    """`run.max_staleness`: async when > 0 (disaggregated only; a colocated job is synchronous)."""
     carry_staleness: int = 1
-    """`run.partial_rollout.max_staleness` (sync mode's default)."""
+    """`run.partial_rollout.max_staleness` (default: staleness + 1)."""
+    load_s: float = 0.0
+    """Seconds a disaggregated engine pauses to load a new version."""
 
     def __post_init__(self):
-        for name in ("prompts", "samples", "max_tokens", "max_num_seqs", "carry_staleness"):
+        for name in ("prompts", "samples", "max_tokens", "max_num_seqs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
         for name in ("mean_tokens", "decode_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)}: must be > 0")
-        for name in ("decode_s_per_seq", "update_s"):
+        if self.placement not in ("colocated", "disaggregated"):
+            raise ValueError(f"placement={self.placement!r}: one of 'colocated', 'disaggregated'")
+        if self.placement == "colocated" and self.staleness:
+            raise ValueError(f"staleness={self.staleness} with placement='colocated': a colocated engine sleeps "
+                             "through every update, so the job is synchronous; use placement='disaggregated'")
+        if self.staleness < 0 or self.carry_staleness <= self.staleness:
+            raise ValueError(f"staleness={self.staleness} must be >= 0 and carry_staleness={self.carry_staleness} "
+                             "above it (a carried group trains at least one step later)")
+        for name in ("decode_s_per_seq", "update_s", "load_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 0")
         if self.max_num_seqs < self.samples:
@@ -58,7 +75,9 @@ class TailModel:
 @dataclass(frozen=True)
 class ModelStep:
     rollout_s: float
+    """The trainer's wait from the end of its previous update (the version hand-over included) to this step."""
     wall_s: float
+    """From the previous step's start of training to this one's."""
     trained_groups: int
     trained_tokens: int
     tail_share: float | None
@@ -75,67 +94,105 @@ class _Running:
 
 
 def simulate(model: TailModel, extra_groups: int, steps: int, seed: int = 0, carry: str = "resume") -> list[ModelStep]:
-    """`steps` sync steps, `extra_groups` spare groups in flight (0: no partial rollouts). `carry="finish"`: the
-    engine may not interrupt the carried groups, so its sleep for the update waits until they are done."""
+    """The first `steps` trained steps with `extra_groups` spare groups in flight (0: no partial rollouts)."""
     if extra_groups < 0 or steps < 1:
         raise ValueError(f"extra_groups={extra_groups} must be >= 0 and steps={steps} >= 1")
     if carry not in ("resume", "finish"):
         raise ValueError(f"carry={carry!r}: one of 'resume', 'finish'")
-    rng = random.Random(seed)
-    queue = WorkQueue(max_staleness=0, lease_timeout_s=math.inf,
-                      carry_staleness=model.carry_staleness if extra_groups else None)
-    running: list[_Running] = []
-    clock = {"now": 0.0}
-    occupancy = BatchOccupancy()
+    return _Simulation(model, extra_groups, carry, random.Random(seed)).run(steps)
 
-    def records(prefix: str, count: int) -> list[PromptRecord]:
-        return [PromptRecord(f"{prefix}-p{i}", (), "", i) for i in range(count)]
 
-    def length() -> int:
-        return min(model.max_tokens, 1 + int(rng.expovariate(1.0 / model.mean_tokens)))
+class _Simulation:
+    """The job's clock: the engine's decode, the trainer's update and the version hand-over between them."""
 
-    def decode_to_next_finish() -> None:
-        batch = sum(1 for g in running for n in g.left if n)
-        tokens = min(n for g in running for n in g.left if n)
-        seconds = tokens * (model.decode_s + model.decode_s_per_seq * batch)
-        occupancy.add(batch, seconds)
-        clock["now"] += seconds
-        for g in list(running):
+    def __init__(self, model: TailModel, extra_groups: int, carry: str, rng: random.Random):
+        self.model, self.extra, self.rng = model, extra_groups, rng
+        self.colocated = model.placement == "colocated"
+        self.interrupts = bool(extra_groups) and carry == "resume"
+        self.finish_before_sleep = bool(extra_groups) and carry == "finish"
+        self.queue = WorkQueue(max_staleness=model.staleness, lease_timeout_s=math.inf,
+                               carry_staleness=model.carry_staleness if extra_groups else None)
+        self.running: list[_Running] = []
+        self.now, self.version, self.queued = 0.0, 0, -1
+        self.update_end: float | None = None
+        """The trainer is updating until then."""
+        self.version_due = False
+        """An update ended; its version waits for the engine (its groups to finish, or the load)."""
+        self.occupancy = BatchOccupancy()
+
+    def run(self, steps: int) -> list[ModelStep]:
+        out: list[ModelStep] = []
+        last_take = trainer_idle = 0.0
+        self._queue_steps()
+        while len(out) < steps:
+            if self.update_end is not None and self.now >= self.update_end:
+                self.update_end, self.version_due, trainer_idle = None, True, self.now
+            if self.version_due and (self.colocated or self.interrupts or not self.running):
+                self.now += 0.0 if self.colocated else self.model.load_s
+                self.version, self.version_due = self.version + 1, False
+                self._queue_steps()
+            if self.update_end is None and not self.version_due and self.queue.step_complete(len(out)):
+                work = self.queue.take_step(len(out))
+                while self.colocated and self.finish_before_sleep and self.running:
+                    self._decode(until=None)
+                out.append(self._record(work, rollout=self.now - trainer_idle, wall=self.now - last_take))
+                last_take = self.now
+                self.update_end = self.now + self.model.update_s
+                continue
+            asleep = self.colocated and self.update_end is not None
+            if not asleep and not self.version_due:
+                self._lease()
+            if self.running and not asleep:
+                self._decode(until=self.update_end)
+            elif self.update_end is not None:
+                self.now = self.update_end
+            else:
+                raise RuntimeError(f"step {len(out)}: nothing to decode, no update running and the step is not complete")
+        return out
+
+    def _queue_steps(self) -> None:
+        """Steps up to the engine's version plus the staleness, as the job queues them ahead (the spares with
+        the first)."""
+        while self.queued < self.version + self.model.staleness:
+            self.queued += 1
+            k, p = self.queued, self.model.prompts
+            spares = self.extra if k == 0 else 0
+            records = [PromptRecord(f"s{k}-p{i}", (), "", i) for i in range(p)]
+            records += [PromptRecord(f"x{k}-p{i}", (), "", p + i) for i in range(spares)]
+            self.queue.add_step(k, records, needed=p)
+
+    def _lease(self) -> None:
+        room = (self.model.max_num_seqs - sum(1 for g in self.running for n in g.left if n)) // self.model.samples
+        if room:
+            for lease in self.queue.lease(WORKER, self.version, room, self.now):
+                left = [min(self.model.max_tokens, 1 + int(self.rng.expovariate(1.0 / self.model.mean_tokens)))
+                        for _ in range(self.model.samples)]
+                self.running.append(_Running(lease.lease_id, left, sum(left)))
+
+    def _decode(self, until: float | None) -> None:
+        """Decode to the next sample's end, or to `until` (the update's end) if that comes first."""
+        m = self.model
+        batch = sum(1 for g in self.running for n in g.left if n)
+        per_token = m.decode_s + m.decode_s_per_seq * batch
+        tokens = min(n for g in self.running for n in g.left if n)
+        if until is not None:
+            tokens = max(1, min(tokens, math.ceil((until - self.now) / per_token)))
+        self.occupancy.add(batch, tokens * per_token)
+        self.now += tokens * per_token
+        for g in list(self.running):
             g.left = [max(n - tokens, 0) for n in g.left]
             if not any(g.left):
-                running.remove(g)
-                ids = [f"{g.lease_id}#{j}" for j in range(model.samples)]
-                queue.complete(WORKER, g.lease_id, GroupReport(WORKER, model.samples, 0, g.tokens, model.samples, 0,
-                                                               [], 1, ids, seconds=0.0), clock["now"])
+                self.running.remove(g)
+                ids = [f"{g.lease_id}#{j}" for j in range(m.samples)]
+                self.queue.complete(WORKER, g.lease_id, GroupReport(WORKER, m.samples, 0, g.tokens, m.samples, 0, [], 1,
+                                                                    ids, seconds=0.0), self.now)
 
-    queue.add_step(0, records("s0", model.prompts) + records("x0", extra_groups), needed=model.prompts)
-    out: list[ModelStep] = []
-    version, started = 0, 0.0
-    while len(out) < steps:
-        if queue.step_complete(version):
-            work = queue.take_step(version)
-            while carry == "finish" and running:
-                decode_to_next_finish()
-            reports = [report for _, report in work.done.values()]
-            shape = batch_shape({}, {WORKER: occupancy.seconds}, model.max_num_seqs)
-            rollout = clock["now"] - started
-            out.append(ModelStep(rollout, rollout + model.update_s, len(reports), sum(r.tokens for r in reports),
-                                 shape.tail_share, shape.busy_batch_fraction, work.carried_out,
-                                 tuple(i for r in reports for i in r.sample_ids)))
-            version += 1
-            clock["now"] += model.update_s
-            started, occupancy = clock["now"], BatchOccupancy()
-            queue.add_step(version, records(f"s{version}", model.prompts), needed=model.prompts)
-            continue
-        room = (model.max_num_seqs - sum(1 for g in running for n in g.left if n)) // model.samples
-        if room:
-            for lease in queue.lease(WORKER, version, room, clock["now"]):
-                left = [length() for _ in range(model.samples)]
-                running.append(_Running(lease.lease_id, left, sum(left)))
-        if not running:
-            raise RuntimeError(f"step {version}: nothing to decode and the step is not complete")
-        decode_to_next_finish()
-    return out
+    def _record(self, work, rollout: float, wall: float) -> ModelStep:
+        reports = [report for _, report in work.done.values()]
+        shape = batch_shape({}, {WORKER: self.occupancy.seconds}, self.model.max_num_seqs)
+        self.occupancy = BatchOccupancy()
+        return ModelStep(rollout, wall, len(reports), sum(r.tokens for r in reports), shape.tail_share,
+                         shape.busy_batch_fraction, work.carried_out, tuple(i for r in reports for i in r.sample_ids))
 
 
 def steady(steps: list[ModelStep], warmup: int) -> dict:
@@ -157,17 +214,21 @@ def _mean_known(values: list) -> float:
 
 
 def register(actions) -> None:
-    p = actions.add_parser("tail-model", help="a model of sync RL steps with variable lengths: step time and tail "
-                                              "share against run.partial_rollout.extra_groups (a model, not a run)")
+    p = actions.add_parser("tail-model", help="a model of RL steps with variable lengths: step time and tail share, "
+                                              "sync or async, against run.partial_rollout (a model, not a run)")
     p.add_argument("--prompts", type=int, default=4, help="prompts (GRPO groups) a step trains")
     p.add_argument("--samples", type=int, default=8, help="samples a group")
     p.add_argument("--mean-tokens", type=float, default=3000.0, help="mean generated length (geometric)")
     p.add_argument("--max-tokens", type=int, default=8192, help="length cap")
     p.add_argument("--decode-ms", type=float, default=3.5, help="a decode step's fixed time, ms")
     p.add_argument("--decode-ms-per-seq", type=float, default=0.03, help="what each sample in flight adds, ms")
-    p.add_argument("--update-s", type=float, default=8.0, help="seconds of an update (engine asleep)")
+    p.add_argument("--update-s", type=float, default=8.0, help="seconds of an update")
     p.add_argument("--max-num-seqs", type=int, default=256, help="the engine's batch limit")
-    p.add_argument("--carry-staleness", type=int, default=1, help="run.partial_rollout.max_staleness")
+    p.add_argument("--placement", choices=("colocated", "disaggregated"), default="colocated", help="run.placement")
+    p.add_argument("--staleness", type=int, default=0, help="run.max_staleness: async when > 0 (disaggregated)")
+    p.add_argument("--load-s", type=float, default=0.0, help="seconds a disaggregated engine pauses to load a version")
+    p.add_argument("--carry-staleness", type=int, default=None,
+                   help="run.partial_rollout.max_staleness (default: --staleness + 1)")
     p.add_argument("--carry", choices=("resume", "finish"), default="resume",
                    help="run.partial_rollout.carry: finish = the update waits for the carried groups")
     p.add_argument("--extra-groups", type=int, nargs="+", default=[0, 2, 4, 8], help="spare groups to compare")
@@ -178,8 +239,10 @@ def register(actions) -> None:
 
 
 def run(args) -> int:
+    carry_staleness = args.staleness + 1 if args.carry_staleness is None else args.carry_staleness
     model = TailModel(args.prompts, args.samples, args.mean_tokens, args.max_tokens, args.decode_ms / 1000,
-                      args.decode_ms_per_seq / 1000, args.update_s, args.max_num_seqs, args.carry_staleness)
+                      args.decode_ms_per_seq / 1000, args.update_s, args.max_num_seqs, args.placement, args.staleness,
+                      carry_staleness, args.load_s)
     if args.steps < 4 or args.seeds < 1:
         raise ValueError(f"--steps {args.steps} must be >= 4 (3 are warm-up) and --seeds {args.seeds} >= 1")
     rows = []
@@ -187,16 +250,18 @@ def run(args) -> int:
         per_seed = [steady(simulate(model, extra, args.steps, seed, args.carry), warmup=3) for seed in range(args.seeds)]
         rows.append({"extra_groups": extra, **{k: sum(s[k] for s in per_seed) / len(per_seed) for k in per_seed[0]}})
     base = next((r for r in rows if r["extra_groups"] == 0), None)
-    head = ["extra groups", "step s", "rollout s", "groups trained", "trained tok/s", "tail %", "busy batch %",
-            "carried", "step vs sync", "tok/s vs sync"]
+    head = ["extra groups", "step s", "rollout wait s", "groups trained", "trained tok/s", "tail %", "busy batch %",
+            "carried", "step vs 0 spares", "tok/s vs 0 spares"]
     body = [[str(r["extra_groups"]), f"{r['wall_s']:.1f}", f"{r['rollout_s']:.1f}", f"{r['trained_groups']:.2f}",
              f"{r['tokens_per_s']:.0f}", f"{100 * r['tail_share']:.1f}", f"{100 * r['busy_batch_fraction']:.1f}",
              f"{r['carried_out']:.1f}"]
             + (["-", "-"] if base is None else [f"{base['wall_s'] / r['wall_s']:.2f}x",
                                                 f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x"]) for r in rows]
-    print(f"model (not a run): {args.prompts} prompts x {args.samples} samples, lengths geometric mean "
+    mode = "sync" if not args.staleness else f"async (staleness {args.staleness})"
+    print(f"model (not a run): {args.placement}, {mode}, {args.prompts} prompts x {args.samples} samples, lengths geometric mean "
           f"{args.mean_tokens:.0f} capped at {args.max_tokens}, decode step {args.decode_ms} ms + "
-          f"{args.decode_ms_per_seq} ms a sample, update {args.update_s} s, carry {args.carry}; {args.seeds} seeds x "
+          f"{args.decode_ms_per_seq} ms a sample, update {args.update_s} s, load {args.load_s} s, carry {args.carry} "
+          f"(bound {carry_staleness}); {args.seeds} seeds x "
           f"{args.steps - 3} steps")
     print(format_table(head, body))
     if args.out:

@@ -17,8 +17,9 @@ def test_fixed_lengths_give_the_decode_arithmetic_and_no_tail():
     model = _model(prompts=2, samples=4, mean_tokens=1e12, max_tokens=100, decode_s=1e-3, decode_s_per_seq=1e-4,
                    update_s=1.0)
     steps = simulate(model, extra_groups=0, steps=3)
-    for s in steps:
-        assert s.rollout_s == pytest.approx(100 * (1e-3 + 8 * 1e-4)) and s.wall_s == pytest.approx(s.rollout_s + 1.0)
+    for i, s in enumerate(steps):
+        assert s.rollout_s == pytest.approx(100 * (1e-3 + 8 * 1e-4))
+        assert s.wall_s == pytest.approx(s.rollout_s + (1.0 if i else 0.0)), "a step's wall time: the update before it too"
         assert s.trained_tokens == 8 * 100 and s.tail_share == 0.0 and s.busy_batch_fraction == pytest.approx(8 / 256)
 
 
@@ -58,7 +59,22 @@ def test_carry_finish_decodes_the_carried_groups_before_the_update_and_the_next_
     assert len(ids) == len(set(ids))
 
 
+def test_async_hides_the_update_behind_rollouts_and_resumed_spares_cut_its_tail():
+    """Disaggregated, staleness 1: the next step's groups decode while the trainer updates. Without interrupts the
+    engine drains its groups at every new version (the worker's barrier); resumed spares keep it busy through it."""
+    disaggregated = dict(placement="disaggregated")
+    mean = lambda model, extra: sum(steady(simulate(model, extra, 20, seed), warmup=3)["wall_s"]  # noqa: E731
+                                    for seed in range(3)) / 3
+    sync, asynchronous = mean(_model(**disaggregated), 0), mean(_model(**disaggregated, staleness=1, carry_staleness=2), 0)
+    assert sync - asynchronous > 0.5 * 8.0, "most of the 8 s update is hidden"
+    assert mean(_model(**disaggregated, staleness=1, carry_staleness=2), 4) < 0.7 * asynchronous
+
+
 def test_bad_inputs_name_the_field():
+    with pytest.raises(ValueError, match="staleness=1 with placement='colocated'"):
+        _model(staleness=1, carry_staleness=2)
+    with pytest.raises(ValueError, match="carry_staleness=1 above it"):
+        _model(placement="disaggregated", staleness=1)
     with pytest.raises(ValueError, match="max_num_seqs=4 < samples=8"):
         _model(max_num_seqs=4)
     with pytest.raises(ValueError, match="mean_tokens=0"):
