@@ -49,8 +49,9 @@ def register(actions) -> None:
                    help="variable lengths: samples end when the random-weight model draws its EOS token, a fixed "
                         "chance per token (geometric lengths, capped at --max-tokens); the table's mean length says "
                         "what it was")
-    p.add_argument("--partial-rollout", type=int, default=0, metavar="EXTRA",
-                   help="run.partial_rollout with EXTRA groups in flight beyond --prompts (0 = off)")
+    p.add_argument("--partial-rollout", type=int, default=None, metavar="EXTRA",
+                   help="run.partial_rollout with EXTRA groups in flight beyond --prompts (0, async: none, groups "
+                        "interrupted and resumed at each version); off when not given")
     p.add_argument("--carry", default="resume", choices=("resume", "finish"), help="run.partial_rollout.carry")
     p.add_argument("--steps", type=int, default=1, help="timed steps (the job is set to one more, so none checkpoints)")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
@@ -107,7 +108,7 @@ def job_config(args, model_dir: Path, prompts_path: Path, run_root: Path) -> dic
     from sparrow.layout import BLOCK_SIZE
 
     length = args.prompt_tokens + args.max_tokens + 64
-    batch = (args.prompts + args.partial_rollout) * args.samples
+    batch = (args.prompts + (args.partial_rollout or 0)) * args.samples
     blocks = batch * (-(-length // BLOCK_SIZE) + 2)
     cuda = args.device == "cuda"
     share = args.pool_gpus if cuda else 0.0
@@ -133,7 +134,7 @@ def job_config(args, model_dir: Path, prompts_path: Path, run_root: Path) -> dic
         "run": {"steps": args.steps + 1, "prompts_per_step": args.prompts, "mode": args.run_mode,
                 "placement": args.placement, "weights_channel": args.weights_channel, "checkpoint_every": 0,
                 **({"partial_rollout": {"enabled": True, "extra_groups": args.partial_rollout, "carry": args.carry}}
-                   if args.partial_rollout else {}),
+                   if args.partial_rollout is not None else {}),
                 "out_dir": str(run_root), **({"cost_hardware": "h200"} if cuda else {})},
     }
 
@@ -244,7 +245,7 @@ def run_bench(args) -> int:
               "device": _device_name(args.device), "prompts": args.prompts, "samples": args.samples,
               "prompt_tokens": prompt_tokens, "max_tokens": args.max_tokens, "kv_cache_dtype": args.kv_cache_dtype,
               "weights_channel": rows[0]["publish_channel"], "stop_at_eos": args.stop_at_eos,
-              "partial_rollout": args.partial_rollout, "carry": args.carry if args.partial_rollout else None,
+              "partial_rollout": args.partial_rollout, "carry": args.carry if args.partial_rollout is not None else None,
               "startup_s": startup, "steps": rows,
               "seconds": time.perf_counter() - started, "run_dir": str(run_dir.path)}
     out = args.out or default_out_path(result["device"], KIND)
@@ -297,8 +298,9 @@ def _placement(result: dict) -> str:
     matched within."""
     mode = result.get("run_mode", "sync")
     label = result["placement"] if mode == "sync" else f"{result['placement']} {mode}"
-    extra = result.get("partial_rollout", 0)
-    return label if not extra else f"{label} partial+{extra} {result['carry']}"
+    extra = result.get("partial_rollout")
+    off = extra is None or result.get("carry") is None  # results before `--partial-rollout 0` stored 0 for off
+    return label if off else f"{label} partial+{extra} {result['carry']}"
 
 
 def _mean(values: list) -> float | None:

@@ -28,6 +28,7 @@ from sparrow.coordinator.work_queue import WorkQueue
 from sparrow.tables import format_table
 
 WORKER = "engine"
+CARRY = ("off", "resume", "finish")
 
 
 @dataclass(frozen=True)
@@ -94,11 +95,14 @@ class _Running:
 
 
 def simulate(model: TailModel, extra_groups: int, steps: int, seed: int = 0, carry: str = "resume") -> list[ModelStep]:
-    """The first `steps` trained steps with `extra_groups` spare groups in flight (0: no partial rollouts)."""
+    """The first `steps` trained steps with `extra_groups` spare groups in flight. `carry` is partial rollouts'
+    (`resume`: groups generating at a new version are interrupted and resumed; `finish`: waited for), or `off`."""
     if extra_groups < 0 or steps < 1:
         raise ValueError(f"extra_groups={extra_groups} must be >= 0 and steps={steps} >= 1")
-    if carry not in ("resume", "finish"):
-        raise ValueError(f"carry={carry!r}: one of 'resume', 'finish'")
+    if carry not in CARRY:
+        raise ValueError(f"carry={carry!r}: one of {', '.join(map(repr, CARRY))}")
+    if carry == "off" and extra_groups:
+        raise ValueError(f"extra_groups={extra_groups} with carry='off': spare groups are partial rollouts")
     return _Simulation(model, extra_groups, carry, random.Random(seed)).run(steps)
 
 
@@ -108,10 +112,10 @@ class _Simulation:
     def __init__(self, model: TailModel, extra_groups: int, carry: str, rng: random.Random):
         self.model, self.extra, self.rng = model, extra_groups, rng
         self.colocated = model.placement == "colocated"
-        self.interrupts = bool(extra_groups) and carry == "resume"
-        self.finish_before_sleep = bool(extra_groups) and carry == "finish"
+        self.interrupts = carry == "resume"
+        self.finish_before_sleep = carry == "finish"
         self.queue = WorkQueue(max_staleness=model.staleness, lease_timeout_s=math.inf,
-                               carry_staleness=model.carry_staleness if extra_groups else None)
+                               carry_staleness=None if carry == "off" else model.carry_staleness)
         self.running: list[_Running] = []
         self.now, self.version, self.queued = 0.0, 0, -1
         self.update_end: float | None = None
@@ -231,7 +235,8 @@ def register(actions) -> None:
                    help="run.partial_rollout.max_staleness (default: --staleness + 1)")
     p.add_argument("--carry", choices=("resume", "finish"), default="resume",
                    help="run.partial_rollout.carry: finish = the update waits for the carried groups")
-    p.add_argument("--extra-groups", type=int, nargs="+", default=[0, 2, 4, 8], help="spare groups to compare")
+    p.add_argument("--extra-groups", type=int, nargs="+", default=[2, 4], help="spare groups to compare with partial "
+                   "rollouts off (0 with --carry resume: no spares, groups interrupted and resumed at each version)")
     p.add_argument("--steps", type=int, default=40, help="steps a seed (the first 3 are left out)")
     p.add_argument("--seeds", type=int, default=5, help="length draws averaged")
     p.add_argument("--out", type=Path, help="write the table as JSON")
@@ -246,17 +251,17 @@ def run(args) -> int:
     if args.steps < 4 or args.seeds < 1:
         raise ValueError(f"--steps {args.steps} must be >= 4 (3 are warm-up) and --seeds {args.seeds} >= 1")
     rows = []
-    for extra in args.extra_groups:
-        per_seed = [steady(simulate(model, extra, args.steps, seed, args.carry), warmup=3) for seed in range(args.seeds)]
-        rows.append({"extra_groups": extra, **{k: sum(s[k] for s in per_seed) / len(per_seed) for k in per_seed[0]}})
-    base = next((r for r in rows if r["extra_groups"] == 0), None)
-    head = ["extra groups", "step s", "rollout wait s", "groups trained", "trained tok/s", "tail %", "busy batch %",
-            "carried", "step vs 0 spares", "tok/s vs 0 spares"]
-    body = [[str(r["extra_groups"]), f"{r['wall_s']:.1f}", f"{r['rollout_s']:.1f}", f"{r['trained_groups']:.2f}",
+    for extra, carry in [(0, "off")] + [(e, args.carry) for e in args.extra_groups]:
+        per_seed = [steady(simulate(model, extra, args.steps, seed, carry), warmup=3) for seed in range(args.seeds)]
+        rows.append({"extra_groups": extra, "carry": carry,
+                     **{k: sum(s[k] for s in per_seed) / len(per_seed) for k in per_seed[0]}})
+    base = rows[0]
+    head = ["partial rollouts", "step s", "rollout wait s", "groups trained", "trained tok/s", "tail %", "busy batch %",
+            "carried", "step vs off", "tok/s vs off"]
+    body = [["off" if r["carry"] == "off" else f"{r['extra_groups']} spares, {r['carry']}", f"{r['wall_s']:.1f}", f"{r['rollout_s']:.1f}", f"{r['trained_groups']:.2f}",
              f"{r['tokens_per_s']:.0f}", f"{100 * r['tail_share']:.1f}", f"{100 * r['busy_batch_fraction']:.1f}",
-             f"{r['carried_out']:.1f}"]
-            + (["-", "-"] if base is None else [f"{base['wall_s'] / r['wall_s']:.2f}x",
-                                                f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x"]) for r in rows]
+             f"{r['carried_out']:.1f}", f"{base['wall_s'] / r['wall_s']:.2f}x",
+             f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x"] for r in rows]
     mode = "sync" if not args.staleness else f"async (staleness {args.staleness})"
     print(f"model (not a run): {args.placement}, {mode}, {args.prompts} prompts x {args.samples} samples, lengths geometric mean "
           f"{args.mean_tokens:.0f} capped at {args.max_tokens}, decode step {args.decode_ms} ms + "

@@ -373,10 +373,12 @@ class PartialRolloutConfig(_Section):
 
     enabled: bool = Field(False, description="keep extra_groups more groups in flight than a step trains; a step "
                           "closes once prompts_per_step of them are done")
-    extra_groups: int = Field(2, ge=1, description="groups in flight beyond prompts_per_step (over-provisioning): "
+    extra_groups: int = Field(2, ge=0, description="groups in flight beyond prompts_per_step (over-provisioning): "
                               "the slowest of them carry over, so the step no longer waits for them; at most "
                               "prompts_per_step x (max_staleness - the run's staleness), which the staleness bound "
-                              "lets the steps carry")
+                              "lets the steps carry. 0 (async, carry resume): no spares, but a weight change "
+                              "interrupts the groups generating and resumes them under the new version instead of "
+                              "waiting for them")
     carry: Literal["resume", "finish"] = Field(
         "resume", description="a carried group still generating at the next weight change: resume = interrupted "
         "there and resumed under the new weights (its tokens keep the log-probabilities of the policy that sampled "
@@ -469,6 +471,14 @@ class RunConfig(_Section):
             raise ValueError(f"run.partial_rollout.max_staleness={bound} must exceed the run's staleness "
                              f"({self.staleness}): a carried group trains at least one step later; raise it or leave "
                              "it unset")
+        if bound is not None and not self.partial_rollout.extra_groups:
+            if self.synchronous:
+                raise ValueError("run.partial_rollout.extra_groups=0 does nothing in a synchronous job (no group is "
+                                 "generating when the weights change): give spare groups (>= 1), or run.mode=async on "
+                                 "the disaggregated placement to interrupt and resume groups at each new version")
+            if self.partial_rollout.carry == "finish":
+                raise ValueError("run.partial_rollout.extra_groups=0 with carry='finish' does nothing (no spare groups, "
+                                 "none interrupted): give spare groups (>= 1) or use carry='resume'")
         if bound is not None:
             most = self.prompts_per_step * (bound - self.staleness)
             if self.partial_rollout.extra_groups > most:

@@ -115,7 +115,16 @@ def test_partial_rollouts_bound_staleness_past_the_runs_and_need_an_engine_that_
         ["run.partial_rollout.enabled=true", "run.mode=async", "run.max_staleness=2", "run.partial_rollout.max_staleness=2"])
     vllm = load_config(None, ["run.partial_rollout.enabled=true", "rollout.engine=vllm", "rollout.sampling.top_p=1.0"])
     assert vllm.rollout.engine_config().interrupts, "both built-in engines interrupt (a backend that does not: registry test)"
-    assert "extra_groups" in _error(["run.partial_rollout.extra_groups=0"])
+    assert "extra_groups" in _error(["run.partial_rollout.extra_groups=-1"])
+
+
+def test_no_spare_groups_is_interrupt_and_resume_at_each_version_which_only_an_async_job_has():
+    on = ["run.partial_rollout.enabled=true", "run.partial_rollout.extra_groups=0"]
+    assert "does nothing in a synchronous job" in _error(on + ["run.mode=sync"])
+    assert "does nothing in a synchronous job" in _error(on + ["run.mode=async", "run.placement=colocated"])
+    assert "with carry='finish' does nothing" in _error(on + ["run.mode=async", "run.partial_rollout.carry=finish"])
+    config = load_config(None, on + ["run.mode=async", "run.placement=disaggregated"])
+    assert config.run.partial_rollout.extra_groups == 0 and config.run.carry_staleness == 2
 
 
 def test_more_spare_groups_than_a_step_may_carry_are_refused_with_the_most_it_can():

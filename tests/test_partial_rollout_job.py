@@ -37,9 +37,9 @@ def _logical(sample_id: str) -> str:
     return sample_id.split(".r")[0] + "#" + sample_id.rsplit("#", 1)[1] if ".r" in sample_id else sample_id
 
 
-def _check(job: TrainingJob, records: list[StepRecord]) -> Counter:
+def _check(job: TrainingJob, records: list[StepRecord], extra: int = EXTRA) -> Counter:
     dispatched = {f"{r.prompt_id}#{j}" for k in range(STEPS) for r in job.data.batch(k, PROMPTS) for j in range(N)}
-    dispatched |= {f"{r.prompt_id}#{j}" for r in job.data.spares(0, EXTRA) for j in range(N)}
+    dispatched |= {f"{r.prompt_id}#{j}" for r in job.data.spares(0, extra) for j in range(N)}
     trained = Counter(_logical(i) for rank in job.trained_ids() for i in rank)
     duplicated = [i for i, c in trained.items() if c > 1]
     unknown = set(trained) - dispatched
@@ -122,3 +122,20 @@ def test_async_mode_carries_groups_into_steps_already_queued(ray_cluster, tiny_q
         records = [StepRecord.from_dict(r) for r in RunDir.read_jsonl(run_dir.metrics_file)]
         _check(job, records)
     assert sum(r.rollout.carried_out for r in records) >= EXTRA * STEPS
+
+
+def test_async_without_spares_interrupts_the_groups_generating_at_each_version_and_resumes_them(ray_cluster, tiny_qwen3,
+                                                                                               tmp_path):
+    """extra_groups 0: nothing carries over, but async queues the next step ahead and a new version interrupts its
+    groups generating and resumes them under it, instead of waiting for them (the worker's barrier)."""
+    config = _config(tmp_path, tiny_qwen3, "interrupt-async", workers=1,
+                     settings={"run.mode": "async", "run.max_staleness": 1, "rollout.sampling.max_tokens": 400,
+                               "rollout.native": {"max_num_seqs": 4, "max_model_len": 512, "num_kv_blocks": 256},
+                               "run.partial_rollout": {"enabled": True, "extra_groups": 0, "max_staleness": 2}})
+    run_dir = RunDir.create(config.run.out_dir, "interrupt-async")
+    with TrainingJob(config, run_dir, progress=False) as job:
+        job.run()
+        records = [StepRecord.from_dict(r) for r in RunDir.read_jsonl(run_dir.metrics_file)]
+        _check(job, records, extra=0)
+    assert all(r.rollout.carried_out == 0 for r in records), "no spares: every step trains its own groups"
+    assert sum(r.rollout.resumed_samples for r in records) > 0, "samples interrupted at a version and resumed"

@@ -16,16 +16,16 @@ def _model(**over) -> TailModel:
 def test_fixed_lengths_give_the_decode_arithmetic_and_no_tail():
     model = _model(prompts=2, samples=4, mean_tokens=1e12, max_tokens=100, decode_s=1e-3, decode_s_per_seq=1e-4,
                    update_s=1.0)
-    steps = simulate(model, extra_groups=0, steps=3)
+    steps = simulate(model, extra_groups=0, steps=3, carry="off")
     for i, s in enumerate(steps):
         assert s.rollout_s == pytest.approx(100 * (1e-3 + 8 * 1e-4))
         assert s.wall_s == pytest.approx(s.rollout_s + (1.0 if i else 0.0)), "a step's wall time: the update before it too"
         assert s.trained_tokens == 8 * 100 and s.tail_share == 0.0 and s.busy_batch_fraction == pytest.approx(8 / 256)
 
 
-@pytest.mark.parametrize("extra", [0, 2, 4])
-def test_each_step_trains_its_groups_once_and_the_spares_stay_in_flight(extra):
-    steps = simulate(_model(), extra_groups=extra, steps=12, seed=1)
+@pytest.mark.parametrize("extra, carry", [(0, "off"), (2, "resume"), (4, "resume")])
+def test_each_step_trains_its_groups_once_and_the_spares_stay_in_flight(extra, carry):
+    steps = simulate(_model(), extra_groups=extra, steps=12, seed=1, carry=carry)
     assert [s.trained_groups for s in steps] == [4] * 12
     assert [s.carried_out for s in steps] == [extra] * 12
     ids = [i for s in steps for i in s.trained_ids]
@@ -41,7 +41,7 @@ def test_spares_beyond_what_the_staleness_bound_lets_a_step_carry_shrink_back():
 
 
 def test_spare_groups_cut_the_tail_of_geometric_lengths():
-    sync = [steady(simulate(_model(), 0, 20, seed), warmup=3) for seed in range(3)]
+    sync = [steady(simulate(_model(), 0, 20, seed, carry="off"), warmup=3) for seed in range(3)]
     spares = [steady(simulate(_model(), 4, 20, seed), warmup=3) for seed in range(3)]
     mean = lambda rows, key: sum(r[key] for r in rows) / len(rows)  # noqa: E731
     assert mean(spares, "wall_s") < 0.8 * mean(sync, "wall_s")
@@ -59,15 +59,20 @@ def test_carry_finish_decodes_the_carried_groups_before_the_update_and_the_next_
     assert len(ids) == len(set(ids))
 
 
-def test_async_hides_the_update_behind_rollouts_and_resumed_spares_cut_its_tail():
-    """Disaggregated, staleness 1: the next step's groups decode while the trainer updates. Without interrupts the
-    engine drains its groups at every new version (the worker's barrier); resumed spares keep it busy through it."""
+def test_async_hides_the_update_and_interrupting_at_each_version_cuts_its_tail():
+    """Disaggregated, staleness 1: the next step's groups decode while the trainer updates. With partial rollouts
+    off the engine drains its groups at every new version (the worker's barrier); interrupting and resuming them
+    instead (0 spares) keeps it busy through it, and resumed spares more so."""
     disaggregated = dict(placement="disaggregated")
-    mean = lambda model, extra: sum(steady(simulate(model, extra, 20, seed), warmup=3)["wall_s"]  # noqa: E731
-                                    for seed in range(3)) / 3
-    sync, asynchronous = mean(_model(**disaggregated), 0), mean(_model(**disaggregated, staleness=1, carry_staleness=2), 0)
-    assert sync - asynchronous > 0.5 * 8.0, "most of the 8 s update is hidden"
-    assert mean(_model(**disaggregated, staleness=1, carry_staleness=2), 4) < 0.7 * asynchronous
+
+    def mean(model, extra, carry):
+        return sum(steady(simulate(model, extra, 20, seed, carry), warmup=3)["wall_s"] for seed in range(3)) / 3
+
+    asynchronous = _model(**disaggregated, staleness=1, carry_staleness=2)
+    sync, drained = mean(_model(**disaggregated), 0, "off"), mean(asynchronous, 0, "off")
+    assert sync - drained > 0.5 * 8.0, "most of the 8 s update is hidden"
+    interrupted = mean(asynchronous, 0, "resume")
+    assert interrupted < 0.8 * drained and mean(asynchronous, 4, "resume") < interrupted
 
 
 def test_bad_inputs_name_the_field():
@@ -83,3 +88,5 @@ def test_bad_inputs_name_the_field():
         simulate(_model(), extra_groups=-1, steps=2)
     with pytest.raises(ValueError, match="carry='later'"):
         simulate(_model(), extra_groups=2, steps=2, carry="later")
+    with pytest.raises(ValueError, match="extra_groups=2 with carry='off'"):
+        simulate(_model(), extra_groups=2, steps=2, carry="off")
