@@ -129,8 +129,7 @@ def test_async_without_spares_interrupts_the_groups_generating_at_each_version_a
     """extra_groups 0: nothing carries over, but async queues the next step ahead and a new version interrupts its
     groups generating and resumes them under it, instead of waiting for them (the worker's barrier)."""
     config = _config(tmp_path, tiny_qwen3, "interrupt-async", workers=1,
-                     settings={"run.mode": "async", "run.max_staleness": 1, "rollout.sampling.max_tokens": 400,
-                               "rollout.native": {"max_num_seqs": 4, "max_model_len": 512, "num_kv_blocks": 256},
+                     settings={"run.mode": "async", "run.max_staleness": 1, "rollout.sampling.max_tokens": 192,
                                "run.partial_rollout": {"enabled": True, "extra_groups": 0, "max_staleness": 2}})
     run_dir = RunDir.create(config.run.out_dir, "interrupt-async")
     with TrainingJob(config, run_dir, progress=False) as job:
