@@ -166,8 +166,9 @@ class _Simulation:
             self.queue.add_step(k, records, needed=p)
 
     def _lease(self) -> None:
-        room = (self.model.max_num_seqs - sum(1 for g in self.running for n in g.left if n)) // self.model.samples
-        if room:
+        """As the rollout worker leases: whole groups, up to max_num_seqs // samples held at once."""
+        room = self.model.max_num_seqs // self.model.samples - len(self.running)
+        if room > 0:
             for lease in self.queue.lease(WORKER, self.version, room, self.now):
                 left = [min(self.model.max_tokens, 1 + int(self.rng.expovariate(1.0 / self.model.mean_tokens)))
                         for _ in range(self.model.samples)]
