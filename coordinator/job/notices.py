@@ -7,14 +7,21 @@ something needs a look and where.
 from ..step_record import StepRecord
 
 
+LONG_TAIL_SHARE = 0.5
+"""A rollout that spent at least this share of its time below half its peak batch is mostly its long tail."""
+
+
 class Notices:
-    def __init__(self, log, logprobs: int, statistic: str):
+    def __init__(self, log, logprobs: int, statistic: str, partial_rollouts: bool = False):
         self.log, self.logprobs, self.statistic = log, logprobs, statistic
         self.loose_tail_said = False
+        self.long_tail_said = partial_rollouts
+        """Said once, and not at all to a job that has partial rollouts on already."""
 
     def after_step(self, record: StepRecord) -> None:
         self._numerical_guards(record)
         self._loose_tail(record)
+        self._long_tail(record)
 
     def _numerical_guards(self, record: StepRecord) -> None:
         """An update the trainer skipped (non-finite gradients) or α tokens it left out: each time, they are rare."""
@@ -37,3 +44,13 @@ class Notices:
         self.log(f"step {record.step + 1}: α's tail is only bracketed in bins {loose} (top-{self.logprobs} bounds up to "
                  f"{worst:.2f} apart); the controller steers on the {self.statistic!r} bound. Said once; "
                  "RUN_DIR/report/report.md has each step's bounds and what to change")
+
+    def _long_tail(self, record: StepRecord) -> None:
+        """Once per job, after the warm-up step: most of the rollout was a few long samples decoding alone."""
+        share = record.rollout.tail_share
+        if self.long_tail_said or record.step < 1 or share is None or share < LONG_TAIL_SHARE:
+            return
+        self.long_tail_said = True
+        self.log(f"step {record.step + 1}: {share:.0%} of the rollout ran below half its peak batch (a few long samples "
+                 "decoding alone); run.partial_rollout may shorten the step, and `sparrow bench tail-model` estimates "
+                 "by how much for your lengths (docs/coordinator.md, The long tail). Said once")
