@@ -125,7 +125,7 @@ class TrainingJob:
         self.sparsity = SparsityLoop(cfg, self.metrics, self.fleet, self.trainers)
         self.publication = Publication(cfg.run, self.trainers, self.fleet)
         self.notices = Notices(self.log, cfg.rollout.sampling.logprobs, self.sparsity.controller_config.statistic,
-                               cfg.run.partial_rollout.enabled)
+                               hint_long_tail=cfg.rollout.pool.gpus > 0 and not cfg.run.partial_rollout.enabled)
         self.time_sharing = TimeSharing(self.fleet, self.trainers, self.bundles is not None)
         if self.resume:
             self.restore()

@@ -1,5 +1,5 @@
-"""The job's one-line notices: the long-tail hint is said once, after the warm-up step, and never to a job that has
-partial rollouts on."""
+"""The job's one-line notices: the long-tail hint is said once, after the warm-up step, to GPU engines without
+partial rollouts."""
 
 from dataclasses import replace
 
@@ -15,7 +15,7 @@ def _with_tail(step: int, share: float | None):
 
 def test_a_rollout_that_was_mostly_its_long_tail_points_at_partial_rollouts_once():
     lines: list[str] = []
-    notices = Notices(lines.append, logprobs=20, statistic="exact")
+    notices = Notices(lines.append, logprobs=20, statistic="exact", hint_long_tail=True)
     for step, share in [(0, 0.9), (1, 0.3), (2, None), (3, 0.67), (4, 0.8)]:
         notices.after_step(_with_tail(step, share))
     tail = [line for line in lines if "below half its peak batch" in line]
@@ -23,8 +23,8 @@ def test_a_rollout_that_was_mostly_its_long_tail_points_at_partial_rollouts_once
     assert "run.partial_rollout" in tail[0] and "sparrow bench tail-model" in tail[0]
 
 
-def test_a_job_with_partial_rollouts_on_is_not_told():
+def test_a_job_not_to_hint_is_not_told():
     lines: list[str] = []
-    notices = Notices(lines.append, logprobs=20, statistic="exact", partial_rollouts=True)
+    notices = Notices(lines.append, logprobs=20, statistic="exact")
     notices.after_step(_with_tail(3, 0.9))
     assert not [line for line in lines if "peak batch" in line]

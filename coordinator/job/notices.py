@@ -12,11 +12,12 @@ LONG_TAIL_SHARE = 0.5
 
 
 class Notices:
-    def __init__(self, log, logprobs: int, statistic: str, partial_rollouts: bool = False):
+    def __init__(self, log, logprobs: int, statistic: str, hint_long_tail: bool = False):
         self.log, self.logprobs, self.statistic = log, logprobs, statistic
         self.loose_tail_said = False
-        self.long_tail_said = partial_rollouts
-        """Said once, and not at all to a job that has partial rollouts on already."""
+        self.long_tail_said = not hint_long_tail
+        """Said once; only to GPU engines without partial rollouts (a CPU decode step's cost grows with the batch,
+        so a fuller batch buys nothing there)."""
 
     def after_step(self, record: StepRecord) -> None:
         self._numerical_guards(record)
