@@ -279,7 +279,7 @@ def merge(results: list[dict]) -> dict:
         per_k = (1000 * sum(s["wall_s"] for s in steady) / sum(tokens)) if all(tokens) else None
         rows.append({"placement": _placement(r), "mode": r["mode"], "steps": len(steady),
                      "warmup_excluded": len(steady) < len(r["steps"]), "wall_s_per_1k_tokens": per_k,
-                     **{k: _mean([s.get(k) for s in steady]) for k, _ in COLUMNS if k != "step"}})
+                     **{k: mean_known([s.get(k) for s in steady]) for k, _ in COLUMNS if k != "step"}})
     speedups = {}
     for placement in sorted({r["placement"] for r in rows}):
         by_mode = {r["mode"]: r for r in rows if r["placement"] == placement}
@@ -303,7 +303,8 @@ def _placement(result: dict) -> str:
     return label if off else f"{label} partial+{extra} {result['carry']}"
 
 
-def _mean(values: list) -> float | None:
+def mean_known(values: list) -> float | None:
+    """The mean of the values that are not None (None if there are none)."""
     known = [v for v in values if v is not None]
     return sum(known) / len(known) if known else None
 

@@ -27,6 +27,8 @@ from sparrow.coordinator.step_record import GroupReport
 from sparrow.coordinator.work_queue import WorkQueue
 from sparrow.tables import format_table
 
+from .rl_step import mean_known
+
 WORKER = "engine"
 CARRY = ("off", "resume", "finish")
 
@@ -201,21 +203,16 @@ class _Simulation:
 
 
 def steady(steps: list[ModelStep], warmup: int) -> dict:
-    """Means over the steps after `warmup` (the first steps fill the pipeline of carried groups)."""
+    """Means over the steps after `warmup` (the first steps fill the pipeline of carried groups); the batch shape's
+    over the steps that decoded (one whose groups were all done before it began has none)."""
     rest = steps[warmup:] or steps
     wall = sum(s.wall_s for s in rest)
     return {"steps": len(rest), "wall_s": wall / len(rest), "rollout_s": sum(s.rollout_s for s in rest) / len(rest),
             "trained_groups": sum(s.trained_groups for s in rest) / len(rest),
             "tokens_per_s": sum(s.trained_tokens for s in rest) / wall,
-            "tail_share": _mean_known([s.tail_share for s in rest]),
-            "busy_batch_fraction": _mean_known([s.busy_batch_fraction for s in rest]),
+            "tail_share": mean_known([s.tail_share for s in rest]) or 0.0,
+            "busy_batch_fraction": mean_known([s.busy_batch_fraction for s in rest]) or 0.0,
             "carried_out": sum(s.carried_out for s in rest) / len(rest)}
-
-
-def _mean_known(values: list) -> float:
-    """Over the steps that decoded (one whose groups were all done before it began has no batch shape)."""
-    known = [v for v in values if v is not None]
-    return sum(known) / len(known) if known else 0.0
 
 
 def register(actions) -> None:

@@ -467,11 +467,13 @@ class RunConfig(_Section):
     @model_validator(mode="after")
     def _partial_rollout(self):
         bound = self.carry_staleness
-        if bound is not None and bound <= self.staleness:
+        if bound is None:
+            return self
+        if bound <= self.staleness:
             raise ValueError(f"run.partial_rollout.max_staleness={bound} must exceed the run's staleness "
                              f"({self.staleness}): a carried group trains at least one step later; raise it or leave "
                              "it unset")
-        if bound is not None and not self.partial_rollout.extra_groups:
+        if not self.partial_rollout.extra_groups:
             if self.synchronous:
                 raise ValueError("run.partial_rollout.extra_groups=0 does nothing in a synchronous job (no group is "
                                  "generating when the weights change): give spare groups (>= 1), or run.mode=async on "
@@ -479,15 +481,14 @@ class RunConfig(_Section):
             if self.partial_rollout.carry == "finish":
                 raise ValueError("run.partial_rollout.extra_groups=0 with carry='finish' does nothing (no spare groups, "
                                  "none interrupted): give spare groups (>= 1) or use carry='resume'")
-        if bound is not None:
-            most = self.prompts_per_step * (bound - self.staleness)
-            if self.partial_rollout.extra_groups > most:
-                raise ValueError(
-                    f"run.partial_rollout.extra_groups={self.partial_rollout.extra_groups} is more than the "
-                    f"{most} spare groups prompts_per_step={self.prompts_per_step} can keep in flight: a carried group "
-                    f"may wait {bound - self.staleness} step(s) before the staleness bound trains it, so a step would "
-                    f"train more than its {self.prompts_per_step} groups and the spares would shrink back to {most}; "
-                    "lower extra_groups or raise run.partial_rollout.max_staleness")
+        most = self.prompts_per_step * (bound - self.staleness)
+        if self.partial_rollout.extra_groups > most:
+            raise ValueError(
+                f"run.partial_rollout.extra_groups={self.partial_rollout.extra_groups} is more than the "
+                f"{most} spare groups prompts_per_step={self.prompts_per_step} can keep in flight: a carried group "
+                f"may wait {bound - self.staleness} step(s) before the staleness bound trains it, so a step would "
+                f"train more than its {self.prompts_per_step} groups and the spares would shrink back to {most}; "
+                "lower extra_groups or raise run.partial_rollout.max_staleness")
         return self
 
     @model_validator(mode="after")
