@@ -21,6 +21,7 @@ import threading
 import time
 from pathlib import Path
 
+from sparrow.coordinator.step_record import mean_known
 from sparrow.tables import format_table
 
 from .result_files import default_out_path
@@ -301,12 +302,6 @@ def _placement(result: dict) -> str:
     extra = result.get("partial_rollout")
     off = extra is None or result.get("carry") is None  # results before `--partial-rollout 0` stored 0 for off
     return label if off else f"{label} partial+{extra} {result['carry']}"
-
-
-def mean_known(values: list) -> float | None:
-    """The mean of the values that are not None (None if there are none)."""
-    known = [v for v in values if v is not None]
-    return sum(known) / len(known) if known else None
 
 
 def run_merge(args) -> int:

@@ -23,11 +23,10 @@ from pathlib import Path
 
 from sparrow.coordinator.data import PromptRecord
 from sparrow.coordinator.metrics import BatchOccupancy, batch_shape
-from sparrow.coordinator.step_record import GroupReport
+from sparrow.coordinator.step_record import GroupReport, mean_known
 from sparrow.coordinator.work_queue import WorkQueue
 from sparrow.tables import format_table
 
-from .rl_step import mean_known
 
 WORKER = "engine"
 CARRY = ("off", "resume", "finish")

@@ -13,7 +13,7 @@ from sparrow.tables import format_table
 
 from .progress import bin_values, fmt
 from .run_dir import RunDir
-from .step_record import LOOSE_BOUND_GAP, StepRecord, loose_tail_advice
+from .step_record import LOOSE_BOUND_GAP, StepRecord, loose_tail_advice, mean_known
 
 PLOTS = {
     "reward.png": "Reward per step",
@@ -114,33 +114,28 @@ def _bin_names(edges: list[int]) -> list[str]:
     return names
 
 
-def _mean(values) -> float | None:
-    values = [v for v in values if v is not None]
-    return sum(values) / len(values) if values else None
-
-
 def summary_table(rows: list[StepRecord], target: float) -> str:
     first, last = rows[0], rows[-1]
     elapsed = sum(r.timing.step for r in rows)
-    utilisation = _mean([u for r in rows for u in r.rollout.utilisation.values()])
+    utilisation = mean_known([u for r in rows for u in r.rollout.utilisation.values()])
     items = [
         ("steps", f"{first.step + 1}–{last.step + 1}"),
         ("time in steps", f"{elapsed:.0f} s ({elapsed / len(rows):.0f} s/step)"),
         ("per step: rollout wait / train / publish",
-         f"{_mean(r.timing.rollout_wait for r in rows):.0f} / {_mean(r.timing.train for r in rows):.0f} / "
-         f"{_mean(r.timing.publish for r in rows):.1f} s"),
+         f"{mean_known(r.timing.rollout_wait for r in rows):.0f} / {mean_known(r.timing.train for r in rows):.0f} / "
+         f"{mean_known(r.timing.publish for r in rows):.1f} s"),
         ("samples, tokens generated", f"{sum(r.rollout.samples for r in rows)}, {sum(r.rollout.tokens for r in rows)}"),
         ("reward (first → last step)", f"{fmt(first.rollout.reward_mean)} → {fmt(last.rollout.reward_mean)}"),
         ("accuracy (first → last step)", f"{fmt(first.rollout.accuracy)} → {fmt(last.rollout.accuracy)}"),
         ("response length (first → last)",
          f"{fmt(first.rollout.response_length_mean, '.1f')} → {fmt(last.rollout.response_length_mean, '.1f')}"),
-        ("KV read vs dense (mean)", fmt(_mean(r.rollout.kv_read_fraction for r in rows))),
-        ("measured speedup (dense probes, mean)", fmt(_mean(r.rollout.speedup_measured for r in rows), ".2f")),
+        ("KV read vs dense (mean)", fmt(mean_known(r.rollout.kv_read_fraction for r in rows))),
+        ("measured speedup (dense probes, mean)", fmt(mean_known(r.rollout.speedup_measured for r in rows), ".2f")),
         ("predicted speedup (last, cost model)", fmt(last.predicted_speedup, ".2f")),
         ("rollout worker utilisation (mean)", fmt(utilisation, ".2f")),
         ("busy-batch fraction / tail share (mean)",
-         f"{fmt(_mean(r.rollout.busy_batch_fraction for r in rows), '.2f')} / "
-         f"{fmt(_mean(r.rollout.tail_share for r in rows), '.2f')}"),
+         f"{fmt(mean_known(r.rollout.busy_batch_fraction for r in rows), '.2f')} / "
+         f"{fmt(mean_known(r.rollout.tail_share for r in rows), '.2f')}"),
         ("steps whose α tail was only bracketed (top-k bounds > "
          f"{LOOSE_BOUND_GAP:g} apart)", str(sum(bool(r.alpha.loose_bins()) for r in rows))),
         ("groups carried over / samples resumed / trained tokens from an older policy (partial rollouts)",

@@ -283,8 +283,11 @@ class StepRecord:
         return cls(**values)
 
 
-def _mean(values) -> float | None:
-    return statistics.fmean(values) if values else None
+def mean_known(values) -> float | None:
+    """The mean of the values that are not None (None if there are none): how an optional field of the step
+    record averages over samples or steps, here and in every summary of step records."""
+    known = [v for v in values if v is not None]
+    return statistics.fmean(known) if known else None
 
 
 def _per_bin(values, counts: list[int]) -> list[float | None]:
@@ -316,14 +319,14 @@ def rollout_stats(reports: list[GroupReport], summary: BatchSummary, correct: fl
     tokens = sum(r.tokens for r in reports)
     return RolloutStats(
         samples=summary.samples, failed=summary.failed, tokens=tokens,
-        reward_mean=_mean(rewards), reward_std=statistics.pstdev(rewards) if len(rewards) > 1 else None,
-        accuracy=_mean([r >= correct for r in rewards]),
-        response_length_mean=_mean(lengths), response_length_max=max(lengths, default=None),
-        prompt_length_mean=_mean(summary.prompt_lengths),
+        reward_mean=mean_known(rewards), reward_std=statistics.pstdev(rewards) if len(rewards) > 1 else None,
+        accuracy=mean_known([r >= correct for r in rewards]),
+        response_length_mean=mean_known(lengths), response_length_max=max(lengths, default=None),
+        prompt_length_mean=mean_known(summary.prompt_lengths),
         truncated_fraction=summary.truncated / max(len(lengths), 1),
         tokens_per_s=tokens / rollout_seconds if rollout_seconds > 0 else None,
         speedup_measured=speedup_measured, kv_read_fraction=summary.kv_read_fraction,
-        staleness_mean=_mean(summary.staleness), staleness_max=max(summary.staleness, default=None),
+        staleness_mean=mean_known(summary.staleness), staleness_max=max(summary.staleness, default=None),
         schedule_versions=summary.schedule_versions,
         accepted=sum(r.accepted for r in reports), duplicates=sum(r.duplicate for r in reports),
         streams=sum(r.streams for r in reports), requeued=requeued, speculated=speculated, dropped=summary.dropped,

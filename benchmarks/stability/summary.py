@@ -1,6 +1,8 @@
 """Per-arm JSON from a run's step records, and the merged table's rows: pure (records in, plain data out)."""
 
-from statistics import fmean, median
+from statistics import median
+
+from sparrow.coordinator.step_record import mean_known
 
 BAND = 0.02
 """An arm has converged once every measured bin's p5 α lies in [τ, τ + BAND]."""
@@ -93,11 +95,6 @@ def steps_to_band(arm: dict, statistic: str = "lower", band: float | None = BAND
     return None
 
 
-def _mean(values) -> float | None:
-    values = [v for v in values if v is not None]
-    return fmean(values) if values else None
-
-
 def _median(values) -> float | None:
     """Per-step seconds: the median, since the first step also compiles kernels and captures graphs."""
     values = [v for v in values if v is not None]
@@ -121,7 +118,7 @@ def table_row(arm: dict) -> list[str]:
     reached = "/".join(_steps(steps_to_band(arm, statistic, band)) for band in (None, BAND) for statistic in STATISTICS)
     final = steps[-1]["topk_blocks"] if steps else []
     budgets = "/".join("dense" if k is None else str(k) for k in final)
-    return [arm["label"], str(len(steps)), _fmt(rewards[-1] if rewards else None), _fmt(_mean(rewards)), held,
+    return [arm["label"], str(len(steps)), _fmt(rewards[-1] if rewards else None), _fmt(mean_known(rewards)), held,
             _fmt(_median(s["rollout_s"] for s in steps), 1), _fmt(_median(s["step_s"] for s in steps), 1),
             reached, budgets]
 
@@ -138,7 +135,7 @@ def has_exact(arm: dict) -> bool:
 
 def _gap(steps: list[dict], hi: str, lo: str) -> float | None:
     """Mean over steps and bins of row[hi] − row[lo] where both are measured."""
-    return _mean(h - l for s in steps for h, l in zip(s.get(hi) or [], s.get(lo) or []) if h is not None and l is not None)
+    return mean_known(h - l for s in steps for h, l in zip(s.get(hi) or [], s.get(lo) or []) if h is not None and l is not None)
 
 
 def exact_row(arm: dict) -> list[str]:
