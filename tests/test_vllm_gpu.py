@@ -32,7 +32,7 @@ pytestmark = [
 
 WIDE = SparsitySchedule(name="wide", topk_blocks=(253,), edges=())  # 256 blocks = 4096 tokens: dense by budget
 FP32_TOL = 1e-2  # fp32 engines; vLLM's dense layers run TRITON_ATTN in fp32, whose dots may round to TF32
-SAME_KERNELS_TOL = 1e-3  # the same engine's kernels, eager against piecewise graphs (only Inductor's fusions differ)
+SAME_KERNELS_TOL = 1e-3  # the same engine's kernels, eager against piecewise graphs (or twice stock vLLM's own drift)
 BF16_TOL = 0.1  # per-token |Δ logprob| over the tokens both engines share; measured values are recorded
 TIE_GAP = 0.05  # greedy tokens may part only where the top two logprobs are this close (a bf16 near-tie)
 KV_BYTES = 2 << 30
@@ -107,23 +107,42 @@ def greedy(prompts=PROMPTS):
     return greedy_requests(prompts, max_tokens=64, logprobs=5)
 
 
+def shared_diff(a, b) -> tuple[int, float]:
+    """Greedy tokens the two samples share before they part, and the largest |Δ logprob| over them; parting is
+    allowed only at a near-tie."""
+    assert a.error is None and b.error is None, (a.error, b.error)
+    shared = int((a.token_ids == b.token_ids).int().cumprod(0).sum())
+    if shared < len(a.token_ids):
+        gap = min((s.top_logprobs[shared, 0] - s.top_logprobs[shared, 1]).item() for s in (a, b))
+        assert gap < TIE_GAP, f"{a.request_id}: greedy tokens part at {shared} with a top-2 gap of {gap:.3f}"
+    return shared, (a.logprobs[:shared] - b.logprobs[:shared]).abs().max().item() if shared else 0.0
+
+
 def compare(ours, theirs, tol: float, name: str) -> None:
     """Greedy tokens equal up to the first near-tie; logprobs within `tol` on the tokens before it; blocks attended
     equal on every token (they depend on lengths and schedule only)."""
     worst, parted = 0.0, 0
     for a, b in zip(ours, theirs, strict=True):
-        assert a.error is None and b.error is None, (a.error, b.error)
         assert torch.equal(a.blocks_attended, b.blocks_attended), f"{a.request_id}: blocks attended differ"
-        shared = int((a.token_ids == b.token_ids).int().cumprod(0).sum())
-        if shared < len(a.token_ids):
-            parted += 1
-            gap = min((s.top_logprobs[shared, 0] - s.top_logprobs[shared, 1]).item() for s in (a, b))
-            assert gap < TIE_GAP, f"{a.request_id}: greedy tokens part at {shared} with a top-2 gap of {gap:.3f}"
-        diff = (a.logprobs[:shared] - b.logprobs[:shared]).abs().max().item() if shared else 0.0
+        shared, diff = shared_diff(a, b)
+        parted += shared < len(a.token_ids)
         assert diff < tol, f"{a.request_id}: |Δ logprob| {diff:.2e} over the shared tokens"
         worst = max(worst, diff)
     MEASURED[f"{name}.max_abs_dlogprob"] = worst
     MEASURED[f"{name}.samples_parted_at_a_tie"] = parted
+
+
+def stock_graph_drift(model, requests) -> float:
+    """vLLM's own fp32 attention, piecewise graphs against eager: what compiling the pieces between the attention
+    layers changes by itself (the 2026-12-04 run measured 9.2e-2 for ours, where 1e-3 was guessed)."""
+    outputs = []
+    for eager in (True, False):
+        engine = make_engine(model, dtype="float32", enforce_eager=eager, attention="stock")
+        try:
+            outputs.append(engine.generate(requests))
+        finally:
+            engine.shutdown()
+    return max(shared_diff(a, b)[1] for a, b in zip(*outputs, strict=True))
 
 
 @pytest.mark.parametrize("schedule", [SMALL, WIDE], ids=["small-budget", "budget-covers-context"])
@@ -137,10 +156,14 @@ def test_fp32_eager_equals_the_native_engine(fp32_eager, native_fp32, schedule):
         assert any((s.blocks_attended < (len(s.prompt_token_ids) + torch.arange(64) + 15) // 16).any() for s in ours)
 
 
-def test_fp32_piecewise_cuda_graphs_equal_eager(fp32_eager, fp32_graphs):
+def test_fp32_piecewise_cuda_graphs_equal_eager(fp32_eager, fp32_graphs, qwen3_128):
+    """Within 1e-3, or within twice the drift stock vLLM shows between its own graphs and eager on the same model:
+    our sparse layers may not add to what Inductor's compiled pieces change."""
     requests = greedy()
     graphs, eager = run(fp32_graphs, SMALL, requests), run(fp32_eager, SMALL, requests)
-    compare(graphs, eager, SAME_KERNELS_TOL, "fp32_graphs_vs_eager")
+    stock = stock_graph_drift(qwen3_128, requests)
+    MEASURED["fp32_graphs_vs_eager.stock_max_abs_dlogprob"] = stock
+    compare(graphs, eager, max(SAME_KERNELS_TOL, 2 * stock), "fp32_graphs_vs_eager")
 
 
 def test_bf16_cuda_graphs_match_the_native_engine(bf16_sleepy, native_bf16):
