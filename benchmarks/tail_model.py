@@ -2,7 +2,9 @@
 rollouts (`run.partial_rollout.extra_groups`, `carry`) before spending GPU time on them.
 
 A model, not a measurement. One engine decodes every sample in flight at once, a decode step taking
-`decode_s + decode_s_per_seq * batch` (the weight-bound regime of a GPU decode step); each sample's length is
+`decode_s + decode_s_per_seq * batch` (the weight-bound regime of a GPU decode step) plus, with `kv_s_per_token`,
+that much for every token of context the samples in flight attend (the KV reads of long sequences: their prompt and
+what they generated so far, at most `kv_cap_tokens` each under a sparse schedule); each sample's length is
 geometric with the given mean, capped at `max_tokens` (what `bench rl-step --stop-at-eos` gives a random-weight
 model); an update takes a fixed `update_s`. Colocated, the engine sleeps through the update (carried groups pause;
 with `carry: finish` the sleep first waits for them) and the new version is in place when it wakes. Disaggregated,
@@ -29,6 +31,9 @@ from sparrow.tables import format_table
 
 
 WORKER = "engine"
+KV_SPAN = 256
+"""With KV reads, a decode span is at most this many tokens: the context grows through it, and the span is charged
+the context at its middle."""
 CARRY = ("off", "resume", "finish")
 
 
@@ -51,6 +56,11 @@ class TailModel:
     """`run.partial_rollout.max_staleness` (default: staleness + 1)."""
     load_s: float = 0.0
     """Seconds a disaggregated engine pauses to load a new version."""
+    kv_s_per_token: float = 0.0
+    """What each token of context a sample in flight attends adds to a decode step (its KV reads), seconds."""
+    prompt_tokens: int = 0
+    kv_cap_tokens: int | None = None
+    """Most tokens of context a sample attends (a sparse schedule's budget); None: all of it (dense)."""
 
     def __post_init__(self):
         for name in ("prompts", "samples", "max_tokens", "max_num_seqs"):
@@ -67,9 +77,11 @@ class TailModel:
         if self.staleness < 0 or self.carry_staleness <= self.staleness:
             raise ValueError(f"staleness={self.staleness} must be >= 0 and carry_staleness={self.carry_staleness} "
                              "above it (a carried group trains at least one step later)")
-        for name in ("decode_s_per_seq", "update_s", "load_s"):
+        for name in ("decode_s_per_seq", "update_s", "load_s", "kv_s_per_token", "prompt_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 0")
+        if self.kv_cap_tokens is not None and self.kv_cap_tokens < 1:
+            raise ValueError(f"kv_cap_tokens={self.kv_cap_tokens}: must be >= 1 (or None: dense attention)")
         if self.max_num_seqs < self.samples:
             raise ValueError(f"max_num_seqs={self.max_num_seqs} < samples={self.samples}: a group never fits the engine")
 
@@ -93,6 +105,8 @@ class _Running:
     lease_id: int
     left: list[int]
     tokens: int
+    made: int = 0
+    """Tokens each of its samples still running has generated (they start together and advance together)."""
 
 
 def simulate(model: TailModel, extra_groups: int, steps: int, seed: int = 0, carry: str = "resume") -> list[ModelStep]:
@@ -178,20 +192,30 @@ class _Simulation:
     def _decode(self, until: float | None) -> None:
         """Decode to the next sample's end, or to `until` (the update's end) if that comes first."""
         m = self.model
-        batch = sum(1 for g in self.running for n in g.left if n)
-        per_token = m.decode_s + m.decode_s_per_seq * batch
+        active = [(g, sum(1 for n in g.left if n)) for g in self.running]
+        batch = sum(count for _, count in active)
         tokens = min(n for g in self.running for n in g.left if n)
+        if m.kv_s_per_token:
+            tokens = min(tokens, KV_SPAN)
+        context = sum(count * self._attended(g.made + (tokens - 1) / 2) for g, count in active)
+        per_token = m.decode_s + m.decode_s_per_seq * batch + m.kv_s_per_token * context
         if until is not None:
             tokens = max(1, min(tokens, math.ceil((until - self.now) / per_token)))
         self.occupancy.add(batch, tokens * per_token)
         self.now += tokens * per_token
         for g in list(self.running):
             g.left = [max(n - tokens, 0) for n in g.left]
+            g.made += tokens
             if not any(g.left):
                 self.running.remove(g)
                 ids = [f"{g.lease_id}#{j}" for j in range(m.samples)]
                 self.queue.complete(WORKER, g.lease_id, GroupReport(WORKER, m.samples, 0, g.tokens, m.samples, 0, [], 1,
                                                                     ids, seconds=0.0), self.now)
+
+    def _attended(self, made: float) -> float:
+        """Tokens of context a sample that has generated `made` attends at a decode step."""
+        context = self.model.prompt_tokens + made
+        return context if self.model.kv_cap_tokens is None else min(context, self.model.kv_cap_tokens)
 
     def _record(self, work, rollout: float, wall: float) -> ModelStep:
         reports = [report for _, report in work.done.values()]
@@ -223,6 +247,12 @@ def register(actions) -> None:
     p.add_argument("--max-tokens", type=int, default=8192, help="length cap")
     p.add_argument("--decode-ms", type=float, default=3.5, help="a decode step's fixed time, ms")
     p.add_argument("--decode-ms-per-seq", type=float, default=0.03, help="what each sample in flight adds, ms")
+    p.add_argument("--kv-ms-per-ktoken", type=float, default=0.0, help="what each 1K tokens of context the samples "
+                   "in flight attend add to a decode step, ms (their KV reads: KV bytes a token / memory bandwidth); "
+                   "0: the decode step does not depend on the lengths")
+    p.add_argument("--prompt-tokens", type=int, default=256, help="prompt length (context a sample attends at its start)")
+    p.add_argument("--kv-cap-tokens", type=int, default=None, help="most tokens of context a sample attends (a sparse "
+                   "schedule's budget x block size); default: all (dense)")
     p.add_argument("--update-s", type=float, default=8.0, help="seconds of an update")
     p.add_argument("--max-num-seqs", type=int, default=256, help="the engine's batch limit")
     p.add_argument("--placement", choices=("colocated", "disaggregated"), default="colocated", help="run.placement")
@@ -240,11 +270,18 @@ def register(actions) -> None:
     p.set_defaults(handler=run)
 
 
+def _kv_terms(args) -> str:
+    if not args.kv_ms_per_ktoken:
+        return ""
+    cap = "dense" if args.kv_cap_tokens is None else f"at most {args.kv_cap_tokens} tokens a sample"
+    return f" + {args.kv_ms_per_ktoken} ms per 1K tokens of context attended ({cap}, {args.prompt_tokens}-token prompts)"
+
+
 def run(args) -> int:
     carry_staleness = args.staleness + 1 if args.carry_staleness is None else args.carry_staleness
     model = TailModel(args.prompts, args.samples, args.mean_tokens, args.max_tokens, args.decode_ms / 1000,
                       args.decode_ms_per_seq / 1000, args.update_s, args.max_num_seqs, args.placement, args.staleness,
-                      carry_staleness, args.load_s)
+                      carry_staleness, args.load_s, args.kv_ms_per_ktoken / 1e6, args.prompt_tokens, args.kv_cap_tokens)
     if args.steps < 4 or args.seeds < 1:
         raise ValueError(f"--steps {args.steps} must be >= 4 (3 are warm-up) and --seeds {args.seeds} >= 1")
     rows = []
@@ -262,7 +299,7 @@ def run(args) -> int:
     mode = "sync" if not args.staleness else f"async (staleness {args.staleness})"
     print(f"model (not a run): {args.placement}, {mode}, {args.prompts} prompts x {args.samples} samples, lengths geometric mean "
           f"{args.mean_tokens:.0f} capped at {args.max_tokens}, decode step {args.decode_ms} ms + "
-          f"{args.decode_ms_per_seq} ms a sample, update {args.update_s} s, load {args.load_s} s, carry {args.carry} "
+          f"{args.decode_ms_per_seq} ms a sample{_kv_terms(args)}, update {args.update_s} s, load {args.load_s} s, carry {args.carry} "
           f"(bound {carry_staleness}); {args.seeds} seeds x "
           f"{args.steps - 3} steps")
     print(format_table(head, body))

@@ -23,6 +23,20 @@ def test_fixed_lengths_give_the_decode_arithmetic_and_no_tail():
         assert s.trained_tokens == 8 * 100 and s.tail_share == 0.0 and s.busy_batch_fraction == pytest.approx(8 / 256)
 
 
+def test_kv_reads_charge_the_context_in_flight_and_a_sparse_cap_bounds_them():
+    """8 samples of 100 tokens after 50-token prompts, 1 µs a token of context: the context attended grows from 50
+    to 149 a sample (mean 99.5; the model charges a span its mean); capped at 60 tokens a sample it is ~60."""
+    fixed = dict(prompts=2, samples=4, mean_tokens=1e12, max_tokens=100, decode_s=1e-3, decode_s_per_seq=1e-4,
+                 update_s=1.0, kv_s_per_token=1e-6, prompt_tokens=50)
+    dense = simulate(_model(**fixed), extra_groups=0, steps=2, carry="off")[0]
+    assert dense.rollout_s == pytest.approx(100 * (1e-3 + 8e-4 + 8 * 99.5e-6), rel=1e-3)
+    capped = simulate(_model(**fixed, kv_cap_tokens=60), extra_groups=0, steps=2, carry="off")[0]
+    assert capped.rollout_s == pytest.approx(100 * (1e-3 + 8e-4 + 8 * 60e-6), rel=1e-2)
+    long = dict(fixed, max_tokens=1000)
+    assert simulate(_model(**long), 0, 1, carry="off")[0].rollout_s == pytest.approx(
+        1000 * (1e-3 + 8e-4 + 8 * 549.5e-6), rel=1e-3), "spans of KV_SPAN tokens keep the growth's mean"
+
+
 @pytest.mark.parametrize("extra, carry", [(0, "off"), (2, "resume"), (4, "resume")])
 def test_each_step_trains_its_groups_once_and_the_spares_stay_in_flight(extra, carry):
     steps = simulate(_model(), extra_groups=extra, steps=12, seed=1, carry=carry)
@@ -82,6 +96,10 @@ def test_bad_inputs_name_the_field():
         _model(placement="disaggregated", staleness=1)
     with pytest.raises(ValueError, match="max_num_seqs=4 < samples=8"):
         _model(max_num_seqs=4)
+    with pytest.raises(ValueError, match="kv_cap_tokens=0"):
+        _model(kv_cap_tokens=0)
+    with pytest.raises(ValueError, match="kv_s_per_token=-1"):
+        _model(kv_s_per_token=-1)
     with pytest.raises(ValueError, match="mean_tokens=0"):
         _model(mean_tokens=0)
     with pytest.raises(ValueError, match="extra_groups=-1"):
