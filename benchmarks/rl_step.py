@@ -54,6 +54,8 @@ def register(actions) -> None:
                    help="run.partial_rollout with EXTRA groups in flight beyond --prompts (0, async: none, groups "
                         "interrupted and resumed at each version); off when not given")
     p.add_argument("--carry", default="resume", choices=("resume", "finish"), help="run.partial_rollout.carry")
+    p.add_argument("--close-after-s", type=float, default=None,
+                   help="run.partial_rollout.close_after_s (a time budget a step; needs --partial-rollout)")
     p.add_argument("--steps", type=int, default=1, help="timed steps (the job is set to one more, so none checkpoints)")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--kv-cache-dtype", default="auto", help="rollout.native.kv_cache_dtype (fp8_e4m3: half the pages)")
@@ -108,8 +110,12 @@ def job_config(args, model_dir: Path, prompts_path: Path, run_root: Path) -> dic
     """The job: one rollout worker and one trainer rank, sharing one GPU (or its halves when disaggregated)."""
     from sparrow.layout import BLOCK_SIZE
 
+    if args.close_after_s is not None and args.partial_rollout is None:
+        raise ValueError(f"--close-after-s {args.close_after_s} needs --partial-rollout EXTRA (a time budget is a "
+                         "partial-rollout setting; EXTRA may be 0)")
     length = args.prompt_tokens + args.max_tokens + 64
-    batch = (args.prompts + (args.partial_rollout or 0)) * args.samples
+    in_flight = args.prompts + (args.partial_rollout or 0) + (args.prompts if args.close_after_s is not None else 0)
+    batch = in_flight * args.samples
     blocks = batch * (-(-length // BLOCK_SIZE) + 2)
     cuda = args.device == "cuda"
     share = args.pool_gpus if cuda else 0.0
@@ -134,7 +140,8 @@ def job_config(args, model_dir: Path, prompts_path: Path, run_root: Path) -> dic
         "metrics": {"enabled": False},
         "run": {"steps": args.steps + 1, "prompts_per_step": args.prompts, "mode": args.run_mode,
                 "placement": args.placement, "weights_channel": args.weights_channel, "checkpoint_every": 0,
-                **({"partial_rollout": {"enabled": True, "extra_groups": args.partial_rollout, "carry": args.carry}}
+                **({"partial_rollout": {"enabled": True, "extra_groups": args.partial_rollout, "carry": args.carry,
+                                        "close_after_s": args.close_after_s}}
                    if args.partial_rollout is not None else {}),
                 "out_dir": str(run_root), **({"cost_hardware": "h200"} if cuda else {})},
     }
@@ -247,6 +254,7 @@ def run_bench(args) -> int:
               "prompt_tokens": prompt_tokens, "max_tokens": args.max_tokens, "kv_cache_dtype": args.kv_cache_dtype,
               "weights_channel": rows[0]["publish_channel"], "stop_at_eos": args.stop_at_eos,
               "partial_rollout": args.partial_rollout, "carry": args.carry if args.partial_rollout is not None else None,
+              "close_after_s": args.close_after_s,
               "startup_s": startup, "steps": rows,
               "seconds": time.perf_counter() - started, "run_dir": str(run_dir.path)}
     out = args.out or default_out_path(result["device"], KIND)
@@ -301,7 +309,10 @@ def _placement(result: dict) -> str:
     label = result["placement"] if mode == "sync" else f"{result['placement']} {mode}"
     extra = result.get("partial_rollout")
     off = extra is None or result.get("carry") is None  # results before `--partial-rollout 0` stored 0 for off
-    return label if off else f"{label} partial+{extra} {result['carry']}"
+    if off:
+        return label
+    budget = result.get("close_after_s")
+    return f"{label} partial+{extra} {result['carry']}" + ("" if budget is None else f" close {budget:g}s")
 
 
 def run_merge(args) -> int:

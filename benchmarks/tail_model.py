@@ -20,7 +20,7 @@ share and busy-batch fraction are the step record's (`batch_shape`). Its terms c
 import json
 import math
 import random
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from sparrow.coordinator.data import PromptRecord
@@ -61,6 +61,9 @@ class TailModel:
     prompt_tokens: int = 0
     kv_cap_tokens: int | None = None
     """Most tokens of context a sample attends (a sparse schedule's budget); None: all of it (dense)."""
+    close_after_s: float | None = None
+    """`run.partial_rollout.close_after_s`: the trainer waits at most this long for a step (then it closes with the
+    groups done, within the job's carry limit); None: no time budget."""
 
     def __post_init__(self):
         for name in ("prompts", "samples", "max_tokens", "max_num_seqs"):
@@ -82,6 +85,8 @@ class TailModel:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 0")
         if self.kv_cap_tokens is not None and self.kv_cap_tokens < 1:
             raise ValueError(f"kv_cap_tokens={self.kv_cap_tokens}: must be >= 1 (or None: dense attention)")
+        if self.close_after_s is not None and self.close_after_s <= 0:
+            raise ValueError(f"close_after_s={self.close_after_s}: must be > 0 (or None: no time budget)")
         if self.max_num_seqs < self.samples:
             raise ValueError(f"max_num_seqs={self.max_num_seqs} < samples={self.samples}: a group never fits the engine")
 
@@ -118,6 +123,8 @@ def simulate(model: TailModel, extra_groups: int, steps: int, seed: int = 0, car
         raise ValueError(f"carry={carry!r}: one of {', '.join(map(repr, CARRY))}")
     if carry == "off" and extra_groups:
         raise ValueError(f"extra_groups={extra_groups} with carry='off': spare groups are partial rollouts")
+    if carry == "off" and model.close_after_s is not None:
+        raise ValueError(f"close_after_s={model.close_after_s} with carry='off': a time budget is partial rollouts")
     return _Simulation(model, extra_groups, carry, random.Random(seed)).run(steps)
 
 
@@ -150,8 +157,9 @@ class _Simulation:
                 self.now += 0.0 if self.colocated else self.model.load_s
                 self.version, self.version_due = self.version + 1, False
                 self._queue_steps()
-            if self.update_end is None and not self.version_due and self.queue.step_complete(len(out)):
-                work = self.queue.take_step(len(out))
+            budget = self._budget_carry(trainer_idle)
+            if self.update_end is None and not self.version_due and self.queue.step_complete(len(out), budget):
+                work = self.queue.take_step(len(out), budget)
                 while self.colocated and self.finish_before_sleep and self.running:
                     self._decode(until=None)
                 out.append(self._record(work, rollout=self.now - trainer_idle, wall=self.now - last_take))
@@ -162,12 +170,26 @@ class _Simulation:
             if not asleep and not self.version_due:
                 self._lease()
             if self.running and not asleep:
-                self._decode(until=self.update_end)
+                self._decode(until=self._next_event(trainer_idle))
             elif self.update_end is not None:
                 self.now = self.update_end
             else:
                 raise RuntimeError(f"step {len(out)}: nothing to decode, no update running and the step is not complete")
         return out
+
+    def _budget_carry(self, waiting_since: float) -> int | None:
+        """The job's carry limit once the trainer has waited `close_after_s` for the step, else None."""
+        budget = self.model.close_after_s
+        if budget is None or self.update_end is not None or self.now - waiting_since < budget:
+            return None
+        return self.model.prompts + self.extra
+
+    def _next_event(self, waiting_since: float) -> float | None:
+        """When the decode must stop to look: the update's end, or the time budget running out."""
+        if self.update_end is not None:
+            return self.update_end
+        budget = self.model.close_after_s
+        return None if budget is None or self.now >= waiting_since + budget else waiting_since + budget
 
     def _queue_steps(self) -> None:
         """Steps up to the engine's version plus the staleness, as the job queues them ahead (the spares with
@@ -190,7 +212,7 @@ class _Simulation:
                 self.running.append(_Running(lease.lease_id, left, sum(left)))
 
     def _decode(self, until: float | None) -> None:
-        """Decode to the next sample's end, or to `until` (the update's end) if that comes first."""
+        """Decode to the next sample's end, or to `until` (the update's end, the time budget's) if that comes first."""
         m = self.model
         active = [(g, sum(1 for n in g.left if n)) for g in self.running]
         batch = sum(count for _, count in active)
@@ -264,10 +286,19 @@ def register(actions) -> None:
                    help="run.partial_rollout.carry: finish = the update waits for the carried groups")
     p.add_argument("--extra-groups", type=int, nargs="+", default=[2, 4], help="spare groups to compare with partial "
                    "rollouts off (0 with --carry resume: no spares, groups interrupted and resumed at each version)")
+    p.add_argument("--close-after-s", type=float, nargs="*", default=[], help="run.partial_rollout.close_after_s: "
+                   "each spare-group row again with these time budgets (the trainer's most wait for a step)")
     p.add_argument("--steps", type=int, default=40, help="steps a seed (the first 3 are left out)")
     p.add_argument("--seeds", type=int, default=5, help="length draws averaged")
     p.add_argument("--out", type=Path, help="write the table as JSON")
     p.set_defaults(handler=run)
+
+
+def _case(row: dict) -> str:
+    if row["carry"] == "off":
+        return "off"
+    budget = "" if row["close_after_s"] is None else f", close after {row['close_after_s']:g} s"
+    return f"{row['extra_groups']} spares, {row['carry']}{budget}"
 
 
 def _kv_terms(args) -> str:
@@ -285,14 +316,16 @@ def run(args) -> int:
     if args.steps < 4 or args.seeds < 1:
         raise ValueError(f"--steps {args.steps} must be >= 4 (3 are warm-up) and --seeds {args.seeds} >= 1")
     rows = []
-    for extra, carry in [(0, "off")] + [(e, args.carry) for e in args.extra_groups]:
-        per_seed = [steady(simulate(model, extra, args.steps, seed, carry), warmup=3) for seed in range(args.seeds)]
-        rows.append({"extra_groups": extra, "carry": carry,
+    cases = [(0, "off", None)] + [(e, args.carry, b) for e in args.extra_groups for b in [None, *args.close_after_s]]
+    for extra, carry, budget in cases:
+        case = replace(model, close_after_s=budget)
+        per_seed = [steady(simulate(case, extra, args.steps, seed, carry), warmup=3) for seed in range(args.seeds)]
+        rows.append({"extra_groups": extra, "carry": carry, "close_after_s": budget,
                      **{k: sum(s[k] for s in per_seed) / len(per_seed) for k in per_seed[0]}})
     base = rows[0]
     head = ["partial rollouts", "step s", "rollout wait s", "groups trained", "trained tok/s", "tail %", "busy batch %",
             "carried", "step vs off", "tok/s vs off"]
-    body = [["off" if r["carry"] == "off" else f"{r['extra_groups']} spares, {r['carry']}", f"{r['wall_s']:.1f}", f"{r['rollout_s']:.1f}", f"{r['trained_groups']:.2f}",
+    body = [[_case(r), f"{r['wall_s']:.1f}", f"{r['rollout_s']:.1f}", f"{r['trained_groups']:.2f}",
              f"{r['tokens_per_s']:.0f}", f"{100 * r['tail_share']:.1f}", f"{100 * r['busy_batch_fraction']:.1f}",
              f"{r['carried_out']:.1f}", f"{base['wall_s'] / r['wall_s']:.2f}x",
              f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x"] for r in rows]

@@ -378,7 +378,7 @@ class PartialRolloutConfig(_Section):
                               "prompts_per_step x (max_staleness - the run's staleness), which the staleness bound "
                               "lets the steps carry. 0 (async, carry resume): no spares, but a weight change "
                               "interrupts the groups generating and resumes them under the new version instead of "
-                              "waiting for them")
+                              "waiting for them; 0 with close_after_s: the time budget alone makes the spares")
     carry: Literal["resume", "finish"] = Field(
         "resume", description="a carried group still generating at the next weight change: resume = interrupted "
         "there and resumed under the new weights (its tokens keep the log-probabilities of the policy that sampled "
@@ -388,6 +388,12 @@ class PartialRolloutConfig(_Section):
     max_staleness: int | None = Field(
         None, ge=1, description="most policy versions a carried sample's oldest token may lag the policy that trains "
         "it; a group that would lag more holds its step open until it is done (default: the run's staleness + 1)",
+    )
+    close_after_s: float | None = Field(
+        None, gt=0, description="a time budget: once the trainer has waited this many seconds for a step, the step "
+        "closes with the groups done (at least one) and the rest carry over, provided it leaves at most "
+        "prompts_per_step + extra_groups groups to the next step (so the job is never more than that behind its "
+        "data); the groups in flight then grow to what the tail needs. None: a step waits for prompts_per_step groups",
     )
 
 
@@ -460,6 +466,14 @@ class RunConfig(_Section):
         return partial.max_staleness if partial.max_staleness is not None else self.staleness + 1
 
     @property
+    def budget_carry(self) -> int | None:
+        """Most groups a step closed by the time budget may hand to the next (None: no time budget)."""
+        partial = self.partial_rollout
+        if not partial.enabled or partial.close_after_s is None:
+            return None
+        return self.prompts_per_step + partial.extra_groups
+
+    @property
     def trained_staleness(self) -> int:
         """Most policy versions a trained sample's oldest token may lag (the trainer refuses older ones)."""
         return self.carry_staleness if self.carry_staleness is not None else self.staleness
@@ -474,10 +488,11 @@ class RunConfig(_Section):
                              f"({self.staleness}): a carried group trains at least one step later; raise it or leave "
                              "it unset")
         if not self.partial_rollout.extra_groups:
-            if self.synchronous:
+            if self.synchronous and self.partial_rollout.close_after_s is None:
                 raise ValueError("run.partial_rollout.extra_groups=0 does nothing in a synchronous job (no group is "
-                                 "generating when the weights change): give spare groups (>= 1), or run.mode=async on "
-                                 "the disaggregated placement to interrupt and resume groups at each new version")
+                                 "generating when the weights change): give spare groups (>= 1), a time budget "
+                                 "(close_after_s), or run.mode=async on the disaggregated placement to interrupt and "
+                                 "resume groups at each new version")
             if self.partial_rollout.carry == "finish":
                 raise ValueError("run.partial_rollout.extra_groups=0 with carry='finish' does nothing (no spare groups, "
                                  "none interrupted): give spare groups (>= 1) or use carry='resume'")

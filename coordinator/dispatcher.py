@@ -19,8 +19,10 @@ from .work_queue import EvalTask, Lease, ProbeResult, StepWork, WorkQueue
 
 class Dispatcher:
     def __init__(self, max_staleness: int, lease_timeout_s: float, speculate_after_s: float | None = None,
-                 carry_staleness: int | None = None):
+                 carry_staleness: int | None = None, budget_carry: int | None = None):
         self.queue = WorkQueue(max_staleness, lease_timeout_s, speculate_after_s, carry_staleness)
+        self.budget_carry = budget_carry
+        """Most groups a step closed by its time budget may carry (`RunConfig.budget_carry`)."""
         self._lock = threading.Lock()
         self.expired: list[Lease] = []
         """Leases that timed out since the driver last asked (`take_expired`)."""
@@ -45,16 +47,20 @@ class Dispatcher:
             self._now()
             return self.queue.take_eval(version)
 
-    def progress(self, step: int) -> tuple[int, int, bool]:
-        """(groups done, groups in the step, complete) of a queued step."""
+    def progress(self, step: int, over_budget: bool = False) -> tuple[int, int, bool]:
+        """(groups done, groups in the step, whether it may close) of a queued step; `over_budget`: the trainer has
+        waited its time budget for it."""
         with self._lock:
             self._now()
             work = self.queue.steps[step]
-            return len(work.done), work.groups, self.queue.step_complete(step)
+            return len(work.done), work.groups, self.queue.step_complete(step, self._carry(over_budget))
 
-    def take_step(self, step: int) -> StepWork:
+    def take_step(self, step: int, over_budget: bool = False) -> StepWork:
         with self._lock:
-            return self.queue.take_step(step)
+            return self.queue.take_step(step, self._carry(over_budget))
+
+    def _carry(self, over_budget: bool) -> int | None:
+        return self.budget_carry if over_budget else None
 
     def take_expired(self) -> list[Lease]:
         with self._lock:

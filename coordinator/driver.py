@@ -115,7 +115,7 @@ class TrainingJob:
         self.dispatcher = ray.remote(Dispatcher).options(  # on the driver's node: it lives and dies with the job
             num_cpus=0, max_concurrency=64, scheduling_strategy=here).remote(
                 cfg.run.staleness, cfg.run.recovery.lease_timeout_s, cfg.run.recovery.speculate_after_s,
-                cfg.run.carry_staleness)
+                cfg.run.carry_staleness, cfg.run.budget_carry)
         self.bundles = SharedBundles.create(cfg) if cfg.run.placement == "colocated" else None
         self.fleet = RolloutFleet(cfg, self.model, self.credentials, self.dispatcher, self.log, self.scrape_targets,
                                   self.bundles)

@@ -141,6 +141,7 @@ def summary_table(rows: list[StepRecord], target: float) -> str:
         ("groups carried over / samples resumed / trained tokens from an older policy (partial rollouts)",
          f"{sum(r.rollout.carried_out for r in rows)} / {sum(r.rollout.resumed_samples for r in rows)} / "
          f"{sum(r.rollout.stale_tokens for r in rows)} of {sum(r.rollout.tokens for r in rows)}"),
+        ("steps closed by their time budget (partial rollouts)", str(sum(r.rollout.closed_by_budget for r in rows))),
         ("most policy versions a trained sample lagged", str(max((r.rollout.staleness_max or 0) for r in rows))),
         ("groups generated again (lost workers)", str(sum(r.rollout.requeued for r in rows))),
         ("groups also given to a second worker (speculation)", str(sum(r.rollout.speculated for r in rows))),

@@ -104,6 +104,9 @@ class RolloutStats:
     """Partial rollouts: groups earlier steps handed to this one (trained here or carried on)."""
     carried_out: int = 0
     """Partial rollouts: this step's groups handed to the next step when it closed (done, generating or queued)."""
+    closed_by_budget: bool = False
+    """Partial rollouts: the step closed at its time budget (`close_after_s`) with fewer than prompts_per_step
+    groups done; it trained those."""
     resumed_samples: int = 0
     """Trained samples whose tokens span more than one policy version (interrupted, then resumed)."""
     stale_tokens: int = 0
@@ -314,7 +317,7 @@ def schedule_snapshot(schedule: SparsitySchedule, before: SparsitySchedule) -> S
 def rollout_stats(reports: list[GroupReport], summary: BatchSummary, correct: float, rollout_seconds: float,
                   speedup_measured: float | None, requeued: int, utilisation: dict[str, float],
                   speculated: int, batch: "BatchShape | None" = None, carried_in: int = 0,
-                  carried_out: int = 0) -> RolloutStats:
+                  carried_out: int = 0, closed_by_budget: bool = False) -> RolloutStats:
     rewards, lengths = summary.rewards, summary.response_lengths
     tokens = sum(r.tokens for r in reports)
     return RolloutStats(
@@ -331,7 +334,7 @@ def rollout_stats(reports: list[GroupReport], summary: BatchSummary, correct: fl
         accepted=sum(r.accepted for r in reports), duplicates=sum(r.duplicate for r in reports),
         streams=sum(r.streams for r in reports), requeued=requeued, speculated=speculated, dropped=summary.dropped,
         utilisation=utilisation, groups=dict(Counter(r.worker for r in reports)),
-        carried_in=carried_in, carried_out=carried_out, resumed_samples=summary.resumed,
+        carried_in=carried_in, carried_out=carried_out, closed_by_budget=closed_by_budget, resumed_samples=summary.resumed,
         stale_tokens=summary.stale_tokens,
         staleness_histogram={str(lag): count for lag, count in sorted(Counter(summary.staleness).items())},
         **({} if batch is None else {"busy_batch_fraction": batch.busy_batch_fraction, "tail_share": batch.tail_share,

@@ -25,6 +25,11 @@ the step it now counts toward. Bound: a group leased at policy version v that wo
 `v + carry_staleness` holds its step open until it is done, so no trained sample's oldest token is more than
 `carry_staleness` versions behind the policy that trains it.
 
+Time budget (`budget_carry`, passed by the driver once a step's rollouts have run `run.partial_rollout.close_after_s`):
+the step may close with fewer than `needed` groups done (at least one), training those and carrying the rest, as
+long as it leaves at most `budget_carry` groups to the next step; so the job never falls more than that behind
+its data, and a step that would waits for its groups as without a budget.
+
 Times are passed in (`now`), so the bookkeeping is deterministic and unit-testable.
 """
 
@@ -127,9 +132,16 @@ class StepWork:
     carried_requests: list[str] = field(default_factory=list)
     """The request ids among them whose samples may still reach the trainer (done, or leased and generating)."""
 
+    closed_early: bool = False
+    """Closed by the time budget with fewer than `groups` done."""
+
     @property
     def complete(self) -> bool:
-        return len(self.done) >= self.groups and (self.probe is None or self.probe_result is not None)
+        return len(self.done) >= self.groups and self.probed
+
+    @property
+    def probed(self) -> bool:
+        return self.probe is None or self.probe_result is not None
 
 
 @dataclass
@@ -215,9 +227,22 @@ class WorkQueue:
             return None
         return self.evals.pop(version).result
 
-    def step_complete(self, step: int) -> bool:
+    def step_complete(self, step: int, budget_carry: int | None = None) -> bool:
+        """Whether `step` may close: its groups are done, or (`budget_carry`: its time budget ran out) at least one
+        is and closing now leaves at most `budget_carry` groups to the next step; never while a group is held open."""
         work = self.steps[step]
-        return work.groups > 0 and work.complete and not self.held_open(step)
+        if not work.groups or self.held_open(step):
+            return False
+        return work.complete or (budget_carry is not None and self._closes_early(work, budget_carry))
+
+    def _closes_early(self, work: StepWork, budget_carry: int) -> bool:
+        if self.carry_staleness is None:
+            raise ValueError(f"step {work.step}: a time budget close needs partial rollouts (carry_staleness)")
+        if not work.done or not work.probed:
+            return False
+        leased = {lease.task.group for lease in self.leases.values()
+                  if isinstance(lease.task, GroupTask) and self._home(lease.task) == work.step}
+        return len(work.pending) + len(leased) <= budget_carry
 
     def held_open(self, step: int) -> list[Lease]:
         """Leases of groups at home in `step` that may not carry over: trained later, their oldest tokens would be
@@ -227,14 +252,16 @@ class WorkQueue:
         return [lease for lease in self.leases.values() if isinstance(lease.task, GroupTask)
                 and self._home(lease.task) == step and step + 1 - lease.policy_version > self.carry_staleness]
 
-    def take_step(self, step: int) -> StepWork:
+    def take_step(self, step: int, budget_carry: int | None = None) -> StepWork:
         """A complete step's results; the step leaves the queue. With partial rollouts it trains the groups done
-        that may not carry (the staleness bound) and then the first done, `groups` in all; the rest carry over."""
+        that may not carry (the staleness bound) and then the first done, `groups` in all (fewer when the time
+        budget closed it: all done); the rest carry over."""
         work = self.steps[step]
-        if not self.step_complete(step):
+        if not self.step_complete(step, budget_carry):
             raise ValueError(f"step {step} is not complete: {len(work.done)} of {work.groups} groups done"
                              + (f", {len(self.held_open(step))} held open" if self.held_open(step) else ""))
         self.steps.pop(step)
+        work.closed_early = not work.complete
         if self.carry_staleness is not None:
             self._carry(work)
         for group in [g for g, home in self.home.items() if home == step]:

@@ -127,6 +127,17 @@ def test_no_spare_groups_is_interrupt_and_resume_at_each_version_which_only_an_a
     assert config.run.partial_rollout.extra_groups == 0 and config.run.carry_staleness == 2
 
 
+def test_a_time_budget_may_stand_alone_in_a_sync_job_and_bounds_what_a_step_carries():
+    on = ["run.partial_rollout.enabled=true", "run.prompts_per_step=4", "run.mode=sync"]
+    budget = load_config(None, on + ["run.partial_rollout.extra_groups=0", "run.partial_rollout.close_after_s=20"])
+    assert budget.run.budget_carry == 4, "at most one step's prompts behind its data"
+    assert load_config(None, on + ["run.partial_rollout.close_after_s=20"]).run.budget_carry == 4 + 2
+    assert load_config(None, on).run.budget_carry is None
+    assert load_config(None, ["run.partial_rollout.close_after_s=20"]).run.budget_carry is None, "partial rollouts off"
+    assert "close_after_s" in _error(on + ["run.partial_rollout.close_after_s=0"])
+    assert "a time budget (close_after_s)" in _error(on + ["run.partial_rollout.extra_groups=0"])
+
+
 def test_more_spare_groups_than_a_step_may_carry_are_refused_with_the_most_it_can():
     """tests/test_tail_model.py shows why: more would make the staleness bound train them at once and shrink back."""
     base = ["run.partial_rollout.enabled=true", "run.prompts_per_step=4", "run.mode=sync"]

@@ -138,3 +138,29 @@ def test_async_without_spares_interrupts_the_groups_generating_at_each_version_a
         _check(job, records, extra=0)
     assert all(r.rollout.carried_out == 0 for r in records), "no spares: every step trains its own groups"
     assert sum(r.rollout.resumed_samples for r in records) > 0, "samples interrupted at a version and resumed"
+
+
+def test_a_time_budget_closes_steps_with_the_groups_done_and_carries_the_rest_losing_nothing(ray_cluster, tiny_qwen3,
+                                                                                            tmp_path):
+    """close_after_s with no spares, colocated: a step closes once its budget is spent with whatever groups are done
+    (fewer than prompts_per_step), the rest carry over and resume; carried groups never pass prompts_per_step, no
+    sample is trained twice, and every dispatched one is trained or still carried at the end."""
+    config = _config(tmp_path, tiny_qwen3, "budget", workers=1,
+                     settings={"run.placement": "colocated", "rollout.sampling.max_tokens": 192,
+                               "run.partial_rollout": {"enabled": True, "extra_groups": 0, "max_staleness": 2,
+                                                       "close_after_s": 0.05}})
+    run_dir = RunDir.create(config.run.out_dir, "budget")
+    with TrainingJob(config, run_dir, progress=False) as job:
+        job.run()
+        records = [StepRecord.from_dict(r) for r in RunDir.read_jsonl(run_dir.metrics_file)]
+        dispatched = {f"{r.prompt_id}#{j}" for k in range(STEPS) for r in job.data.batch(k, PROMPTS) for j in range(N)}
+        trained = Counter(_logical(i) for rank in job.trained_ids() for i in rank)
+    per_step = [sum(r.rollout.groups.values()) for r in records]
+    print(f"\ngroups trained per step {per_step}, carried {[r.rollout.carried_out for r in records]}, "
+          f"closed by budget {[r.rollout.closed_by_budget for r in records]}")
+    assert [i for i, c in trained.items() if c > 1] == [] and set(trained) <= dispatched
+    assert len(dispatched) - len(trained) == records[-1].rollout.carried_out * N, "0 lost"
+    assert any(r.rollout.closed_by_budget for r in records) and min(per_step) >= 1
+    assert all(n < PROMPTS for n, r in zip(per_step, records) if r.rollout.closed_by_budget)
+    assert max(r.rollout.carried_out for r in records) <= PROMPTS, "at most one step's prompts behind"
+    assert all(int(lag) <= 2 for r in records for lag in r.rollout.staleness_histogram)

@@ -14,7 +14,7 @@ def _args(**over):
     base = dict(shape="qwen3-1.7b", mode="sparse", schedule=None, placement="colocated", weights_channel="auto",
                 prompts=2, samples=4, prompt_tokens=256, max_tokens=4096, steps=1, device="cpu",
                 kv_cache_dtype="auto", micro_batch_tokens=None, run_mode="sync", pool_gpus=0.5, stop_at_eos=False,
-                partial_rollout=None, carry="resume")
+                partial_rollout=None, carry="resume", close_after_s=None)
     base.update(over)
     return argparse.Namespace(**base)
 
@@ -49,6 +49,17 @@ def test_variable_lengths_and_partial_rollouts_keep_every_group_in_flight_in_the
     assert config.run.partial_rollout.enabled and config.run.partial_rollout.extra_groups == 2
     assert config.rollout.native.max_num_seqs == (2 + 2) * 4, "the spare groups decode beside the step's"
     assert not build_config(job_config(_args(), tmp_path, tmp_path / "p.jsonl", tmp_path / "runs"), "t").run.partial_rollout.enabled
+
+
+def test_a_time_budget_sizes_the_engine_for_the_groups_it_may_carry_and_needs_partial_rollouts(tmp_path):
+    (tmp_path / "p.jsonl").write_text('{"prompt": "1+1", "answer": "2"}\n')
+    raw = job_config(_args(stop_at_eos=True, partial_rollout=0, close_after_s=10.0), tmp_path, tmp_path / "p.jsonl",
+                     tmp_path / "runs")
+    config = build_config(raw, "t")
+    assert config.run.partial_rollout.close_after_s == 10.0 and config.run.budget_carry == 2
+    assert config.rollout.native.max_num_seqs == (2 + 0 + 2) * 4, "a step's groups beside the most it may carry"
+    with pytest.raises(ValueError, match="--close-after-s 10.0 needs --partial-rollout"):
+        job_config(_args(close_after_s=10.0), tmp_path, tmp_path / "p.jsonl", tmp_path / "runs")
 
 
 def test_no_spare_groups_in_an_async_job_is_a_valid_partial_rollout_config(tmp_path):

@@ -89,6 +89,21 @@ def test_async_hides_the_update_and_interrupting_at_each_version_cuts_its_tail()
     assert interrupted < 0.8 * drained and mean(asynchronous, 4, "resume") < interrupted
 
 
+def test_a_time_budget_grows_the_groups_in_flight_to_what_the_tail_needs():
+    """No spares, sync: a budget that runs out mid-tail closes steps early until one step's prompts are in flight
+    beyond the batch (the job's carry limit), then the steps train 4 groups again, as 4 spares would give; no group
+    is trained twice."""
+    budget = simulate(_model(close_after_s=5.0), extra_groups=0, steps=12, seed=1)
+    assert any(s.trained_groups < 4 for s in budget[:3]) and max(s.carried_out for s in budget) <= 4
+    ids = [i for s in budget for i in s.trained_ids]
+    assert len(ids) == len(set(ids))
+    off = [steady(simulate(_model(), 0, 20, seed, carry="off"), warmup=3)["wall_s"] for seed in range(3)]
+    closed = [steady(simulate(_model(close_after_s=5.0), 0, 20, seed), warmup=3)["wall_s"] for seed in range(3)]
+    assert sum(closed) < 0.8 * sum(off)
+    with pytest.raises(ValueError, match="close_after_s=5.0 with carry='off'"):
+        simulate(_model(close_after_s=5.0), 0, 3, carry="off")
+
+
 def test_bad_inputs_name_the_field():
     with pytest.raises(ValueError, match="staleness=1 with placement='colocated'"):
         _model(staleness=1, carry_staleness=2)
@@ -98,6 +113,8 @@ def test_bad_inputs_name_the_field():
         _model(max_num_seqs=4)
     with pytest.raises(ValueError, match="kv_cap_tokens=0"):
         _model(kv_cap_tokens=0)
+    with pytest.raises(ValueError, match="close_after_s=0"):
+        _model(close_after_s=0)
     with pytest.raises(ValueError, match="kv_s_per_token=-1"):
         _model(kv_s_per_token=-1)
     with pytest.raises(ValueError, match="mean_tokens=0"):

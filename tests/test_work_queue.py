@@ -241,6 +241,95 @@ def test_a_group_that_would_pass_the_staleness_bound_holds_its_step_open():
     assert q.step_complete(1) and "s0-p0" in q.take_step(1).done
 
 
+def test_a_time_budget_closes_a_step_with_the_groups_done_within_the_carry_limit():
+    """needed 4, 1 spare: over budget the step may close with fewer done (never none), training what is done,
+    as long as it leaves at most `budget_carry` groups; each group is trained exactly once across the steps."""
+    q = WorkQueue(max_staleness=0, lease_timeout_s=10, carry_staleness=2)
+    q.add_step(0, records(0, 4) + records(90, 1), needed=4)
+    leases = q.lease("w", 0, 8, now=0.0)
+    assert not q.step_complete(0, budget_carry=5), "nothing done: a budget close never trains an empty step"
+    q.complete("w", leases[2].lease_id, report("w", leases[2].task), now=1.0)
+    assert not q.step_complete(0), "without the budget the step waits for its 4 groups"
+    assert not q.step_complete(0, budget_carry=3), "closing now would carry 4 groups, more than the limit of 3"
+    assert q.step_complete(0, budget_carry=4)
+    work = q.take_step(0, budget_carry=4)
+    assert work.closed_early and list(work.done) == ["s0-p2"] and work.carried_out == 4
+    assert sorted(work.carried_requests) == ["s0-p0", "s0-p1", "s0-p3", "s90-p0"]
+    q.add_step(1, records(1, 4), needed=4)
+    assert q.steps[1].carried_in == 4 and len(q.steps[1].pending) == 4
+    for lease in leases[:2] + leases[3:]:
+        q.complete("w", lease.lease_id, report("w", lease.task), now=2.0)
+    assert q.step_complete(1), "the 4 carried groups done: a full step"
+    nxt = q.take_step(1)
+    assert not nxt.closed_early and sorted(nxt.done) == ["s0-p0", "s0-p1", "s0-p3", "s90-p0"]
+    assert nxt.carried_out == 4 and len(q.steps[2].pending) == 4, "step 1's own groups, not started, carry on"
+    trained = list(work.done) + list(nxt.done)
+    assert len(trained) == len(set(trained)) == 5
+
+
+def test_budget_closes_under_random_faults_lose_and_duplicate_nothing():
+    """Partial rollouts with a time budget that runs out at random, workers lost and leases expiring: every group
+    queued is trained once or is still in the queue at the end (0 lost, 0 duplicated), no step closes empty, and the
+    groups carried never pass the limit."""
+    rng = random.Random(11)
+    limit, needed = 6, 4
+    q = WorkQueue(max_staleness=0, lease_timeout_s=3, carry_staleness=3)
+    q.add_step(0, records(0, needed) + records(90, 2), needed=needed)
+    added = {f"s0-p{i}" for i in range(needed)} | {"s90-p0", "s90-p1"}
+    version, now, trained, closes = 0, 0.0, [], 0
+    workers = ["w0", "w1", "w2"]
+    held: dict[str, list] = {w: [] for w in workers}
+    while version < 12:
+        now += 1.0
+        q.expire(now)
+        w, roll = rng.choice(workers), rng.random()
+        if roll < 0.05:
+            q.release(w)
+            held[w] = []
+        elif roll < 0.4:
+            held[w] += q.lease(w, version, rng.randint(1, 3), now)
+        elif held[w]:
+            lease = held[w].pop(rng.randrange(len(held[w])))
+            try:
+                q.complete(w, lease.lease_id, report(w, lease.task), now)
+            except LeaseError:
+                pass
+        budget = limit if rng.random() < 0.3 else None
+        if q.step_complete(version, budget):
+            work = q.take_step(version, budget)
+            assert work.done and (not work.closed_early or work.carried_out <= limit)
+            closes += work.closed_early
+            trained += [task.record.prompt_id for task, _ in work.done.values()]
+            version += 1
+            q.add_step(version, records(version, needed), needed=needed)
+            added |= {f"s{version}-p{i}" for i in range(needed)}
+    left = {p for w in q.steps.values() for p in [*w.pending, *w.done]}
+    left |= {lease.task.record.prompt_id for lease in q.leases.values()}
+    assert len(trained) == len(set(trained)), "no group trained twice"
+    assert set(trained) | left == added and not set(trained) & left, "every group trained or still queued"
+    assert closes > 0
+
+
+def test_a_time_budget_waits_for_groups_held_open_and_needs_partial_rollouts():
+    q = WorkQueue(max_staleness=0, lease_timeout_s=10, carry_staleness=1)
+    q.add_step(0, records(0, 2), needed=2)
+    slow, fast = q.lease("w", 0, 8, now=0.0)
+    q.complete("w", fast.lease_id, report("w", fast.task), now=1.0)
+    q.take_step(0, budget_carry=2)
+    q.add_step(1, records(1, 2), needed=2)
+    for lease in q.lease("w", 1, 8, now=2.0):
+        q.complete("w", lease.lease_id, report("w", lease.task), now=3.0)
+    assert q.held_open(1) and not q.step_complete(1, budget_carry=10), "the carried group may not carry again"
+    q.complete("w", slow.lease_id, report("w", slow.task), now=4.0)
+    assert q.step_complete(1, budget_carry=0)
+    plain = WorkQueue(max_staleness=0, lease_timeout_s=10)
+    plain.add_step(0, records(0, 2))
+    lease = plain.lease("w", 0, 8, now=0.0)[0]
+    plain.complete("w", lease.lease_id, report("w", lease.task), now=1.0)
+    with pytest.raises(ValueError, match="time budget close needs partial rollouts"):
+        plain.step_complete(0, budget_carry=2)
+
+
 def test_a_carried_group_whose_worker_is_lost_is_requeued_whole_and_a_rollback_drops_carried_groups():
     q = WorkQueue(max_staleness=0, lease_timeout_s=10, carry_staleness=2)
     q.add_step(0, records(0, 2), needed=1)

@@ -75,12 +75,15 @@ class StepLoop:
         return utilisation, shape
 
     def _await_rollouts(self, step: int):
-        """Wait for step `step`'s groups, supervising the fleet and moving the token bar meanwhile."""
+        """Wait for step `step`'s groups (or, with a time budget, for as long as it allows), supervising the fleet
+        and moving the token bar meanwhile."""
         job = self.job
+        budget, t0 = job.config.run.partial_rollout.close_after_s, time.perf_counter()
         while True:
-            done, total, complete = ray.get(job.dispatcher.progress.remote(step))
+            over = budget is not None and time.perf_counter() - t0 >= budget
+            done, total, complete = ray.get(job.dispatcher.progress.remote(step, over))
             if complete:
-                return ray.get(job.dispatcher.take_step.remote(step))
+                return ray.get(job.dispatcher.take_step.remote(step, over))
             job.fleet.step = step
             job.fleet.check()
             job.publication.for_joiners(job.version)
@@ -137,7 +140,7 @@ class StepLoop:
             rollout=rollout_stats(groups, collected["summary"], cfg.reward.correct, _rollout_seconds(work),
                                   work.probe_result.speedup if work.probe_result else None, work.requeued,
                                   utilisation, work.speculated, batch, work.carried_in,
-                                  work.carried_out),
+                                  work.carried_out, work.closed_early),
             train=results[0].metrics,
             alpha=alpha_tail(alpha, upper, percentile),
             schedule=schedule_snapshot(job.schedule, before),

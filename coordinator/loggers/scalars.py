@@ -53,6 +53,7 @@ def step_scalars(record: StepRecord) -> dict[str, float]:
         "rollout/peak_batch": r.peak_batch,
         "rollout/carried_in": r.carried_in,
         "rollout/carried_out": r.carried_out,
+        "rollout/closed_by_budget": int(r.closed_by_budget),
         "rollout/resumed_samples": r.resumed_samples,
         **_per_worker("rollout/staleness_histogram", r.staleness_histogram),
         **_per_worker("rollout/utilisation", r.utilisation),

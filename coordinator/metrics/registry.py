@@ -50,7 +50,7 @@ ROLE_FAMILIES: dict[str, frozenset[str]] = {
         "sparrow_train_step", "sparrow_rollout_kv_read_fraction", "sparrow_rollout_utilisation",
         "sparrow_rollout_busy_batch_fraction", "sparrow_rollout_tail_share",
         "sparrow_rollout_carried_groups", "sparrow_rollout_resumed_samples", "sparrow_rollout_stale_tokens",
-        "sparrow_weight_publication_seconds", "sparrow_staleness_steps",
+        "sparrow_rollout_budget_closes", "sparrow_weight_publication_seconds", "sparrow_staleness_steps",
         "sparrow_recoveries", "sparrow_recovery_seconds",
         "sparrow_eval_accuracy", "sparrow_eval_reward", "sparrow_eval_policy_version",
     }),
@@ -302,6 +302,7 @@ class SparrowMetrics:
         self.carried_groups.inc(record.rollout.carried_out)
         self.resumed_samples.inc(record.rollout.resumed_samples)
         self.stale_tokens.inc(record.rollout.stale_tokens)
+        self.budget_closes.inc(record.rollout.closed_by_budget)
         self.weight_publication.labels(pool="trainer").observe(record.publish.seconds)
         for fault in record.faults:
             if fault.recovery_seconds is not None:
@@ -421,6 +422,9 @@ _FAMILIES: dict[str, tuple[str, Callable[[], object]]] = {
     "sparrow_rollout_stale_tokens": ("stale_tokens", _counter(
         "sparrow_rollout_stale_tokens", "Trained tokens sampled by an older policy than the one trained (partial "
         "rollouts: carried and resumed samples)", ())),
+    "sparrow_rollout_budget_closes": ("budget_closes", _counter(
+        "sparrow_rollout_budget_closes", "Steps closed by their time budget (partial rollouts' close_after_s) with "
+        "fewer groups done than prompts_per_step", ())),
     "sparrow_recoveries": ("recoveries", _counter("sparrow_recoveries", "Recoveries from a lost process, by kind", ("kind",))),
     "sparrow_recovery_seconds": ("recovery_seconds", _histogram(
         "sparrow_recovery_seconds", "Seconds from a loss to the job running again, by kind", ("kind",), RECOVERY_BUCKETS)),
