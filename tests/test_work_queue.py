@@ -147,6 +147,15 @@ def test_a_lost_attempt_with_a_running_twin_is_not_generated_a_third_time():
     assert original.task.attempt == 0 and backup.task.attempt == 1
 
 
+def _complete_any(q: WorkQueue, worker: str, held: list, rng: random.Random, now: float) -> None:
+    """The worker completes one of its leases, picked at random; one it no longer holds is refused, as it must."""
+    lease = held.pop(rng.randrange(len(held)))
+    try:
+        q.complete(worker, lease.lease_id, report(worker, lease.task), now)
+    except LeaseError:
+        pass
+
+
 @pytest.mark.parametrize("speculate_after_s", [None, 2.0], ids=["plain", "speculation"])
 def test_every_group_completes_exactly_once_under_random_faults(speculate_after_s):
     """Random leases, completions, expiries, lost workers and late completions (and, with speculation, twin
@@ -173,11 +182,7 @@ def test_every_group_completes_exactly_once_under_random_faults(speculate_after_
         elif roll < 0.5:
             held[w] += q.lease(w, version if rng.random() < 0.8 else max(version - 1, 0), rng.randint(1, 3), now)
         elif held[w]:
-            lease = held[w].pop(rng.randrange(len(held[w])))
-            try:
-                q.complete(w, lease.lease_id, report(w, lease.task), now)
-            except LeaseError:
-                pass
+            _complete_any(q, w, held[w], rng, now)
         if late and rng.random() < 0.3:
             lease = late.pop()
             with pytest.raises(LeaseError):
@@ -289,11 +294,7 @@ def test_budget_closes_under_random_faults_lose_and_duplicate_nothing():
         elif roll < 0.4:
             held[w] += q.lease(w, version, rng.randint(1, 3), now)
         elif held[w]:
-            lease = held[w].pop(rng.randrange(len(held[w])))
-            try:
-                q.complete(w, lease.lease_id, report(w, lease.task), now)
-            except LeaseError:
-                pass
+            _complete_any(q, w, held[w], rng, now)
         budget = limit if rng.random() < 0.3 else None
         if q.step_complete(version, budget):
             work = q.take_step(version, budget)
