@@ -132,7 +132,7 @@ class StepWork:
     carried_requests: list[str] = field(default_factory=list)
     """The request ids among them whose samples may still reach the trainer (done, or leased and generating)."""
 
-    closed_early: bool = False
+    closed_by_budget: bool = False
     """Closed by the time budget with fewer than `groups` done."""
 
     @property
@@ -261,7 +261,7 @@ class WorkQueue:
             raise ValueError(f"step {step} is not complete: {len(work.done)} of {work.groups} groups done"
                              + (f", {len(self.held_open(step))} held open" if self.held_open(step) else ""))
         self.steps.pop(step)
-        work.closed_early = not work.complete
+        work.closed_by_budget = not work.complete
         if self.carry_staleness is not None:
             self._carry(work)
         for group in [g for g, home in self.home.items() if home == step]:

@@ -258,7 +258,7 @@ def test_a_time_budget_closes_a_step_with_the_groups_done_within_the_carry_limit
     assert not q.step_complete(0, budget_carry=3), "closing now would carry 4 groups, more than the limit of 3"
     assert q.step_complete(0, budget_carry=4)
     work = q.take_step(0, budget_carry=4)
-    assert work.closed_early and list(work.done) == ["s0-p2"] and work.carried_out == 4
+    assert work.closed_by_budget and list(work.done) == ["s0-p2"] and work.carried_out == 4
     assert sorted(work.carried_requests) == ["s0-p0", "s0-p1", "s0-p3", "s90-p0"]
     q.add_step(1, records(1, 4), needed=4)
     assert q.steps[1].carried_in == 4 and len(q.steps[1].pending) == 4
@@ -266,7 +266,7 @@ def test_a_time_budget_closes_a_step_with_the_groups_done_within_the_carry_limit
         q.complete("w", lease.lease_id, report("w", lease.task), now=2.0)
     assert q.step_complete(1), "the 4 carried groups done: a full step"
     nxt = q.take_step(1)
-    assert not nxt.closed_early and sorted(nxt.done) == ["s0-p0", "s0-p1", "s0-p3", "s90-p0"]
+    assert not nxt.closed_by_budget and sorted(nxt.done) == ["s0-p0", "s0-p1", "s0-p3", "s90-p0"]
     assert nxt.carried_out == 4 and len(q.steps[2].pending) == 4, "step 1's own groups, not started, carry on"
     trained = list(work.done) + list(nxt.done)
     assert len(trained) == len(set(trained)) == 5
@@ -298,8 +298,8 @@ def test_budget_closes_under_random_faults_lose_and_duplicate_nothing():
         budget = limit if rng.random() < 0.3 else None
         if q.step_complete(version, budget):
             work = q.take_step(version, budget)
-            assert work.done and (not work.closed_early or work.carried_out <= limit)
-            closes += work.closed_early
+            assert work.done and (not work.closed_by_budget or work.carried_out <= limit)
+            closes += work.closed_by_budget
             trained += [task.record.prompt_id for task, _ in work.done.values()]
             version += 1
             q.add_step(version, records(version, needed), needed=needed)

@@ -140,7 +140,7 @@ class StepLoop:
             rollout=rollout_stats(groups, collected["summary"], cfg.reward.correct, _rollout_seconds(work),
                                   work.probe_result.speedup if work.probe_result else None, work.requeued,
                                   utilisation, work.speculated, batch, work.carried_in,
-                                  work.carried_out, work.closed_early),
+                                  work.carried_out, work.closed_by_budget),
             train=results[0].metrics,
             alpha=alpha_tail(alpha, upper, percentile),
             schedule=schedule_snapshot(job.schedule, before),
