@@ -105,17 +105,20 @@ def test_buckets():
     assert [width_bucket(n, 2064) for n in (1, 16, 17, 300, 2049, 2064)] == [16, 16, 32, 512, 2064, 2064]
 
 
-@pytest.mark.parametrize("num_kv_blocks,kv_cache_dtype", [(256, "auto"), (30, "auto"), (256, "fp8_e4m3")])
-def test_static_decode_step_equals_eager_on_cpu(tiny_qwen3, num_kv_blocks, kv_cache_dtype):
+@pytest.mark.parametrize("num_kv_blocks,kv_cache_dtype,tolerance", [(256, "auto", 1e-5), (30, "auto", 1e-5),
+                                                                     (256, "fp8_e4m3", 1e-3)])
+def test_static_decode_step_equals_eager_on_cpu(tiny_qwen3, num_kv_blocks, kv_cache_dtype, tolerance):
     """The graphs' step body, run eagerly on CPU, against the eager engine: same tokens, blocks, logprobs (30 blocks:
-    sequences are preempted and recomputed; FP8 pages: their scales are static buffers too)."""
+    sequences are preempted and recomputed; FP8 pages: their scales are static buffers too). The static step's
+    padded batch takes other BLAS kernels, so a key may differ in its last float32 bit; on an e4m3 rounding boundary
+    that becomes one FP8 step, which some CPUs show (6e-5 in log-prob on a 2026-12 Xeon, 0 on others)."""
     config = dict(num_kv_blocks=num_kv_blocks, max_num_seqs=6, kv_cache_dtype=kv_cache_dtype)
     eager = NativeEngine.from_pretrained(tiny_qwen3, **config)
     static = NativeEngine.from_pretrained(tiny_qwen3, **config)
     runner = static.runner
     runner.graphs = DecodeGraphs(runner.model, runner.cache, runner.backend, runner.layout, 6,
                                  runner.layout.blocks_for(runner.max_model_len))
-    assert_same_samples(drive(eager), drive(static), 1e-5)
+    assert_same_samples(drive(eager), drive(static), tolerance)
     assert runner.graphs.num_captured >= 2  # batch buckets 6 and 2 (sequences finish at different lengths)
     if num_kv_blocks == 30:
         assert static.stats()["preemptions"] > 0
