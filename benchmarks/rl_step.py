@@ -54,6 +54,8 @@ def register(actions) -> None:
                    help="run.partial_rollout with EXTRA groups in flight beyond --prompts (0, async: none, groups "
                         "interrupted and resumed at each version); off when not given")
     p.add_argument("--carry", default="resume", choices=("resume", "finish"), help="run.partial_rollout.carry")
+    p.add_argument("--carry-staleness", type=int, default=None, metavar="N",
+                   help="run.partial_rollout.max_staleness (default: the run's staleness + 1; more lets more spares carry)")
     p.add_argument("--close-after-s", type=float, default=None,
                    help="run.partial_rollout.close_after_s (a time budget a step; needs --partial-rollout)")
     p.add_argument("--steps", type=int, default=1, help="timed steps (the job is set to one more, so none checkpoints)")
@@ -110,9 +112,9 @@ def job_config(args, model_dir: Path, prompts_path: Path, run_root: Path) -> dic
     """The job: one rollout worker and one trainer rank, sharing one GPU (or its halves when disaggregated)."""
     from sparrow.layout import BLOCK_SIZE
 
-    if args.close_after_s is not None and args.partial_rollout is None:
-        raise ValueError(f"--close-after-s {args.close_after_s} needs --partial-rollout EXTRA (a time budget is a "
-                         "partial-rollout setting; EXTRA may be 0)")
+    for flag, value in (("--close-after-s", args.close_after_s), ("--carry-staleness", args.carry_staleness)):
+        if value is not None and args.partial_rollout is None:
+            raise ValueError(f"{flag} {value} needs --partial-rollout EXTRA (a partial-rollout setting; EXTRA may be 0)")
     length = args.prompt_tokens + args.max_tokens + 64
     in_flight = args.prompts + (args.partial_rollout or 0) + (args.prompts if args.close_after_s is not None else 0)
     batch = in_flight * args.samples
@@ -141,7 +143,7 @@ def job_config(args, model_dir: Path, prompts_path: Path, run_root: Path) -> dic
         "run": {"steps": args.steps + 1, "prompts_per_step": args.prompts, "mode": args.run_mode,
                 "placement": args.placement, "weights_channel": args.weights_channel, "checkpoint_every": 0,
                 **({"partial_rollout": {"enabled": True, "extra_groups": args.partial_rollout, "carry": args.carry,
-                                        "close_after_s": args.close_after_s}}
+                                        "close_after_s": args.close_after_s, "max_staleness": args.carry_staleness}}
                    if args.partial_rollout is not None else {}),
                 "out_dir": str(run_root), **({"cost_hardware": "h200"} if cuda else {})},
     }
@@ -254,7 +256,7 @@ def run_bench(args) -> int:
               "prompt_tokens": prompt_tokens, "max_tokens": args.max_tokens, "kv_cache_dtype": args.kv_cache_dtype,
               "weights_channel": rows[0]["publish_channel"], "stop_at_eos": args.stop_at_eos,
               "partial_rollout": args.partial_rollout, "carry": args.carry if args.partial_rollout is not None else None,
-              "close_after_s": args.close_after_s,
+              "close_after_s": args.close_after_s, "carry_staleness": args.carry_staleness,
               "startup_s": startup, "steps": rows,
               "seconds": time.perf_counter() - started, "run_dir": str(run_dir.path)}
     out = args.out or default_out_path(result["device"], KIND)
@@ -311,8 +313,9 @@ def _placement(result: dict) -> str:
     off = extra is None or result.get("carry") is None  # results before `--partial-rollout 0` stored 0 for off
     if off:
         return label
-    budget = result.get("close_after_s")
-    return f"{label} partial+{extra} {result['carry']}" + ("" if budget is None else f" close {budget:g}s")
+    budget, bound = result.get("close_after_s"), result.get("carry_staleness")
+    return (f"{label} partial+{extra} {result['carry']}" + ("" if budget is None else f" close {budget:g}s")
+            + ("" if bound is None else f" staleness {bound}"))
 
 
 def run_merge(args) -> int:

@@ -14,7 +14,8 @@ def _args(**over):
     base = dict(shape="qwen3-1.7b", mode="sparse", schedule=None, placement="colocated", weights_channel="auto",
                 prompts=2, samples=4, prompt_tokens=256, max_tokens=4096, steps=1, device="cpu",
                 kv_cache_dtype="auto", micro_batch_tokens=None, run_mode="sync", pool_gpus=0.5, stop_at_eos=False,
-                partial_rollout=None, carry="resume", close_after_s=None)
+                partial_rollout=None, carry="resume", close_after_s=None,
+                carry_staleness=None)
     base.update(over)
     return argparse.Namespace(**base)
 
@@ -60,6 +61,11 @@ def test_a_time_budget_sizes_the_engine_for_the_groups_it_may_carry_and_needs_pa
     assert config.rollout.native.max_num_seqs == (2 + 0 + 2) * 4, "a step's groups beside the most it may carry"
     with pytest.raises(ValueError, match="--close-after-s 10.0 needs --partial-rollout"):
         job_config(_args(close_after_s=10.0), tmp_path, tmp_path / "p.jsonl", tmp_path / "runs")
+    bound = build_config(job_config(_args(partial_rollout=6, close_after_s=10.0, carry_staleness=3), tmp_path,
+                                    tmp_path / "p.jsonl", tmp_path / "runs"), "t")
+    assert bound.run.carry_staleness == 3 and bound.rollout.native.max_num_seqs == (2 + 6 + 2) * 4
+    with pytest.raises(ValueError, match="--carry-staleness 3 needs --partial-rollout"):
+        job_config(_args(carry_staleness=3), tmp_path, tmp_path / "p.jsonl", tmp_path / "runs")
 
 
 def test_no_spare_groups_in_an_async_job_is_a_valid_partial_rollout_config(tmp_path):
