@@ -53,5 +53,6 @@ class Notices:
             return
         self.long_tail_said = True
         self.log(f"step {record.step + 1}: {share:.0%} of the rollout ran below half its peak batch (a few long samples "
-                 "decoding alone); run.partial_rollout may shorten the step, and `sparrow bench tail-model` estimates "
-                 "by how much for your lengths (docs/coordinator.md, The long tail). Said once")
+                 "decoding alone); run.partial_rollout may shorten the step (close_after_s with extra_groups 0 needs no "
+                 "tuning), and `sparrow bench tail-model` estimates by how much for your lengths (docs/coordinator.md, "
+                 "The long tail). Said once")
