@@ -53,13 +53,13 @@ class Dispatcher:
         with self._lock:
             self._now()
             work = self.queue.steps[step]
-            return len(work.done), work.groups, self.queue.step_complete(step, self._carry(over_budget))
+            return len(work.done), work.groups, self.queue.step_complete(step, self._budget_carry(over_budget))
 
     def take_step(self, step: int, over_budget: bool = False) -> StepWork:
         with self._lock:
-            return self.queue.take_step(step, self._carry(over_budget))
+            return self.queue.take_step(step, self._budget_carry(over_budget))
 
-    def _carry(self, over_budget: bool) -> int | None:
+    def _budget_carry(self, over_budget: bool) -> int | None:
         return self.budget_carry if over_budget else None
 
     def take_expired(self) -> list[Lease]:

@@ -240,17 +240,19 @@ class WorkQueue:
             raise ValueError(f"step {work.step}: a time budget close needs partial rollouts (carry_staleness)")
         if not work.done or not work.probed:
             return False
-        leased = {lease.task.group for lease in self.leases.values()
-                  if isinstance(lease.task, GroupTask) and self._home(lease.task) == work.step}
-        return len(work.pending) + len(leased) <= budget_carry
+        return len(work.pending) + len({lease.task.group for lease in self._leased_at_home(work.step)}) <= budget_carry
+
+    def _leased_at_home(self, step: int) -> list[Lease]:
+        """Leases of groups that count toward `step` (its own, and groups carried into it)."""
+        return [lease for lease in self.leases.values()
+                if isinstance(lease.task, GroupTask) and self._home(lease.task) == step]
 
     def held_open(self, step: int) -> list[Lease]:
         """Leases of groups at home in `step` that may not carry over: trained later, their oldest tokens would be
         more than `carry_staleness` versions old."""
         if self.carry_staleness is None:
             return []
-        return [lease for lease in self.leases.values() if isinstance(lease.task, GroupTask)
-                and self._home(lease.task) == step and step + 1 - lease.policy_version > self.carry_staleness]
+        return [lease for lease in self._leased_at_home(step) if step + 1 - lease.policy_version > self.carry_staleness]
 
     def take_step(self, step: int, budget_carry: int | None = None) -> StepWork:
         """A complete step's results; the step leaves the queue. With partial rollouts it trains the groups done
@@ -284,10 +286,9 @@ class WorkQueue:
             prompt_id, task = work.pending.popitem(last=False)
             nxt.pending[prompt_id] = task
             moved.add(task.group)
-        for lease in self.leases.values():
-            if isinstance(lease.task, GroupTask) and self._home(lease.task) == work.step:
-                moved.add(lease.task.group)
-                work.carried_requests.append(lease.task.request_id)
+        for lease in self._leased_at_home(work.step):
+            moved.add(lease.task.group)
+            work.carried_requests.append(lease.task.request_id)
         for group in moved:
             self.home[group] = nxt.step
         work.carried_out = len(moved)

@@ -126,7 +126,7 @@ def test_captured_graphs_overlapped_equal_the_plain_eager_loop(tiny_qwen3):
     assert overlapped.stats()["decode_steps_overlapped"] > 0
 
 
-def test_generate_and_a_stream_closed_by_budget_with_overlap(tiny_qwen3):
+def test_generate_and_a_stream_closed_early_with_overlap(tiny_qwen3):
     """`generate` returns the plain loop's samples; a stream left while a step is in flight leaves nothing behind."""
     import asyncio
 
