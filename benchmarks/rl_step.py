@@ -110,13 +110,15 @@ def write_prompts(model_dir: Path, path: Path, count: int, tokens: int, seed: in
 
 def job_config(args, model_dir: Path, prompts_path: Path, run_root: Path) -> dict:
     """The job: one rollout worker and one trainer rank, sharing one GPU (or its halves when disaggregated)."""
+    from sparrow.coordinator.config import budget_carry_limit
     from sparrow.layout import BLOCK_SIZE
 
     for flag, value in (("--close-after-s", args.close_after_s), ("--carry-staleness", args.carry_staleness)):
         if value is not None and args.partial_rollout is None:
             raise ValueError(f"{flag} {value} needs --partial-rollout EXTRA (a partial-rollout setting; EXTRA may be 0)")
     length = args.prompt_tokens + args.max_tokens + 64
-    in_flight = args.prompts + (args.partial_rollout or 0) + (args.prompts if args.close_after_s is not None else 0)
+    extra = args.partial_rollout or 0  # beside a step's fresh groups: its spares, or what a budget-closed step left
+    in_flight = args.prompts + (extra if args.close_after_s is None else budget_carry_limit(args.prompts, extra))
     batch = in_flight * args.samples
     blocks = batch * (-(-length // BLOCK_SIZE) + 2)
     cuda = args.device == "cuda"

@@ -23,6 +23,7 @@ import random
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from sparrow.coordinator.config import budget_carry_limit
 from sparrow.coordinator.data import PromptRecord
 from sparrow.coordinator.metrics import BatchOccupancy, batch_shape
 from sparrow.coordinator.step_record import GroupReport, mean_known
@@ -182,7 +183,7 @@ class _Simulation:
         budget = self.model.close_after_s
         if budget is None or self.update_end is not None or self.now - waiting_since < budget:
             return None
-        return self.model.prompts + self.extra
+        return budget_carry_limit(self.model.prompts, self.extra)
 
     def _next_event(self, waiting_since: float) -> float | None:
         """When the decode must stop to look: the update's end, or the time budget running out."""

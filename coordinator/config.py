@@ -397,6 +397,13 @@ class PartialRolloutConfig(_Section):
     )
 
 
+def budget_carry_limit(prompts_per_step: int, extra_groups: int) -> int:
+    """Most groups a step closed by its time budget may leave to the next: one step's groups and its spares, so
+    the job is never more than a step behind its data. The tail model and `bench rl-step`'s engine sizing use it
+    without a `RunConfig`."""
+    return prompts_per_step + extra_groups
+
+
 class RunConfig(_Section):
     steps: int = Field(100, ge=1, description="GRPO steps (policy updates) in total")
     prompts_per_step: int = Field(32, ge=1, description="prompts per step; each gives rollout.sampling.n samples")
@@ -471,7 +478,7 @@ class RunConfig(_Section):
         partial = self.partial_rollout
         if not partial.enabled or partial.close_after_s is None:
             return None
-        return self.prompts_per_step + partial.extra_groups
+        return budget_carry_limit(self.prompts_per_step, partial.extra_groups)
 
     @property
     def trained_staleness(self) -> int:
