@@ -190,7 +190,8 @@ def step_row(record, wall: float, busy: float | None) -> dict:
             "prompt_tokens_mean": record.rollout.prompt_length_mean,
             "response_tokens_mean": record.rollout.response_length_mean,
             "response_tokens_max": record.rollout.response_length_max, "tail_share": record.rollout.tail_share,
-            "busy_batch_fraction": record.rollout.busy_batch_fraction, "carried_out": record.rollout.carried_out,
+            "busy_batch_fraction": record.rollout.busy_batch_fraction, "peak_batch": record.rollout.peak_batch,
+            "carried_out": record.rollout.carried_out,
             "resumed_samples": record.rollout.resumed_samples, "stale_tokens": record.rollout.stale_tokens,
             "staleness": record.rollout.staleness_histogram}
 
@@ -290,8 +291,11 @@ def merge(results: list[dict]) -> dict:
         steady = r["steps"][1:] or r["steps"]
         tokens = [s.get("tokens") for s in steady]
         per_k = (1000 * sum(s["wall_s"] for s in steady) / sum(tokens)) if all(tokens) else None
+        waited = sum(s["rollout_s"] for s in steady)
         rows.append({"placement": _placement(r), "mode": r["mode"], "steps": len(steady),
                      "warmup_excluded": len(steady) < len(r["steps"]), "wall_s_per_1k_tokens": per_k,
+                     "run_tokens_per_s": sum(tokens) / waited if all(tokens) and waited > 0 else None,
+                     "peak_batch": max((s.get("peak_batch") or 0 for s in steady), default=0) or None,
                      **{k: mean_known([s.get(k) for s in steady]) for k, _ in COLUMNS if k != "step"}})
     speedups = {}
     for placement in sorted({r["placement"] for r in rows}):
@@ -322,9 +326,11 @@ def _placement(result: dict) -> str:
 
 def run_merge(args) -> int:
     merged = merge([json.loads(f.read_text()) for f in args.files])
-    head = ["placement", "mode", "steps"] + [name for k, name in COLUMNS if k != "step"] + ["s / 1K tok"]
+    head = (["placement", "mode", "steps"] + [name for k, name in COLUMNS if k != "step"]
+            + ["s / 1K tok", "tok/s rollout", "peak batch"])
     body = [[r["placement"], r["mode"], f"{r['steps']}{' (after step 0)' if r['warmup_excluded'] else ''}"]
-            + [_cell(k, r.get(k)) for k, _ in COLUMNS if k != "step"] + [_cell("wall_s_per_1k_tokens", r["wall_s_per_1k_tokens"])]
+            + [_cell(k, r.get(k)) for k, _ in COLUMNS if k != "step"]
+            + [_cell(k, r.get(k)) for k in ("wall_s_per_1k_tokens", "run_tokens_per_s", "peak_batch")]
             for r in merged["rows"]]
     print(format_table(head, body))
     for placement, s in merged["speedups"].items():

@@ -81,7 +81,7 @@ def _record(rollout_wait, train, publish, to_train, to_rollout, update, recomput
                         step=0.0, elapsed=0.0, to_train=to_train, to_rollout=to_rollout)
     rollout = SimpleNamespace(samples=8, tokens=8192, tokens_per_s=100.0, kv_read_fraction=0.25,
                               prompt_length_mean=256.0, response_length_mean=1024.0, response_length_max=4096,
-                              tail_share=0.4, busy_batch_fraction=0.5, carried_out=0, resumed_samples=0,
+                              tail_share=0.4, busy_batch_fraction=0.5, peak_batch=8, carried_out=0, resumed_samples=0,
                               stale_tokens=0, staleness_histogram={"0": 8})
     train_metrics = {"train/seconds": update, **({} if recompute is None else {"recompute/seconds": recompute})}
     return SimpleNamespace(step=3, timing=timing, train=train_metrics, rollout=rollout,
@@ -137,6 +137,18 @@ def test_with_lengths_ending_at_eos_the_speedup_per_trained_token_corrects_for_t
     speedup = merged["speedups"]["colocated"]
     assert speedup["step"] == pytest.approx(1.0) and speedup["step_per_token"] == pytest.approx(2.0)
     assert merged["rows"][0]["wall_s_per_1k_tokens"] == pytest.approx(0.8)
+
+
+def test_merge_gives_the_runs_rollout_tokens_per_second_and_peak_batch_for_bench_rollout_to_be_set_beside():
+    """Tokens over rollout seconds summed over the steady steps (a step that waited 0 s for carried groups still
+    counts its tokens), and the largest batch any step reached."""
+    result = _result("dense", [50.0, 40.0, 10.0], [45.0, 30.0, 0.0], tokens=[1, 60_000, 30_000])
+    for step, peak in zip(result["steps"], (40, 32, None)):
+        step["peak_batch"] = peak
+    (row,) = merge([result])["rows"]
+    assert row["run_tokens_per_s"] == pytest.approx(90_000 / 30.0) and row["peak_batch"] == 32
+    (old,) = merge([_result("dense", [50.0], [45.0])])["rows"]
+    assert old["peak_batch"] is None, "results recorded before peak_batch was kept"
 
 
 def test_merge_refuses_results_of_different_protocols_or_kinds():
