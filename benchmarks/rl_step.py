@@ -236,7 +236,25 @@ def run_bench(args) -> int:
     run_dir = RunDir.create(run_root, time.strftime(f"{args.mode}-{args.placement}-%Y%m%d-%H%M%S"))
     run_dir.config_file.write_text(config.dump())
     busy = GpuBusy() if args.device == "cuda" else None
-    rows = []
+    rows, startup = [], None
+    out = args.out or default_out_path(_device_name(args.device), KIND)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:
+        """The JSON so far, rewritten after every step: a run stopped by its command's time limit keeps its steps."""
+        result = {"kind": KIND, "shape": args.shape, "mode": args.mode, "placement": args.placement,
+                  "run_mode": "sync" if config.run.synchronous else "async", "pool_gpus": args.pool_gpus,
+                  "schedule": config.rollout.schedule if args.mode == "sparse" else None,
+                  "device": _device_name(args.device), "prompts": args.prompts, "samples": args.samples,
+                  "prompt_tokens": prompt_tokens, "max_tokens": args.max_tokens, "kv_cache_dtype": args.kv_cache_dtype,
+                  "weights_channel": rows[0]["publish_channel"], "stop_at_eos": args.stop_at_eos,
+                  "partial_rollout": args.partial_rollout,
+                  "carry": args.carry if args.partial_rollout is not None else None,
+                  "close_after_s": args.close_after_s, "carry_staleness": args.carry_staleness,
+                  "startup_s": startup, "steps": rows, "steps_asked": args.steps,
+                  "seconds": time.perf_counter() - started, "run_dir": str(run_dir.path)}
+        out.write_text(json.dumps(result, indent=1) + "\n")
+
     try:
         t_start = time.perf_counter()
         with TrainingJob(config, run_dir, progress=False, log=lambda m: print(f"[job] {m}", flush=True)) as job:
@@ -248,23 +266,11 @@ def run_bench(args) -> int:
                 (record,) = job.run(steps=1)
                 b = time.perf_counter()
                 rows.append(step_row(record, b - a, busy.fraction(a, b) if busy else None))
+                save()
                 print(step_table(rows[-1:]), flush=True)
     finally:
         if busy:
             busy.close()
-    result = {"kind": KIND, "shape": args.shape, "mode": args.mode, "placement": args.placement,
-              "run_mode": "sync" if config.run.synchronous else "async", "pool_gpus": args.pool_gpus,
-              "schedule": config.rollout.schedule if args.mode == "sparse" else None,
-              "device": _device_name(args.device), "prompts": args.prompts, "samples": args.samples,
-              "prompt_tokens": prompt_tokens, "max_tokens": args.max_tokens, "kv_cache_dtype": args.kv_cache_dtype,
-              "weights_channel": rows[0]["publish_channel"], "stop_at_eos": args.stop_at_eos,
-              "partial_rollout": args.partial_rollout, "carry": args.carry if args.partial_rollout is not None else None,
-              "close_after_s": args.close_after_s, "carry_staleness": args.carry_staleness,
-              "startup_s": startup, "steps": rows,
-              "seconds": time.perf_counter() - started, "run_dir": str(run_dir.path)}
-    out = args.out or default_out_path(result["device"], KIND)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
     print(step_table(rows))
     print(f"results: {out}")
     return 0
