@@ -317,10 +317,12 @@ def merge(results: list[dict]) -> dict:
 
 
 def _placement(result: dict) -> str:
-    """The placement, the run mode when not sync, partial rollouts when on: the rows a dense/sparse pair is
-    matched within."""
+    """The placement, the run mode when not sync, KV pages when not the model's dtype, partial rollouts when on:
+    the rows a dense/sparse pair is matched within."""
     mode = result.get("run_mode", "sync")
     label = result["placement"] if mode == "sync" else f"{result['placement']} {mode}"
+    pages = result.get("kv_cache_dtype", "auto")
+    label += "" if pages == "auto" else f" {pages} pages"
     extra = result.get("partial_rollout")
     off = extra is None or result.get("carry") is None  # results before `--partial-rollout 0` stored 0 for off
     if off:

@@ -127,6 +127,9 @@ def test_merge_gives_each_placements_step_and_rollout_speedup_from_the_steps_aft
     partial = merge([_result("dense", [100.0], [90.0]), {**_result("sparse", [50.0], [40.0]), "partial_rollout": 2,
                                                          "carry": "resume"}])
     assert partial["speedups"] == {}, "partial rollouts are paired with partial rollouts only"
+    fp8 = merge([_result("dense", [100.0], [90.0]), {**_result("sparse", [50.0], [40.0]), "kv_cache_dtype": "fp8_e4m3"}])
+    assert fp8["speedups"] == {}, "FP8 pages are paired with FP8 pages only"
+    assert {r["placement"] for r in fp8["rows"]} == {"colocated", "colocated fp8_e4m3 pages"}
     assert {r["placement"] for r in partial["rows"]} == {"colocated", "colocated partial+2 resume"}
 
 
