@@ -36,6 +36,20 @@ def test_bad_requests_fail_alone(tiny_qwen3):
     assert engine.stats()["samples_failed"] == 5 + 5 + 4
 
 
+def test_a_kv_pool_the_device_cannot_hold_names_num_kv_blocks_and_the_fixes(tiny_qwen3, monkeypatch):
+    """The allocator's own out-of-memory error (what a GPU raises; a CPU pool is not touched until used) becomes one
+    that says which setting asked for how much."""
+    from sparrow.rollout_workers.native import model_runner
+
+    def no_room(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 58.41 GiB.")
+
+    monkeypatch.setattr(model_runner, "KVCache", no_room)
+    with pytest.raises(MemoryError, match=r"num_kv_blocks=4096: the KV pool needs 0\.1 GiB, more than cpu has free "
+                                          r"\(.*\); lower num_kv_blocks .*kv_cache_dtype='fp8_e4m3'"):
+        NativeEngine.from_pretrained(tiny_qwen3, num_kv_blocks=4096)
+
+
 def test_sequence_reaching_max_model_len_stops_with_length(tiny_qwen3):
     engine = NativeEngine.from_pretrained(tiny_qwen3, num_kv_blocks=32, max_model_len=40)
     sample = engine.generate([RolloutRequest("x", tuple(range(5, 35)), SamplingParams(max_tokens=100, ignore_eos=True))])[0]

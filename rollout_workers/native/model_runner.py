@@ -84,7 +84,17 @@ class ModelRunner:
     # ------------------------------------------------------------------ set-up
 
     def _new_cache(self) -> KVCache:
-        return KVCache(self.spec, self.layout, self.num_kv_blocks, self.model.dtype, self.device, self.config.kv_cache_dtype)
+        try:
+            return KVCache(self.spec, self.layout, self.num_kv_blocks, self.model.dtype, self.device,
+                           self.config.kv_cache_dtype)
+        except torch.OutOfMemoryError:
+            need = self.num_kv_blocks * bytes_per_block(self.spec, self.layout, self.model.dtype, self.config.kv_cache_dtype)
+            raise MemoryError(
+                f"num_kv_blocks={self.num_kv_blocks}: the KV pool needs {need / 2**30:.1f} GiB, more than {self.device} "
+                f"has free ({free_memory_bytes(self.device) / 2**30:.1f} GiB); lower num_kv_blocks (or max_num_seqs), "
+                "leave it unset to take kv_memory_fraction of the free memory, or halve the pages with "
+                "kv_cache_dtype='fp8_e4m3'"
+            ) from None
 
     def release_memory(self) -> int:
         """Free the KV pool and the decode graphs with their memory pool (the engine is idle: no sequence holds a
