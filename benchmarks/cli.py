@@ -6,6 +6,7 @@ from .decode_kernels.cli import register as register_kernels
 from .handoff import register as register_handoff
 from .publish import register as register_publish
 from .rl_step import register as register_rl_step
+from .rollout.engine_run import register as register_rollout_engine
 from .rollout.cli import register_decode_step, register_rollout, register_rollout_merge, register_rollout_paper
 from .tail_model import register as register_tail_model
 from .trainer import register as register_trainer
@@ -15,6 +16,7 @@ def configure(p) -> None:
     actions = p.add_subparsers(dest="bench_command", metavar="ACTION", required=True)
     register_rollout(actions)
     register_rollout_merge(actions)
+    register_rollout_engine(actions)
     register_kernels(actions)
     register_decode_step(actions)
     register_rollout_paper(actions)

