@@ -36,6 +36,8 @@ def register(actions) -> None:
     p.add_argument("--shape", default="qwen3-1.7b", help="model shape (sparrow cost's shapes; random weights)")
     p.add_argument("--mode", required=True, choices=("dense", "sparse"), help="one mode per call (see rl-step-merge)")
     p.add_argument("--schedule", default=None, help="sparse mode's schedule (default: the shape's published 0.86 one)")
+    p.add_argument("--engine", default="native", choices=("native", "vllm"),
+                   help="rollout.engine (vllm: colocated starts it in sleep mode, which needs CUDA)")
     p.add_argument("--placement", default="colocated", choices=("colocated", "disaggregated"))
     p.add_argument("--weights-channel", default="auto", help="run.weights_channel (disaggregated on one GPU: object_store)")
     p.add_argument("--run-mode", default="sync", choices=("sync", "async"),
@@ -112,11 +114,9 @@ def job_config(args, model_dir: Path, prompts_path: Path, run_root: Path) -> dic
         "data": {"source": "jsonl", "path": str(prompts_path), "chat_template": False, "shuffle": False},
         "reward": {"type": "arithmetic", "truncated": 0.0},
         "rollout": {
-            "engine": "native", "schedule": schedule, "speedup_probe_every": 0,
+            "engine": args.engine, "schedule": schedule, "speedup_probe_every": 0,
             "pool": {"size": 1, "cpus": 4 if cuda else 1, "gpus": share},
-            "native": {"device": args.device, "attention_backend": "triton" if cuda else "torch",
-                       "max_model_len": length, "max_num_seqs": batch, "num_kv_blocks": blocks,
-                       "prefill_chunk_size": max(2048, args.prompt_tokens), "kv_cache_dtype": args.kv_cache_dtype},
+            args.engine: engine_section(args, model_dir, length, batch, blocks),
             "sampling": {"temperature": 1.0, "top_p": 1.0, "max_tokens": args.max_tokens, "n": args.samples,
                          "ignore_eos": not args.stop_at_eos},
         },
@@ -132,6 +132,32 @@ def job_config(args, model_dir: Path, prompts_path: Path, run_root: Path) -> dic
                    if args.partial_rollout is not None else {}),
                 "out_dir": str(run_root), **({"cost_hardware": "h200"} if cuda else {})},
     }
+
+
+def engine_section(args, model_dir: Path, length: int, batch: int, blocks: int) -> dict:
+    """The rollout engine's settings for `blocks` KV blocks of `batch` sequences of `length` tokens. vLLM takes its
+    KV budget in bytes (pages and landmarks, the native engine's count of them), starts in sleep mode when colocated
+    (the placement needs it to give its memory back), and checks at start-up only for its share of the GPU."""
+    cuda = args.device == "cuda"
+    if args.engine == "native":
+        return {"device": args.device, "attention_backend": "triton" if cuda else "torch", "max_model_len": length,
+                "max_num_seqs": batch, "num_kv_blocks": blocks, "prefill_chunk_size": max(2048, args.prompt_tokens),
+                "kv_cache_dtype": args.kv_cache_dtype}
+    import torch
+
+    from sparrow.rollout_workers.native.kv_cache import bytes_per_block
+    from sparrow.rollout_workers.native.model_spec import spec_from_config
+    from sparrow.rollout_workers.vllm_backend.config import VllmEngineConfig
+
+    if args.kv_cache_dtype != "auto":
+        raise ValueError(f"--kv-cache-dtype {args.kv_cache_dtype} with --engine vllm: the vLLM backend stores K/V in "
+                         "the model's dtype; leave it auto")
+    spec = spec_from_config(json.loads((model_dir / "config.json").read_text()), str(model_dir / "config.json"))
+    layout = VllmEngineConfig().layout()
+    per_block = bytes_per_block(spec, layout, torch.bfloat16 if cuda else torch.float32)
+    return {"max_model_len": length, "max_num_seqs": batch, "kv_cache_memory_bytes": max(blocks * per_block, 1 << 20),
+            "sleep_mode": cuda and args.placement == "colocated",
+            **({"engine_args": {"gpu_memory_utilization": 0.9 * args.pool_gpus}} if cuda else {})}
 
 
 class GpuBusy:
@@ -225,7 +251,7 @@ def run_bench(args) -> int:
 
     def save() -> None:
         """The JSON so far, rewritten after every step: a run stopped by its command's time limit keeps its steps."""
-        result = {"kind": KIND, "shape": args.shape, "mode": args.mode, "placement": args.placement,
+        result = {"kind": KIND, "shape": args.shape, "mode": args.mode, "engine": args.engine, "placement": args.placement,
                   "run_mode": "sync" if config.run.synchronous else "async", "pool_gpus": args.pool_gpus,
                   "schedule": config.rollout.schedule if args.mode == "sparse" else None,
                   "device": _device_name(args.device), "prompts": args.prompts, "samples": args.samples,
@@ -300,12 +326,14 @@ def merge(results: list[dict]) -> dict:
 
 
 def _placement(result: dict) -> str:
-    """The placement, the run mode when not sync, KV pages when not the model's dtype, partial rollouts when on:
-    the rows a dense/sparse pair is matched within."""
+    """The placement, the run mode when not sync, KV pages when not the model's dtype, the engine when not native,
+    partial rollouts when on: the rows a dense/sparse pair is matched within."""
     mode = result.get("run_mode", "sync")
     label = result["placement"] if mode == "sync" else f"{result['placement']} {mode}"
     pages = result.get("kv_cache_dtype", "auto")
     label += "" if pages == "auto" else f" {pages} pages"
+    engine = result.get("engine", "native")
+    label += "" if engine == "native" else f" {engine}"
     extra = result.get("partial_rollout")
     off = extra is None or result.get("carry") is None  # results before `--partial-rollout 0` stored 0 for off
     if off:

@@ -11,7 +11,7 @@ from sparrow.coordinator.step_record import PublishStats, StepTiming
 
 
 def _args(**over):
-    base = dict(shape="qwen3-1.7b", mode="sparse", schedule=None, placement="colocated", weights_channel="auto",
+    base = dict(shape="qwen3-1.7b", mode="sparse", schedule=None, engine="native", placement="colocated", weights_channel="auto",
                 prompts=2, samples=4, prompt_tokens=256, max_tokens=4096, steps=1, device="cpu",
                 kv_cache_dtype="auto", micro_batch_tokens=None, run_mode="sync", pool_gpus=0.5, stop_at_eos=False,
                 partial_rollout=None, carry="resume", close_after_s=None,
@@ -40,6 +40,24 @@ def test_an_async_disaggregated_job_on_two_gpus(tmp_path):
     config = build_config(job_config(args, tmp_path, tmp_path / "p.jsonl", tmp_path / "runs"), "test")
     assert config.run.mode == "async" and config.run.staleness == 1
     assert config.rollout.pool.gpus == config.trainer.pool.gpus == 1.0
+
+
+def test_a_vllm_job_takes_the_native_engines_kv_in_bytes_and_sleeps_when_colocated(tmp_path, tiny_qwen3):
+    (tmp_path / "p.jsonl").write_text('{"prompt": "1+1", "answer": "2"}\n')
+    raw = job_config(_args(engine="vllm", device="cuda"), tiny_qwen3, tmp_path / "p.jsonl", tmp_path / "runs")
+    config = build_config(raw, "test")
+    vllm = config.rollout.vllm
+    assert config.rollout.engine == "vllm" and vllm.sleep_mode and vllm.max_num_seqs == 2 * 4
+    blocks = 2 * 4 * (-(-(256 + 4096 + 64) // 16) + 2)
+    # tiny Qwen3: 4 layers x K and V x 2 KV heads x 16 tokens x 32 dims in bf16, and a bf16 landmark per sparse layer
+    per_block = 4 * 2 * 2 * 16 * 32 * 2 + 2 * (4 - 2) * 32 * 2
+    assert vllm.kv_cache_memory_bytes == blocks * per_block
+    assert vllm.engine_args == {"gpu_memory_utilization": 0.45}, "vLLM's start-up check: its half of the GPU"
+    apart = build_config(job_config(_args(engine="vllm", device="cpu", placement="disaggregated"), tiny_qwen3,
+                                    tmp_path / "p.jsonl", tmp_path / "runs"), "test")
+    assert not apart.rollout.vllm.sleep_mode and apart.rollout.vllm.engine_args == {}
+    with pytest.raises(ValueError, match="--kv-cache-dtype fp8_e4m3 with --engine vllm"):
+        job_config(_args(engine="vllm", kv_cache_dtype="fp8_e4m3"), tiny_qwen3, tmp_path / "p.jsonl", tmp_path / "runs")
 
 
 def test_variable_lengths_and_partial_rollouts_keep_every_group_in_flight_in_the_batch(tmp_path):
