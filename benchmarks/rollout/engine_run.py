@@ -23,7 +23,7 @@ from sparrow.tables import format_table
 from ..checkpoints import shape_checkpoint
 from ..result_files import default_out_path
 from .common import bench_command
-from .real_run import protocol_requests
+from .real_run import protocol_prompts, protocol_requests
 
 KIND = "rollout-engine"
 MODES = ("dense", "sparse")
@@ -56,12 +56,6 @@ def engine_settings(backend: str, model_dir: Path, batch: int, total: int, seed:
         problems = "; ".join(f"{'.'.join(map(str, e['loc']))}={e.get('input')!r}: {e['msg']}" for e in exc.errors())
         raise ValueError(f"--settings for the {backend} engine: {problems} (its fields: "
                          f"{', '.join(sorted(section.model_fields))})") from None
-
-
-def random_prompts(model_dir: Path, count: int, length: int, seed: int) -> list[tuple[int, ...]]:
-    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-    gen = torch.Generator().manual_seed(seed)
-    return [tuple(torch.randint(3, vocab, (length,), generator=gen).tolist()) for _ in range(count)]
 
 
 def timed_generate(engine, requests, time_cap_s: float | None) -> dict:
@@ -112,7 +106,8 @@ def run(args) -> dict:
     schedule = bench_schedule(args.schedule, args.budget)
     model_dir = checkpoint(args.model, args.workdir, args.device)
     settings = engine_settings(args.engine, model_dir, args.batch, total, args.seed, overrides)
-    prompts = random_prompts(model_dir, args.batch // args.samples, args.prompt_len, args.seed)
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    prompts = protocol_prompts(vocab, args.batch // args.samples, args.prompt_len, args.seed)
     modes = [(m, None if m == "dense" else schedule) for m in (MODES if args.mode == "both" else (args.mode,))]
     started = time.perf_counter()
     engine = registry.create_engine(args.engine, settings)

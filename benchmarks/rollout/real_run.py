@@ -13,6 +13,13 @@ AGREE_EVERY = 64
 """Engine steps between the tensor-parallel ranks' checks of the time cap (all stop at the same step)."""
 
 
+def protocol_prompts(vocab_size: int, count: int, length: int, seed: int = 0) -> list[tuple[int, ...]]:
+    """The benchmark protocol's prompts: `count` of `length` uniformly random token ids, the same for every seed's
+    run whichever engine serves them."""
+    gen = torch.Generator().manual_seed(seed)
+    return [tuple(torch.randint(0, vocab_size, (length,), generator=gen).tolist()) for _ in range(count)]
+
+
 def protocol_requests(prompts, samples: int, gen_len: int, seed: int = 0) -> list[RolloutRequest]:
     """The benchmark protocol: every sample decodes exactly `gen_len` tokens (EOS ignored) at T = 1 with
     top-20 logprobs; request i samples with seed `seed + i`, so separate processes draw the same tokens."""

@@ -37,8 +37,8 @@ from sparrow.schedule import SparsitySchedule, load_schedule
 from sparrow.tables import format_table
 
 from .common import bench_command
-from .real_run import (common_steps_speedup, join_segments, protocol_requests, real_rollout, replay_windows,
-                       segment_bounds, segment_requests, sparse_step)
+from .real_run import (common_steps_speedup, join_segments, protocol_prompts, protocol_requests, real_rollout,
+                       replay_windows, segment_bounds, segment_requests, sparse_step)
 
 MODES = ("dense", "sparse")
 RUN_KEYS = ("model", "device", "device_name", "dtype", "backend", "cuda_graphs", "overlap_decode", "sampler",
@@ -268,9 +268,7 @@ def measure(args, device: torch.device) -> dict:
         raise ValueError(f"--batch={batch} is not a multiple of --samples={args.samples}")
     schedule = bench_schedule(args.schedule, args.budget)
     engine = build_engine(args, model, batch)
-    gen = torch.Generator().manual_seed(args.seed)
-    prompts = [tuple(torch.randint(0, model.spec.vocab_size, (args.prompt_len,), generator=gen).tolist())
-               for _ in range(batch // args.samples)]
+    prompts = protocol_prompts(model.spec.vocab_size, batch // args.samples, args.prompt_len, args.seed)
     agree = None if tp is None else (lambda passed: tp.smallest(int(not passed), device) == 0)
     prints = tp is None or tp.rank == 0
     modes = [(m, None if m == "dense" else schedule) for m in (MODES if args.mode == "both" else (args.mode,))]
