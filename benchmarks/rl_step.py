@@ -12,6 +12,8 @@ passes; an on-policy update, one mini-batch and one epoch, takes π_old and α f
 recompute), publication, the two colocated transitions, idle (the step's wall time outside all of those: collecting
 the batch, dispatching, the coordinator's control) and, on CUDA, the GPU's busy fraction sampled by nvidia-smi
 over the step. A step's wall time is the driver's call for it, dispatch of the next step included.
+`--reference-rollout` then times the same engine settings and schedule decoding the run's peak batch at its mean
+length with no tail, the like-for-like figure for the job's rollout tokens/s.
 """
 
 import json
@@ -62,6 +64,9 @@ def register(actions) -> None:
     p.add_argument("--close-after-s", type=float, default=None,
                    help="run.partial_rollout.close_after_s (a time budget a step; needs --partial-rollout)")
     p.add_argument("--steps", type=int, default=1, help="timed steps (the job is set to one more, so none checkpoints)")
+    p.add_argument("--reference-rollout", action="store_true",
+                   help="after the job, the same engine settings and schedule decode the run's peak batch at its mean "
+                        "length, every sample to the end (no tail): the tokens/s the job's rollout is set beside")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--kv-cache-dtype", default="auto", help="rollout.native.kv_cache_dtype (fp8_e4m3: half the pages)")
     p.add_argument("--micro-batch-tokens", type=int, default=None, help="trainer micro-batch (default: one sample)")
@@ -160,6 +165,36 @@ def engine_section(args, model_dir: Path, length: int, batch: int, blocks: int) 
             **({"engine_args": {"gpu_memory_utilization": 0.9 * args.pool_gpus}} if cuda else {})}
 
 
+def reference_rollout(config, model_dir: Path, rows: list[dict], samples: int, prompt_tokens: int) -> dict:
+    """What the job's engine does with no tail: its settings and schedule, the largest batch a steady step reached
+    (whole groups; the samples it trained where the engine reported no batch), every sample decoding the steady
+    steps' mean length, timed through the engine contract (`bench rollout-engine`'s clock). The job's rollout tokens/s
+    over this is issue 46's like-for-like ratio."""
+    from sparrow.rollout_workers import registry
+
+    from .rollout.engine_run import timed_generate
+    from .rollout.real_run import protocol_prompts, protocol_requests
+
+    steady = rows[1:] or rows
+    peak = max((r.get("peak_batch") or r.get("samples") or 0 for r in steady), default=0)
+    lengths = [r["response_tokens_mean"] for r in steady if r.get("response_tokens_mean")]
+    if not peak or not lengths:
+        raise ValueError("--reference-rollout: the run recorded no peak batch or mean length to match")
+    groups = max(1, round(peak / samples))
+    length = max(2, round(sum(lengths) / len(lengths)))
+    settings = config.rollout.engine_config().model_copy(update={"model": str(model_dir)})
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    prompts = protocol_prompts(vocab, groups, prompt_tokens, seed=1)
+    engine = registry.create_engine(config.rollout.engine, settings)
+    try:
+        engine.set_schedule(config.initial_schedule())
+        engine.generate(protocol_requests(prompts, samples, 2))
+        result = timed_generate(engine, protocol_requests(prompts, samples, length), None)
+    finally:
+        engine.shutdown()
+    return {"batch": groups * samples, "gen_len": length, **result}
+
+
 class GpuBusy:
     """nvidia-smi's utilization.gpu every 100 ms, on a thread: the GPU's busy fraction over any time window."""
 
@@ -245,7 +280,7 @@ def run_bench(args) -> int:
     run_dir = RunDir.create(run_root, time.strftime(f"{args.mode}-{args.placement}-%Y%m%d-%H%M%S"))
     run_dir.config_file.write_text(config.dump())
     busy = GpuBusy() if args.device == "cuda" else None
-    rows, startup = [], None
+    rows, startup, reference = [], None, None
     out = args.out or default_out_path(_device_name(args.device), KIND)
     out.parent.mkdir(parents=True, exist_ok=True)
 
@@ -260,7 +295,7 @@ def run_bench(args) -> int:
                   "partial_rollout": args.partial_rollout,
                   "carry": args.carry if args.partial_rollout is not None else None,
                   "close_after_s": args.close_after_s, "carry_staleness": args.carry_staleness,
-                  "startup_s": startup, "steps": rows, "steps_asked": args.steps,
+                  "startup_s": startup, "steps": rows, "steps_asked": args.steps, "reference_rollout": reference,
                   "seconds": time.perf_counter() - started, "run_dir": str(run_dir.path)}
         out.write_text(json.dumps(result, indent=1) + "\n")
 
@@ -281,6 +316,12 @@ def run_bench(args) -> int:
         if busy:
             busy.close()
     print(step_table(rows))
+    if args.reference_rollout:
+        print("[rl-step] reference rollout: the run's peak batch at its mean length, no tail ...", flush=True)
+        reference = reference_rollout(config, model_dir, rows, args.samples, args.prompt_tokens)
+        save()
+        print(f"reference rollout: batch {reference['batch']} x {reference['gen_len']} tokens, "
+              f"{reference['total_tok_s']:.1f} tokens/s")
     print(f"results: {out}")
     return 0
 
@@ -311,6 +352,7 @@ def merge(results: list[dict]) -> dict:
                      "warmup_excluded": len(steady) < len(r["steps"]), "wall_s_per_1k_tokens": per_k,
                      "run_tokens_per_s": sum(tokens) / waited if all(tokens) and waited > 0 else None,
                      "peak_batch": max((s.get("peak_batch") or 0 for s in steady), default=0) or None,
+                     "reference_tokens_per_s": (r.get("reference_rollout") or {}).get("total_tok_s"),
                      **{k: mean_known([s.get(k) for s in steady]) for k, _ in COLUMNS if k != "step"}})
     speedups = {}
     for placement in sorted({r["placement"] for r in rows}):
@@ -346,15 +388,20 @@ def _placement(result: dict) -> str:
 def run_merge(args) -> int:
     merged = merge([json.loads(f.read_text()) for f in args.files])
     head = (["placement", "mode", "steps"] + [name for k, name in COLUMNS if k != "step"]
-            + ["s / 1K tok", "tok/s rollout", "peak batch"])
+            + ["s / 1K tok", "tok/s rollout", "peak batch", "tok/s no tail"])
     body = [[r["placement"], r["mode"], f"{r['steps']}{' (after step 0)' if r['warmup_excluded'] else ''}"]
             + [_cell(k, r.get(k)) for k, _ in COLUMNS if k != "step"]
-            + [_cell(k, r.get(k)) for k in ("wall_s_per_1k_tokens", "run_tokens_per_s", "peak_batch")]
+            + [_cell(k, r.get(k)) for k in ("wall_s_per_1k_tokens", "run_tokens_per_s", "peak_batch",
+                                            "reference_tokens_per_s")]
             for r in merged["rows"]]
     print(format_table(head, body))
     for placement, s in merged["speedups"].items():
         per_token = "" if s["step_per_token"] is None else f"; per trained token {s['step_per_token']:.2f}x"
         print(f"{placement}: RL step {s['step']:.2f}x faster sparse (rollout {s['rollout']:.2f}x{per_token})")
+    for r in merged["rows"]:
+        if r["run_tokens_per_s"] and r["reference_tokens_per_s"]:
+            print(f"{r['placement']} {r['mode']}: the rollout ran at {r['run_tokens_per_s'] / r['reference_tokens_per_s']:.0%} "
+                  "of the same engine's tokens/s with no tail (--reference-rollout)")
     if args.out:
         args.out.write_text(json.dumps(merged, indent=1) + "\n")
     return 0

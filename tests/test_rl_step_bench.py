@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from sparrow.bench.rl_step import job_config, merge, step_row
+from sparrow.bench.rl_step import job_config, merge, reference_rollout, step_row
 from sparrow.coordinator.config import build_config
 from sparrow.coordinator.step_record import PublishStats, StepTiming
 
@@ -170,6 +170,27 @@ def test_merge_gives_the_runs_rollout_tokens_per_second_and_peak_batch_for_bench
     assert row["run_tokens_per_s"] == pytest.approx(90_000 / 30.0) and row["peak_batch"] == 32
     (old,) = merge([_result("dense", [50.0], [45.0])])["rows"]
     assert old["peak_batch"] is None, "results recorded before peak_batch was kept"
+
+
+def test_the_reference_rollout_decodes_the_runs_peak_batch_at_its_mean_length_with_the_jobs_engine(tmp_path, tiny_qwen3,
+                                                                                                   capsys):
+    (tmp_path / "p.jsonl").write_text('{"prompt": "1+1", "answer": "2"}\n')
+    args = _args(mode="sparse", schedule="qwen3-1.7b-0.86", max_tokens=64, prompt_tokens=32)
+    config = build_config(job_config(args, tiny_qwen3, tmp_path / "p.jsonl", tmp_path / "runs"), "test")
+    rows = [{"peak_batch": 8, "response_tokens_mean": 60.0}, {"peak_batch": 7, "response_tokens_mean": 30.0},
+            {"peak_batch": 3, "response_tokens_mean": 20.0}]
+    reference = reference_rollout(config, tiny_qwen3, rows, samples=4, prompt_tokens=32)
+    assert reference["batch"] == 8 and reference["gen_len"] == 25, "steady steps: peak 7 -> 2 groups of 4, mean 25"
+    assert reference["tokens_generated"] == 8 * 25 and not reference["truncated"] and reference["errors"] == 0
+    unreported = reference_rollout(config, tiny_qwen3, [{"peak_batch": None, "samples": 4, "response_tokens_mean": 9.0}],
+                                   4, 32)
+    assert unreported["batch"] == 4 and unreported["gen_len"] == 9, "no batch report: the samples the step trained"
+    with pytest.raises(ValueError, match="no peak batch"):
+        reference_rollout(config, tiny_qwen3, [{"peak_batch": None, "response_tokens_mean": 1.0}], 4, 32)
+    result = {**_result("sparse", [1.0, 40.0], [1.0, 30.0], tokens=[1, 60_000]),
+              "reference_rollout": {**reference, "total_tok_s": 4000.0}}
+    (row,) = merge([result])["rows"]
+    assert row["reference_tokens_per_s"] == 4000.0 and row["run_tokens_per_s"] == pytest.approx(2000.0)
 
 
 def test_merge_refuses_results_of_different_protocols_or_kinds():
