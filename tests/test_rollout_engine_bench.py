@@ -30,7 +30,8 @@ def test_the_native_engine_decodes_every_token_of_the_protocol_in_both_modes(tmp
     assert dense["mean_blocks"] == pytest.approx(sum(-(-(200 + t) // 16) for t in range(48)) / 48)
     assert sparse["mean_blocks"] == pytest.approx((13 + 47 * 8) / 48)
     assert report["speedup"] == pytest.approx(sparse["total_tok_s"] / dense["total_tok_s"])
-    assert report["settings"]["max_num_seqs"] == 4 and report["schedule"] == "budget-8"
+    assert report["settings"]["max_num_seqs"] == 4 and report["settings"]["device"] == "cpu"
+    assert report["schedule"] == "budget-8"
     assert "sparse / dense:" in capsys.readouterr().out
 
 

@@ -40,16 +40,18 @@ def checkpoint(model: str, workdir: Path, device: str) -> Path:
     return shape_checkpoint(model, workdir, device)
 
 
-def engine_settings(backend: str, model_dir: Path, batch: int, total: int, seed: int, overrides: dict):
-    """The backend's own settings section: what the protocol fixes (model, batch, length, seed) under `overrides`
-    (`--settings`, the section's fields by name; its validation names a bad one)."""
+def engine_settings(backend: str, model_dir: Path, batch: int, total: int, seed: int, device: str, overrides: dict):
+    """The backend's own settings section: what the protocol fixes (model, batch, length, seed; `device` for a
+    backend whose section names one) under `overrides` (`--settings`, the section's fields by name; its validation
+    names a bad one)."""
+    from pydantic import ValidationError
+
     from sparrow.layout import BLOCK_SIZE
     from sparrow.rollout_workers import registry
 
-    from pydantic import ValidationError
-
-    fixed = {"model": str(model_dir), "max_num_seqs": batch, "max_model_len": total + BLOCK_SIZE, "seed": seed}
     section = registry.config_class(backend)
+    fixed = {"model": str(model_dir), "max_num_seqs": batch, "max_model_len": total + BLOCK_SIZE, "seed": seed,
+             **({"device": device} if "device" in section.model_fields else {})}
     try:
         return section.model_validate({**fixed, **overrides})
     except ValidationError as exc:
@@ -105,7 +107,7 @@ def run(args) -> dict:
     total = args.prompt_len + args.gen_len
     schedule = bench_schedule(args.schedule, args.budget)
     model_dir = checkpoint(args.model, args.workdir, args.device)
-    settings = engine_settings(args.engine, model_dir, args.batch, total, args.seed, overrides)
+    settings = engine_settings(args.engine, model_dir, args.batch, total, args.seed, args.device, overrides)
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     prompts = protocol_prompts(vocab, args.batch // args.samples, args.prompt_len, args.seed)
     modes = [(m, None if m == "dense" else schedule) for m in (MODES if args.mode == "both" else (args.mode,))]
@@ -183,12 +185,12 @@ def register(actions) -> None:
     r.add_argument("--schedule", default="qwen3-1.7b-0.86", help="sparse mode's schedule (name or file)")
     r.add_argument("--budget", type=int, help="constant budget in blocks (sink + top-k + recent) instead of a schedule")
     r.add_argument("--mode", default="both", choices=["both", *MODES])
-    r.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="where the shape checkpoint is built for "
-                   "(bf16 on cuda); the engine's own device setting goes in --settings")
+    r.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                   help="the engine's device (a shape's checkpoint is bf16 on cuda); vLLM takes the GPU it sees")
     r.add_argument("--settings", default="{}", metavar="JSON",
-                   help="the backend's settings by name, e.g. native: '{\"device\": \"cuda\"}', vllm: "
+                   help="the backend's settings by name, e.g. native: '{\"kv_cache_dtype\": \"fp8_e4m3\"}', vllm: "
                         "'{\"kv_cache_memory_bytes\": 60000000000}' (the protocol sets model, max_num_seqs, "
-                        "max_model_len, seed)")
+                        "max_model_len, seed, and the native engine's device)")
     r.add_argument("--time-cap", type=float, default=None, help="seconds after which every request is interrupted")
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--workdir", type=Path, default=Path("/tmp/sparrow-rollout-engine"),
