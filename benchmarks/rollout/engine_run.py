@@ -6,14 +6,20 @@ sample decoding exactly `--gen-len` tokens at T = 1, EOS ignored) go to one `gen
 call to its return, each mode warmed up first by a 2-token run (kernels compile, graphs capture). So the native
 engine and vLLM, on the same checkpoint and schedule, are measured by the same clock and can stand side by side.
 
-`--time-cap S` interrupts every request after S seconds (`RolloutEngine.interrupt`: the samples keep what they
-generated): the figures then cover the part that ran and the result says it was truncated.
+Each mode's prefill is timed apart: the same requests for one token first, then the whole run; decode is the
+difference (prefix caching is turned off for a backend that has it, so the second prefill is not a cache hit).
+A run longer than one job is measured in segments, as `bench rollout` does: `--start-step N` gives every sample N
+random tokens of its own in place of its first N generated ones, `--end-step M` stops it after decode step M - 1, and
+`rollout-engine-merge` joins the segments' decode times into the run they stand for. `--time-cap S` instead
+interrupts every request after S seconds (`RolloutEngine.interrupt`: the samples keep what they generated): the
+figures then cover the part that ran and the result says it was truncated.
 """
 
 import datetime
 import json
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -23,7 +29,7 @@ from sparrow.tables import format_table
 from ..checkpoints import shape_checkpoint
 from ..result_files import default_out_path
 from .common import bench_command
-from .real_run import protocol_prompts, protocol_requests
+from .real_run import protocol_prompts, protocol_requests, segment_requests
 
 KIND = "rollout-engine"
 MODES = ("dense", "sparse")
@@ -41,17 +47,19 @@ def checkpoint(model: str, workdir: Path, device: str) -> Path:
 
 
 def engine_settings(backend: str, model_dir: Path, batch: int, total: int, seed: int, device: str, overrides: dict):
-    """The backend's own settings section: what the protocol fixes (model, batch, length, seed; `device` for a
-    backend whose section names one) under `overrides` (`--settings`, the section's fields by name; its validation
-    names a bad one)."""
+    """The backend's own settings section: what the protocol fixes (model, batch, length, seed; `device`, and
+    prefix caching off, for a backend whose section names them) under `overrides` (`--settings`, the section's fields
+    by name; its validation names a bad one)."""
     from pydantic import ValidationError
 
     from sparrow.layout import BLOCK_SIZE
     from sparrow.rollout_workers import registry
 
     section = registry.config_class(backend)
+    fields = section.model_fields
     fixed = {"model": str(model_dir), "max_num_seqs": batch, "max_model_len": total + BLOCK_SIZE, "seed": seed,
-             **({"device": device} if "device" in section.model_fields else {})}
+             **({"device": device} if "device" in fields else {}),
+             **({"enable_prefix_caching": False} if "enable_prefix_caching" in fields else {})}
     try:
         return section.model_validate({**fixed, **overrides})
     except ValidationError as exc:
@@ -85,6 +93,18 @@ def timed_generate(engine, requests, time_cap_s: float | None) -> dict:
             "errors": len(errors), "first_error": errors[0] if errors else None}
 
 
+def measure_mode(engine, requests, time_cap_s: float | None) -> dict:
+    """The requests for one token (their prefill), then whole: decode is the difference, its tokens all but the
+    first of each sample (which the prefill samples)."""
+    first = [replace(r, sampling=replace(r.sampling, max_tokens=1)) for r in requests]
+    prefill = timed_generate(engine, first, None)
+    result = timed_generate(engine, requests, time_cap_s)
+    decode_s = max(result["wall_s"] - prefill["wall_s"], 1e-9)
+    decode_tokens = result["tokens_generated"] - result["samples"]
+    return {**result, "prefill_s": prefill["wall_s"], "decode_s": decode_s, "decode_tokens": decode_tokens,
+            "decode_tok_s": decode_tokens / decode_s}
+
+
 def run(args) -> dict:
     from sparrow.rollout_workers import registry
 
@@ -97,6 +117,13 @@ def run(args) -> dict:
         raise ValueError(f"--batch={args.batch} is not a multiple of --samples={args.samples}")
     if args.time_cap is not None and args.time_cap <= 0:
         raise ValueError(f"--time-cap={args.time_cap}: must be > 0")
+    stop = args.gen_len if args.end_step is None else args.end_step + 1
+    if not 0 <= args.start_step < stop - 1 or stop > args.gen_len:
+        raise ValueError(f"--start-step={args.start_step} --end-step={args.end_step}: a segment is 0 <= start < end <= "
+                         f"--gen-len - 1 = {args.gen_len - 1} (decode steps)")
+    if args.time_cap is not None and (args.start_step or args.end_step is not None):
+        raise ValueError("--time-cap with --start-step/--end-step: a capped segment would leave a gap before the next; "
+                         "drop one of them")
     try:
         overrides = json.loads(args.settings)
     except json.JSONDecodeError as exc:
@@ -121,9 +148,10 @@ def run(args) -> dict:
             engine.generate(protocol_requests(prompts, args.samples, 2, args.seed))
         for mode, sched in modes:
             engine.set_schedule(sched)
-            print(f"[rollout-engine] {args.engine} {mode}: {args.batch} samples x {args.gen_len} tokens ...", flush=True)
-            results[mode] = timed_generate(engine, protocol_requests(prompts, args.samples, args.gen_len, args.seed),
-                                           args.time_cap)
+            print(f"[rollout-engine] {args.engine} {mode}: {args.batch} samples, tokens {args.start_step}-{stop - 1} "
+                  f"of {args.gen_len} ...", flush=True)
+            requests = segment_requests(prompts, args.samples, stop, args.start_step, vocab, args.seed)
+            results[mode] = measure_mode(engine, requests, args.time_cap)
         stats = engine.stats()
     finally:
         engine.shutdown()
@@ -134,28 +162,34 @@ def run(args) -> dict:
         "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
         "settings": settings.model_dump(mode="json"), "prompt_len": args.prompt_len, "gen_len": args.gen_len,
         "batch": args.batch, "samples": args.samples, "seed": args.seed, "schedule": schedule.name,
-        "time_cap_s": args.time_cap, "startup_s": startup, "modes": results,
+        "start_step": args.start_step, "end_step": args.end_step, "time_cap_s": args.time_cap, "startup_s": startup,
+        "modes": results,
         "engine_stats": {k: v for k, v in stats.items() if isinstance(v, (int, float, str, bool)) or v is None},
     }
-    dense, sparse = results.get("dense"), results.get("sparse")
-    if dense and sparse and dense["total_tok_s"] and sparse["total_tok_s"]:
-        report["speedup"] = sparse["total_tok_s"] / dense["total_tok_s"]
+    return with_speedup(report)
+
+
+def with_speedup(report: dict) -> dict:
+    dense, sparse = report["modes"].get("dense"), report["modes"].get("sparse")
+    if dense and sparse and dense["decode_tok_s"] and sparse["decode_tok_s"]:
+        report["speedup"] = sparse["decode_tok_s"] / dense["decode_tok_s"]
     return report
 
 
 def render(report: dict) -> str:
-    head = ["mode", "samples", "tokens", "wall s", "tok/s", "blocks/token", "truncated", "errors"]
-    body = [[mode, r["samples"], r["tokens_generated"], f"{r['wall_s']:.2f}",
-             "-" if r["total_tok_s"] is None else f"{r['total_tok_s']:.1f}",
-             "-" if r["mean_blocks"] is None else f"{r['mean_blocks']:.1f}", "yes" if r["truncated"] else "no", r["errors"]]
+    head = ["mode", "samples", "tokens", "prefill s", "decode s", "decode tok/s", "blocks/token", "truncated", "errors"]
+    body = [[mode, r["samples"], r["tokens_generated"], f"{r['prefill_s']:.2f}", f"{r['decode_s']:.2f}",
+             f"{r['decode_tok_s']:.1f}", "-" if r["mean_blocks"] is None else f"{r['mean_blocks']:.1f}",
+             "yes" if r["truncated"] else "no", r["errors"]]
             for mode, r in report["modes"].items()]
+    segment = "" if not report["start_step"] and report["end_step"] is None else (
+        f", decode steps {report['start_step']}-{(report['end_step'] or report['gen_len'] - 1) - 1}")
     lines = [f"{report['engine']} engine, {report['model']} on {report['device_name']}: batch {report['batch']} "
              f"({report['batch'] // report['samples']} prompts x {report['samples']}), prompt {report['prompt_len']} + "
-             f"gen {report['gen_len']} tokens, schedule {report['schedule']} (started in {report['startup_s']:.1f} s)",
-             format_table(head, body)]
+             f"gen {report['gen_len']} tokens{segment}, schedule {report['schedule']}", format_table(head, body)]
     if "speedup" in report:
-        lines.append(f"sparse / dense: {report['speedup']:.2f}x tokens/s (the whole generate call, prefill included)")
-    errors = [r["first_error"] for r in report["modes"].values() if r["first_error"]]
+        lines.append(f"sparse / dense: {report['speedup']:.2f}x decode tokens/s")
+    errors = [r["first_error"] for r in report["modes"].values() if r.get("first_error")]
     if errors:
         lines.append(f"first error: {errors[0]}")
     return "\n".join(lines)
@@ -191,9 +225,75 @@ def register(actions) -> None:
                    help="the backend's settings by name, e.g. native: '{\"kv_cache_dtype\": \"fp8_e4m3\"}', vllm: "
                         "'{\"kv_cache_memory_bytes\": 60000000000}' (the protocol sets model, max_num_seqs, "
                         "max_model_len, seed, and the native engine's device)")
+    r.add_argument("--start-step", type=int, default=0, metavar="N",
+                   help="measure from decode step N on: each sample's prompt carries N random tokens of its own in "
+                        "place of its first N generated ones (rollout-engine-merge joins segments)")
+    r.add_argument("--end-step", type=int, default=None, metavar="M",
+                   help="stop after decode step M - 1: with --start-step, a segment that ends where the next begins")
     r.add_argument("--time-cap", type=float, default=None, help="seconds after which every request is interrupted")
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--workdir", type=Path, default=Path("/tmp/sparrow-rollout-engine"),
                    help="where a shape's checkpoint is built (reused)")
     r.add_argument("--out", type=Path, help="JSON results (default benchmarks/results/rollout-engine-<device>-<time>.json)")
     r.set_defaults(handler=run_bench)
+    m = actions.add_parser("rollout-engine-merge", help="join `bench rollout-engine` segments (--start-step/--end-step) "
+                                                        "into the runs they stand for")
+    m.add_argument("files", nargs="+", type=Path)
+    m.add_argument("--out", type=Path, help="write the joined report as JSON here")
+    m.set_defaults(handler=run_merge)
+
+
+PROTOCOL_KEYS = ("engine", "model", "prompt_len", "gen_len", "batch", "samples", "schedule", "device_name")
+
+
+def merge(named: list[tuple[str, dict]]) -> dict:
+    """Segments of one protocol, `(file name, report)`, joined per mode: decode steps must tile 0 .. gen_len - 1 with
+    no gap or overlap; decode time and tokens add up, prefill is the first segment's (the protocol's own prompts)."""
+    for name, report in named:
+        if report.get("kind") != KIND:
+            raise ValueError(f"{name}: not a `bench rollout-engine` result ({report.get('kind')!r})")
+    protocols = {tuple(report[k] for k in PROTOCOL_KEYS) for _, report in named}
+    if len(protocols) > 1:
+        raise ValueError(f"segments of different runs ({', '.join(PROTOCOL_KEYS)}): {sorted(protocols)}")
+    first_report = named[0][1]
+    gen_len = first_report["gen_len"]
+    modes = {}
+    for mode in MODES:
+        parts = sorted(((r["start_step"], r["end_step"], name, r["modes"][mode]) for name, r in named if mode in r["modes"]),
+                       key=lambda part: part[0])
+        if not parts:
+            continue
+        step = 0
+        for start, end, name, result in parts:
+            if start != step:
+                raise ValueError(f"{mode}: {name} starts at decode step {start}, but the segments before it end at "
+                                 f"{step}; run the missing steps with --start-step {step} --end-step {start}")
+            if result["truncated"] or result["errors"]:
+                raise ValueError(f"{mode}: {name} was cut short (time cap or errors): run it again")
+            step = gen_len - 1 if end is None else end
+        if step != gen_len - 1:
+            raise ValueError(f"{mode}: the segments end at decode step {step}, short of {gen_len - 1}; run "
+                             f"--start-step {step}")
+        decode_s = sum(part[3]["decode_s"] for part in parts)
+        decode_tokens = sum(part[3]["decode_tokens"] for part in parts)
+        prefill_s = parts[0][3]["prefill_s"]
+        tokens = first_report["batch"] * gen_len
+        modes[mode] = {"samples": first_report["batch"], "tokens_generated": tokens, "prefill_s": prefill_s,
+                       "decode_s": decode_s, "decode_tokens": decode_tokens, "decode_tok_s": decode_tokens / decode_s,
+                       "wall_s": prefill_s + decode_s, "total_tok_s": tokens / (prefill_s + decode_s),
+                       "mean_blocks": None, "truncated": False, "errors": 0,
+                       "segments": [{"file": name, "start_step": start, "end_step": end} for start, end, name, _ in parts]}
+    joined = {**{k: first_report[k] for k in (*PROTOCOL_KEYS, "kind", "device", "seed")}, "start_step": 0,
+              "end_step": None, "modes": modes}
+    return with_speedup(joined)
+
+
+def run_merge(args) -> int:
+    joined = merge([(str(f), json.loads(f.read_text())) for f in args.files])
+    print(render(joined))
+    for mode, result in joined["modes"].items():
+        starts = ", ".join(str(seg["start_step"]) for seg in result["segments"])
+        print(f"{mode}: joined from {len(result['segments'])} segments (from decode steps {starts})")
+    if args.out:
+        args.out.write_text(json.dumps(joined, indent=1) + "\n")
+    return 0
