@@ -1,6 +1,7 @@
 """`sparrow bench rl-step`: the job it builds validates for both placements, a step's parts add up, merge compares."""
 
 import argparse
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -198,3 +199,22 @@ def test_merge_refuses_results_of_different_protocols_or_kinds():
         merge([_result("dense", [1.0], [1.0]), _result("sparse", [1.0], [1.0], max_tokens=8192)])
     with pytest.raises(ValueError, match="not a `bench rl-step` result"):
         merge([{"kind": "rollout"}])
+
+
+def test_the_bench_runs_the_real_job_on_cpu_and_keeps_each_step_and_the_reference(tmp_path, capsys):
+    """The whole command on the tiny shape: the JSON holds every step and the no-tail reference, and the merge sets
+    the job's rollout tokens/s beside it."""
+    from sparrow.cli.main import main
+
+    out = tmp_path / "run.json"
+    assert main(["bench", "rl-step", "--shape", "tiny", "--device", "cpu", "--mode", "sparse", "--schedule",
+                 "qwen3-1.7b-0.86", "--prompts", "1", "--samples", "2", "--max-tokens", "16", "--prompt-tokens", "32",
+                 "--steps", "2", "--workdir", str(tmp_path / "w"), "--out", str(out), "--reference-rollout"]) == 0
+    result = json.loads(out.read_text())
+    assert [s["step"] for s in result["steps"]] == [0, 1] and result["steps_asked"] == 2
+    assert all(s["samples"] == 2 and s["tokens"] == 2 * 16 for s in result["steps"])
+    reference = result["reference_rollout"]
+    assert reference["batch"] == 2 and reference["gen_len"] == 16 and reference["tokens_generated"] == 32
+    capsys.readouterr()
+    assert main(["bench", "rl-step-merge", str(out)]) == 0
+    assert "colocated sparse: the rollout ran at " in capsys.readouterr().out
