@@ -1,6 +1,7 @@
 """Random-weight Hugging Face checkpoints of a model shape, for the benchmarks that run a real engine or job on one
 (the weights decide nothing a benchmark measures; the shape does)."""
 
+import json
 from pathlib import Path
 
 
@@ -20,3 +21,8 @@ def shape_checkpoint(shape: str, out_dir: Path, device: str) -> Path:
         hidden_size=s.hidden_size, intermediate_size=s.intermediate_size, num_hidden_layers=s.num_layers,
         num_attention_heads=s.num_heads, num_key_value_heads=s.num_kv_heads, head_dim=s.head_dim,
         tie_word_embeddings=s.tie_word_embeddings, max_position_embeddings=s.max_position_embeddings)
+
+
+def checkpoint_config(model_dir: Path) -> dict:
+    """The checkpoint's `config.json` (its vocabulary and shape, which the benchmarks' prompts and KV sizing need)."""
+    return json.loads((model_dir / "config.json").read_text())

@@ -26,7 +26,7 @@ from pathlib import Path
 from sparrow.coordinator.step_record import mean_known
 from sparrow.tables import format_table
 
-from .checkpoints import shape_checkpoint
+from .checkpoints import checkpoint_config, shape_checkpoint
 from .result_files import default_out_path
 
 KIND = "rl-step"
@@ -157,7 +157,7 @@ def engine_section(args, model_dir: Path, length: int, batch: int, blocks: int) 
     if args.kv_cache_dtype != "auto":
         raise ValueError(f"--kv-cache-dtype {args.kv_cache_dtype} with --engine vllm: the vLLM backend stores K/V in "
                          "the model's dtype; leave it auto")
-    spec = spec_from_config(json.loads((model_dir / "config.json").read_text()), str(model_dir / "config.json"))
+    spec = spec_from_config(checkpoint_config(model_dir), str(model_dir / "config.json"))
     layout = VllmEngineConfig().layout()
     per_block = bytes_per_block(spec, layout, torch.bfloat16 if cuda else torch.float32)
     return {"max_model_len": length, "max_num_seqs": batch, "kv_cache_memory_bytes": max(blocks * per_block, 1 << 20),
@@ -175,7 +175,7 @@ def reference_rollout(config, model_dir: Path, rows: list[dict], samples: int, p
     from .rollout.engine_run import timed_generate
     from .rollout.real_run import protocol_prompts, protocol_requests
 
-    steady = rows[1:] or rows
+    steady = steady_steps(rows)
     peak = max((r.get("peak_batch") or r.get("samples") or 0 for r in steady), default=0)
     lengths = [r["response_tokens_mean"] for r in steady if r.get("response_tokens_mean")]
     if not peak or not lengths:
@@ -183,7 +183,7 @@ def reference_rollout(config, model_dir: Path, rows: list[dict], samples: int, p
     groups = max(1, round(peak / samples))
     length = max(2, round(sum(lengths) / len(lengths)))
     settings = config.rollout.engine_config().model_copy(update={"model": str(model_dir)})
-    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    vocab = checkpoint_config(model_dir)["vocab_size"]
     prompts = protocol_prompts(vocab, groups, prompt_tokens, seed=1)
     engine = registry.create_engine(config.rollout.engine, settings)
     try:
@@ -332,6 +332,11 @@ def _device_name(device: str) -> str:
     return torch.cuda.get_device_name() if device == "cuda" else "cpu"
 
 
+def steady_steps(steps: list[dict]) -> list[dict]:
+    """The steps after step 0 (the engine's and trainer's warm-up), or step 0 when a run timed only that one."""
+    return steps[1:] or steps
+
+
 def merge(results: list[dict]) -> dict:
     """Mean step parts per (placement, mode) over the steady steps (step 0, with the engine's and trainer's
     warm-up, is left out when a run timed more), and each placement's dense/sparse speedup of the step: per step,
@@ -344,7 +349,7 @@ def merge(results: list[dict]) -> dict:
         raise ValueError(f"results of different protocols (shape, prompts, samples, max_tokens): {sorted(keys)}")
     rows = []
     for r in results:
-        steady = r["steps"][1:] or r["steps"]
+        steady = steady_steps(r["steps"])
         tokens = [s.get("tokens") for s in steady]
         per_k = (1000 * sum(s["wall_s"] for s in steady) / sum(tokens)) if all(tokens) else None
         waited = sum(s["rollout_s"] for s in steady)

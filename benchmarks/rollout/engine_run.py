@@ -26,7 +26,7 @@ import torch
 
 from sparrow.tables import format_table
 
-from ..checkpoints import shape_checkpoint
+from ..checkpoints import checkpoint_config, shape_checkpoint
 from ..result_files import default_out_path
 from .common import bench_command
 from .real_run import protocol_prompts, protocol_requests, segment_requests
@@ -128,14 +128,14 @@ def run(args) -> dict:
         overrides = json.loads(args.settings)
     except json.JSONDecodeError as exc:
         raise ValueError(f"--settings {args.settings!r}: not JSON ({exc}); give an object, e.g. "
-                         "'{\"device\": \"cuda\"}'") from None
+                         "'{\"kv_cache_dtype\": \"fp8_e4m3\"}'") from None
     if not isinstance(overrides, dict):
         raise ValueError(f"--settings {args.settings!r}: give a JSON object of the backend's settings by name")
     total = args.prompt_len + args.gen_len
     schedule = bench_schedule(args.schedule, args.budget)
     model_dir = checkpoint(args.model, args.workdir, args.device)
     settings = engine_settings(args.engine, model_dir, args.batch, total, args.seed, args.device, overrides)
-    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    vocab = checkpoint_config(model_dir)["vocab_size"]
     prompts = protocol_prompts(vocab, args.batch // args.samples, args.prompt_len, args.seed)
     modes = [(m, None if m == "dense" else schedule) for m in (MODES if args.mode == "both" else (args.mode,))]
     started = time.perf_counter()
