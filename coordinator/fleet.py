@@ -43,7 +43,10 @@ class WorkerSetup:
     trajectory_address: str
     schedule: object
     weights: object | None
-    """A `WeightHandle` of the current version (None while the initial weights are current)."""
+    """A `WeightHandle` of the current version (None while the initial weights are current, or while the channel
+    hands versions over another way: then the driver sends a joiner the current one, `Publication.for_joiners`)."""
+    version: int = 0
+    """The job's policy version: a worker has joined once it serves this one, not merely once it serves."""
 
 
 @dataclass
@@ -213,7 +216,10 @@ class RolloutFleet:
                 self._bring_up(slot)
                 continue
             ready, _ = ray.wait([slot.actor.progress.remote()], timeout=0.5)
-            if ready and ray.get(ready[0])["serving"]:
+            progress = ray.get(ready[0]) if ready else {"serving": False}
+            if progress["serving"] and progress["policy_version"] != self.setup.version:
+                continue  # started, waiting for the current version; it leases nothing admissible until then
+            if progress["serving"]:
                 rec.event.recovery_seconds = time.monotonic() - rec.started
                 self.resolved.append(rec.event)
                 self._announce(ray.get(slot.actor.info.remote()))

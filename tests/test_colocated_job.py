@@ -6,6 +6,7 @@ on a GPU). Every sample is trained on exactly once, the workers serve exactly th
 worker killed while a step trains (its hand-off interrupted) is replaced and gets the current version.
 """
 
+import re
 import threading
 import time
 
@@ -23,9 +24,9 @@ from sparrow.weight_sync import HandleSource, receive_state_dict  # noqa: E402
 pytestmark = pytest.mark.slow
 
 
-def _job(tmp_path, model, steps: int):
+def _job(tmp_path, model, steps: int, gpus: int = 2):
     path = tiny_job(tmp_path / "job.yaml", model, tmp_path / "runs", {
-        "rollout.pool.size": 2, "trainer.pool.size": 2, "run.steps": steps, "run.placement": "colocated",
+        "rollout.pool.size": gpus, "trainer.pool.size": gpus, "run.steps": steps, "run.placement": "colocated",
         "run.recovery": {"join_timeout_s": 120},
     })
     return load_config(path)
@@ -91,4 +92,35 @@ def test_a_worker_killed_while_its_step_trains_is_replaced_and_gets_the_version(
         faults = [f for r in records for f in r.faults]
         assert [f.subject for f in faults] == ["rollout-1"] and faults[0].recovery_seconds is not None
         assert len(job.fleet.live) == 2
+        _served_equals_trained(job)
+
+
+def test_a_replacement_joins_only_once_it_holds_the_jobs_version(ray_cluster, tiny_qwen3, tmp_path):
+    """The only worker is lost after a publication, and its replacement starts serving before the driver next
+    waits for rollouts (here: supervised between steps, as the driver's ticks during the trainer's offload do).
+    Serving alone is not joined: the shared channel gave it no weights, and at version 0 it can lease nothing of
+    the next step (staleness 0). It stays a joiner until the driver hands it the job's version; the step then
+    completes (it used to count as joined at version 0, never got the version, and the step waited forever)."""
+    config = _job(tmp_path, tiny_qwen3, steps=2, gpus=1)
+    with TrainingJob(config, RunDir.create(config.run.out_dir, "join"), progress=False, log=lambda *_: None) as job:
+        job.run(steps=1)
+        victim = job.fleet.pool.slots[0].actor
+        ray.kill(victim, no_restart=True)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            job.fleet.check()
+            slot = job.fleet.pool.slots[0]
+            if slot.actor not in (None, victim) and ray.get(slot.actor.progress.remote())["serving"]:
+                break
+            time.sleep(0.05)
+        assert ray.get(slot.actor.policy_version.remote()) == 0 and job.version == 1
+        job.fleet.check()
+        assert job.fleet.joining == [slot] and job.fleet.live == [], "serving at version 0 is not joined"
+        runner = threading.Thread(target=job.run, daemon=True)
+        runner.start()
+        runner.join(timeout=180)
+        assert not runner.is_alive(), "the step after the loss never completed"
+        assert job.step == 2 and [s.worker_id for s in job.fleet.live] == ["rollout-0"]
+        trained = [re.sub(r"\.r\d+#", "#", i) for i in sum(job.trained_ids(), [])]  # retried groups: new attempts
+        assert len(trained) == len(set(trained)) and sorted(trained) == sorted(expected_ids(job, range(2)))
         _served_equals_trained(job)

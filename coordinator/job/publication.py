@@ -89,9 +89,14 @@ class Publication:
         self.fleet.membership_changed = False
 
     def publish(self, version: int, wait: bool, rollback: bool = False) -> PublishStats:
-        """Send policy `version` to every serving worker (`rollback`: it may be older than theirs)."""
-        if self.channel == "shared":
-            return self._hand_over(version, rollback)
+        """Send policy `version` to every serving worker (`rollback`: it may be older than theirs); it becomes the
+        version a joining worker must hold before it counts as joined."""
+        stats = self._hand_over(version, rollback) if self.channel == "shared" else self._send(version, wait, rollback)
+        self.fleet.setup.version = version
+        return stats
+
+    def _send(self, version: int, wait: bool, rollback: bool) -> PublishStats:
+        """The collective or object-store channels (no hand-over in place)."""
         if self.channel == "collective" and self.fleet.membership_changed:
             self.join_group()
         channel = "collective" if self.channel == "collective" and self.group_members else "object_store"
@@ -159,3 +164,4 @@ class Publication:
         """Back to version 0 (no checkpoint yet): the initial weights, published from a fresh trainer pool."""
         report = self.trainers.pool.call("publish_weights", 0, "object_store")[0]
         settled(self._load_from_object_store(report, True))
+        self.fleet.setup.version = 0
