@@ -24,11 +24,11 @@ from sparrow.weight_sync import HandleSource, receive_state_dict  # noqa: E402
 pytestmark = pytest.mark.slow
 
 
-def _job(tmp_path, model, steps: int, gpus: int = 2):
+def _job(tmp_path, model, steps: int, gpus: int = 2, settings: dict | None = None):
     path = tiny_job(tmp_path / "job.yaml", model, tmp_path / "runs", {
         "rollout.pool.size": gpus, "trainer.pool.size": gpus, "run.steps": steps, "run.placement": "colocated",
         "run.recovery": {"join_timeout_s": 120},
-    })
+    } | (settings or {}))
     return load_config(path)
 
 
@@ -95,13 +95,23 @@ def test_a_worker_killed_while_its_step_trains_is_replaced_and_gets_the_version(
         _served_equals_trained(job)
 
 
+def _within(seconds: float, work) -> None:
+    """Run `work` on a thread and fail, instead of hanging the suite, if it has not returned in time."""
+    runner = threading.Thread(target=work, daemon=True)
+    runner.start()
+    runner.join(timeout=seconds)
+    assert not runner.is_alive(), f"{work} did not return within {seconds:g} s"
+
+
 def test_a_replacement_joins_only_once_it_holds_the_jobs_version(ray_cluster, tiny_qwen3, tmp_path):
     """The only worker is lost after a publication, and its replacement starts serving before the driver next
-    waits for rollouts (here: supervised between steps, as the driver's ticks during the trainer's offload do).
-    Serving alone is not joined: the shared channel gave it no weights, and at version 0 it can lease nothing of
-    the next step (staleness 0). It stays a joiner until the driver hands it the job's version; the step then
-    completes (it used to count as joined at version 0, never got the version, and the step waited forever)."""
-    config = _job(tmp_path, tiny_qwen3, steps=2, gpus=1)
+    waits on the rollout side (here: supervised between steps, as the driver's ticks during the trainer's offload
+    do). Serving alone is not joined: the shared channel gave it no weights, and at version 0 it can lease neither
+    the evaluation of version 1 nor anything of the next step (staleness 0). It stays a joiner until the driver,
+    waiting for either, hands it the job's version; both then complete (it used to count as joined at version 0,
+    never got the version, and the step waited forever)."""
+    config = _job(tmp_path, tiny_qwen3, steps=2, gpus=1,
+                  settings={"data.eval": {"every": 1, "prompts": 2, "samples": 1}})
     with TrainingJob(config, RunDir.create(config.run.out_dir, "join"), progress=False, log=lambda *_: None) as job:
         job.run(steps=1)
         victim = job.fleet.pool.slots[0].actor
@@ -116,10 +126,9 @@ def test_a_replacement_joins_only_once_it_holds_the_jobs_version(ray_cluster, ti
         assert ray.get(slot.actor.policy_version.remote()) == 0 and job.version == 1
         job.fleet.check()
         assert job.fleet.joining == [slot] and job.fleet.live == [], "serving at version 0 is not joined"
-        runner = threading.Thread(target=job.run, daemon=True)
-        runner.start()
-        runner.join(timeout=180)
-        assert not runner.is_alive(), "the step after the loss never completed"
+        _within(120, job.steps.evaluate)
+        assert job.steps.evaluations[-1].policy_version == 1
+        _within(180, job.run)
         assert job.step == 2 and [s.worker_id for s in job.fleet.live] == ["rollout-0"]
         trained = [re.sub(r"\.r\d+#", "#", i) for i in sum(job.trained_ids(), [])]  # retried groups: new attempts
         assert len(trained) == len(set(trained)) and sorted(trained) == sorted(expected_ids(job, range(2)))

@@ -85,14 +85,19 @@ class StepLoop:
             if complete:
                 return ray.get(job.dispatcher.take_step.remote(step, over))
             job.fleet.step = step
-            job.fleet.check()
-            job.publication.for_joiners(job.version)
-            job.control.apply()
+            self._tick()
             if job.show_progress:
                 tokens = sum(p["tokens"] for p in job.fleet.progress())
                 job.progress.add_tokens(tokens - self.tokens_seen)
                 self.tokens_seen = max(self.tokens_seen, tokens)
             time.sleep(POLL_S)
+
+    def _tick(self) -> None:
+        """Supervise while waiting for the rollout side. No trainer call is in flight here, so a worker that joined
+        without the current version (in-place or broadcast channels) is handed it now: until it holds it, it can
+        lease neither the step's groups nor the evaluation of that version."""
+        self.job.supervise()
+        self.job.publication.for_joiners(self.job.version)
 
     def train(self) -> StepRecord:
         """Step `job.step`: rollouts, collect, train, publish, evaluate, control; its record."""
@@ -181,7 +186,7 @@ class StepLoop:
         task = EvalTask(job.version, tuple(job.eval_set), tuple(cfg.modes), cfg.samples, cfg.decoding == "greedy")
         ray.get(job.dispatcher.add_eval.remote(task))
         while (record := ray.get(job.dispatcher.take_eval.remote(job.version))) is None:
-            job.supervise()
+            self._tick()
             time.sleep(POLL_S)
         job.metrics.record_eval(record)
         self.evaluations.append(record)
