@@ -5,7 +5,7 @@
 # script). Installs them once into /tmp/vllm-site, makes Sparrow's vLLM plugin entry point visible there (the
 # checkout is not pip-installed on that machine: gpu_env.sh links its folders into the sparrow package), runs
 # `pytest -m gpu tests/test_vllm_gpu.py` and writes to $OUT: vllm-gpu.txt (machine, versions), vllm-gpu-tests.log,
-# vllm-gpu-junit.xml and vllm-gpu-measured.json (the parity numbers). TESTS_S caps the tests (default 480 s).
+# vllm-gpu-junit.xml and vllm-gpu-measured.json (the parity numbers, written as each is measured). TESTS_S caps the tests (default 480 s).
 set -uo pipefail
 source "$(dirname "$0")/vllm_env.sh" || exit 1
 OUT=${OUT:-/tmp/sparrow-vllm}
@@ -24,5 +24,6 @@ print("surface", _vllm.surface())
 print("plugins", [e.value for e in md.entry_points(group="vllm.general_plugins")])
 PY
 } 2>&1 | tee "$OUT/vllm-gpu.txt"
-timeout "${TESTS_S:-480}" python3 -m pytest -m gpu tests/test_vllm_gpu.py -q -rfEs -p no:cacheprovider --durations=0 \
+# SIGINT at the cap: pytest stops and still prints the failures so far (a plain kill left only "F" in the log).
+timeout -s INT -k 30 "${TESTS_S:-480}" python3 -m pytest -m gpu tests/test_vllm_gpu.py -q -rfEs -p no:cacheprovider --durations=0 \
   --junitxml="$OUT/vllm-gpu-junit.xml" "$@" 2>&1 | tee "$OUT/vllm-gpu-tests.log"
