@@ -135,7 +135,7 @@ def compare(ours, theirs, tol: float, name: str) -> None:
     gaps = [gap for _, _, gap in measured if gap is not None]
     record({f"{name}.max_abs_dlogprob": max(diff for _, diff, _ in measured),
             f"{name}.samples_parted_at_a_tie": len(gaps), f"{name}.widest_gap_where_parted": max(gaps, default=0.0),
-            f"{name}.samples_with_other_blocks": sum(not torch.equal(a.blocks_attended, b.blocks_attended)
+            f"{name}.samples_with_other_block_counts": sum(not torch.equal(a.blocks_attended, b.blocks_attended)
                                                      for a, b in pairs)})
     for (a, b), (shared, diff, gap) in zip(pairs, measured):
         assert torch.equal(a.blocks_attended, b.blocks_attended), f"{a.request_id}: blocks attended differ"
@@ -143,17 +143,20 @@ def compare(ours, theirs, tol: float, name: str) -> None:
         assert diff < tol, f"{a.request_id}: |Δ logprob| {diff:.2e} over the shared tokens"
 
 
-def stock_graph_drift(model, requests) -> float:
+@pytest.fixture(scope="module")
+def stock_graph_drift(qwen3_128) -> float:
     """vLLM's own fp32 attention, piecewise graphs against eager: what compiling the pieces between the attention
     layers changes by itself (the 2026-12-04 run measured 9.2e-2 for ours, where 1e-3 was guessed)."""
-    outputs = []
+    requests, outputs = unseen(seed=14), []
     for eager in (True, False):
-        engine = make_engine(model, dtype="float32", enforce_eager=eager, attention="stock")
+        engine = make_engine(qwen3_128, dtype="float32", enforce_eager=eager, attention="stock")
         try:
             outputs.append(engine.generate(requests))
         finally:
             engine.shutdown()
-    return max(shared_diff(a, b)[1] for a, b in zip(*outputs, strict=True))
+    drift = max(shared_diff(a, b)[1] for a, b in zip(*outputs, strict=True))
+    record({"fp32_graphs_vs_eager.stock_max_abs_dlogprob": drift})
+    return drift
 
 
 @pytest.mark.parametrize("schedule", [SMALL, WIDE], ids=["small-budget", "budget-covers-context"])
@@ -167,14 +170,15 @@ def test_fp32_eager_equals_the_native_engine(fp32_eager, native_fp32, schedule):
         assert any((s.blocks_attended < (len(s.prompt_token_ids) + torch.arange(64) + 15) // 16).any() for s in ours)
 
 
-def test_fp32_piecewise_cuda_graphs_equal_eager(fp32_eager, fp32_graphs, qwen3_128):
+@pytest.mark.parametrize(("schedule", "seed"), [(SMALL, 12), (WIDE, 13)], ids=["small-budget", "budget-covers-context"])
+def test_fp32_piecewise_cuda_graphs_equal_eager(fp32_eager, fp32_graphs, stock_graph_drift, schedule, seed):
     """Within 1e-3, or within twice the drift stock vLLM shows between its own graphs and eager on the same model:
-    our sparse layers may not add to what Inductor's compiled pieces change."""
-    requests = unseen(seed=12)
-    graphs, eager = run(fp32_graphs, SMALL, requests), run(fp32_eager, SMALL, requests)
-    stock = stock_graph_drift(qwen3_128, requests)
-    record({"fp32_graphs_vs_eager.stock_max_abs_dlogprob": stock})
-    compare(graphs, eager, max(SAME_KERNELS_TOL, 2 * stock), "fp32_graphs_vs_eager")
+    our sparse layers may not add to what Inductor's compiled pieces change. With a budget covering the context no
+    block is chosen, so the two cases tell a block choice flipped at a near-tie from the attention itself differing
+    (2026-12-06: the small budget failed like for like; the wide one had not run)."""
+    requests = unseen(seed=seed)
+    graphs, eager = run(fp32_graphs, schedule, requests), run(fp32_eager, schedule, requests)
+    compare(graphs, eager, max(SAME_KERNELS_TOL, 2 * stock_graph_drift), f"fp32_graphs_vs_eager.{schedule.name}")
 
 
 def test_bf16_cuda_graphs_match_the_native_engine(bf16_sleepy, native_bf16):
