@@ -237,15 +237,37 @@ def fresh_perturbed(perturbed_dir):
         engine.shutdown()
 
 
-def assert_identical(ours, theirs, name: str) -> None:
-    worst = max((a.logprobs - b.logprobs).abs().max().item() for a, b in zip(ours, theirs, strict=True))
-    record({f"{name}.max_abs_dlogprob": worst})
-    for a, b in zip(ours, theirs):
-        assert torch.equal(a.token_ids, b.token_ids), f"{name}: {a.request_id} tokens differ"
-    assert worst < 1e-3, f"{name}: |Δ logprob| {worst:.2e}"
+def matches_a_fresh_load(updated, fresh, name: str) -> None:
+    """An update that took gives a fresh engine's greedy tokens up to a bf16 tie and its logprobs within bf16's
+    tolerance; one that did not take differs from the first token (the perturbation moves every weight by half its
+    spread). Not bit for bit: two engine processes agreed exactly on 2026-12-05 and in one run of 2026-12-06, and
+    parted at a tie in another run that day."""
+    compare(updated, fresh, BF16_TOL, name)
 
 
-def test_sleep_gives_memory_back_and_wake_restores_the_same_engine(bf16_sleepy):
+@pytest.fixture(scope="module")
+def stock_sleep_drift(qwen3_128) -> float:
+    """Stock vLLM's own bf16 engine, the same requests before and after a sleep / wake: what that changes by itself
+    (2026-12-06, H100: ours parted at exact bf16 ties, |Δ logprob| up to 0.059 on the tokens before, blocks attended
+    equal; a weight or KV restore gone wrong would differ from the first token)."""
+    requests = unseen(seed=11)
+    engine = make_engine(qwen3_128, dtype="bfloat16", sleep_mode=True, attention="stock")
+    try:
+        awake = engine.generate(requests)
+        engine.sleep()
+        engine.wake()
+        woken = engine.generate(requests)
+    finally:
+        engine.shutdown()
+    measured = [shared_diff(a, b) for a, b in zip(woken, awake, strict=True)]
+    drift = max(diff for _, diff, _ in measured)
+    record({"sleep_wake.stock_max_abs_dlogprob": drift,
+            "sleep_wake.stock_samples_parted": sum(gap is not None for *_, gap in measured)})
+    return drift
+
+
+def test_sleep_gives_memory_back_and_wake_restores_the_same_engine(bf16_sleepy, stock_sleep_drift):
+    """Within 1e-3 of the run before the sleep, or within twice what stock vLLM's own sleep / wake changes."""
     requests = unseen(seed=11)  # sleep resets the prefix cache: the woken run prefills in full, so must this one
     awake = run(bf16_sleepy, SMALL, requests)
     asleep = bf16_sleepy.sleep()
@@ -255,7 +277,7 @@ def test_sleep_gives_memory_back_and_wake_restores_the_same_engine(bf16_sleepy):
     record({"sleep.gib_freed": asleep.bytes / 2**30, "sleep.seconds": asleep.seconds,
                      "wake.gib_taken": woken.bytes / 2**30, "wake.seconds": woken.seconds})
     assert asleep.bytes >= 0.9 * KV_BYTES and woken.bytes >= 0.9 * KV_BYTES
-    assert_identical(bf16_sleepy.generate(requests), awake, "sleep_wake")
+    compare(bf16_sleepy.generate(requests), awake, max(SAME_KERNELS_TOL, 2 * stock_sleep_drift), "sleep_wake")
 
 
 def test_weights_loaded_while_asleep_equal_a_fresh_load(bf16_sleepy, qwen3_128, fresh_perturbed):
@@ -265,7 +287,7 @@ def test_weights_loaded_while_asleep_equal_a_fresh_load(bf16_sleepy, qwen3_128, 
     bf16_sleepy.wake()
     updated = bf16_sleepy.generate(greedy())
     assert all(s.policy_version == 1 for s in updated)
-    assert_identical(updated, fresh_perturbed, "load_while_asleep_vs_fresh")
+    matches_a_fresh_load(updated, fresh_perturbed, "load_while_asleep_vs_fresh")
 
 
 def test_reload_in_place_equals_a_fresh_load(bf16_sleepy, qwen3_128, perturbed_dir, fresh_perturbed):
@@ -273,7 +295,7 @@ def test_reload_in_place_equals_a_fresh_load(bf16_sleepy, qwen3_128, perturbed_d
     bf16_sleepy.load_weights(str(qwen3_128), version=2)
     original = run(bf16_sleepy, SMALL, requests)
     bf16_sleepy.load_weights(str(perturbed_dir), version=3)
-    assert_identical(bf16_sleepy.generate(requests), fresh_perturbed, "reload_in_place_vs_fresh")
+    matches_a_fresh_load(bf16_sleepy.generate(requests), fresh_perturbed, "reload_in_place_vs_fresh")
     assert any(not torch.equal(a.token_ids, b.token_ids) for a, b in zip(original, fresh_perturbed))
 
 
@@ -321,7 +343,7 @@ def test_nccl_weight_transfer_from_a_trainer_equals_a_fresh_load(qwen3_128, pert
         engine.update_weight_version("4")
         trainer.join(120)
         assert trainer.exitcode == 0
-        assert_identical(run(engine, SMALL, greedy()), fresh_perturbed, "nccl_vs_fresh")
+        matches_a_fresh_load(run(engine, SMALL, greedy()), fresh_perturbed, "nccl_vs_fresh")
     finally:
         trainer.kill()
         engine.shutdown()
