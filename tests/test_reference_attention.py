@@ -12,6 +12,8 @@ from sparrow.kernels.reference import (
     block_sparse_causal_attention,
     block_sparse_decode,
     check_landmark_dtype,
+    choice_margin,
+    chosen_candidates,
     decode_landmarks,
     landmark_dtype,
     landmarks_from_keys,
@@ -140,6 +142,21 @@ def test_selection_of_a_sequence_ignores_the_others(data, batch):
         assert c[0] == counts[b]
         assert torch.equal(alone[0], ids[b, :, : alone.shape[-1]])
         assert (ids[b, :, alone.shape[-1] :] == -1).all()
+
+
+def test_choice_margin_is_the_gap_at_the_cut_over_the_candidates_spread():
+    """Candidates 1..4 score 5, 3, 2.9, 1 with a top-2 to choose: chosen 1, 2; the cut lies between 3 and 2.9, a
+    gap of 0.1 over a spread of 4. Equal scores are a tie (0); a dense row or one choosing nothing has no cut."""
+    scores = torch.tensor([[[0.0, 5.0, 3.0, 2.9, 1.0, 0.0], [0.0, 1.0, 1.0, 1.0, 1.0, 0.0]]])
+    n, budget = torch.tensor([6]), torch.tensor([4])
+    chosen = chosen_candidates(scores, n, budget, 1, 1)
+    assert chosen[0].nonzero().tolist() == [[0, 1], [0, 2], [1, 1], [1, 2]]
+    assert choice_margin(scores, n, budget, 1, 1)[0].tolist() == pytest.approx([0.1 / 4, 0.0])
+    ids, _ = select_blocks(scores, n, budget, 1, 1)
+    assert ids[0, 0].tolist() == [0, 1, 2, 5], "the blocks chosen by score, with sink and recent around them"
+    assert (choice_margin(scores, torch.tensor([4]), budget, 1, 1) == float("inf")).all(), "dense: no choice"
+    assert (choice_margin(scores, n, torch.tensor([2]), 1, 1) == float("inf")).all(), "sink and recent only"
+    assert not chosen_candidates(scores, torch.tensor([4]), budget, 1, 1).any()
 
 
 def test_ties_go_to_the_lower_block_index():

@@ -6,6 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from sparrow.layout import DEFAULT_LAYOUT
 from sparrow.rollout_workers.api import RolloutRequest, SamplingParams
 from sparrow.schedule import SparsitySchedule
 
@@ -54,10 +55,18 @@ def check_hot_update(engine, switch_after: int) -> int:
     end = len(prompt) + 500
     steps = [s for s in engine.trace() if len(s["seq_lens"]) == 1 and len(prompt) < s["seq_lens"][0] <= end][-499:]
     assert [s["seq_lens"][0] - len(prompt) for s in steps] == list(range(1, 500))
+    reserved = DEFAULT_LAYOUT.sink + DEFAULT_LAYOUT.recent
     for s in steps:
         t = s["seq_lens"][0] - len(prompt)
         assert s["blocks_attended"][0] == sample.blocks_attended[t].item()
         assert s["schedule_version"] == (7 if t >= switch else -1)
+        if t < switch:
+            assert s["chosen"] == {}, "a dense step chooses nothing"
+            continue
+        assert len(s["chosen"]) == len(s["margin"]) > 0, "every sparse layer traces its choice"
+        for layer, (row,) in s["chosen"].items():
+            assert all(len(head) == s["blocks_attended"][0] - reserved for head in row), (t, layer, row)
+            assert s["margin"][layer][0] >= 0
     return switch
 
 

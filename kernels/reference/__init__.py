@@ -36,7 +36,7 @@ from .landmarks import (
     write_kv,
 )
 from .scoring import group_mean_queries, score_landmarks, score_paged_blocks
-from .selection import select_blocks, selected_blocks_mask
+from .selection import choice_margin, chosen_candidates, select_blocks, selected_blocks_mask
 from .sparse_decode import block_sparse_decode
 
 __all__ = [
@@ -49,6 +49,8 @@ __all__ = [
     "first_sparse_query",
     "block_sparse_decode",
     "check_landmark_dtype",
+    "choice_margin",
+    "chosen_candidates",
     "decode_landmarks",
     "dense_block_ids",
     "dequantize",

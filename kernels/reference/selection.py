@@ -43,25 +43,68 @@ def selected_blocks_mask(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`select_blocks`'s choice as a boolean `[B, H_kv, M]` (True = attended) and `counts: [B]`, without the
     compaction into lists (which reads the widest count back to the host)."""
-    if recent < 1:
-        raise ValueError(f"recent={recent}: must be >= 1 (the partial block has no landmark)")
-    bsz, heads, max_blocks = scores.shape
-    device = scores.device
-    num_blocks = num_blocks.long().to(device)
-    budgets = torch.maximum(budgets.long().to(device), torch.full_like(num_blocks, sink + recent))
-    counts = torch.minimum(num_blocks, budgets)
-    dense = num_blocks <= budgets
-    k_row = torch.where(dense, 0, budgets - sink - recent)
+    rule = _Rule(scores, num_blocks, budgets, sink, recent)
+    chosen = _chosen(scores, rule)
+    pos, n = rule.pos, rule.num_blocks
+    reserved = (pos[None, :] < sink) | (pos[None, :] >= (n - recent)[:, None])
+    keep = (reserved & (pos[None, :] < n[:, None]))[:, None, :] | chosen
+    keep = keep | (rule.dense[:, None, None] & (pos[None, None, :] < n[:, None, None]))
+    return keep, rule.counts
 
-    pos = torch.arange(max_blocks, device=device)
-    candidate = (pos[None, :] >= sink) & (pos[None, :] < (num_blocks - recent)[:, None])
-    rank = candidate_rank(scores, candidate[:, None, :].expand_as(scores))
-    chosen = candidate[:, None, :] & (rank < k_row[:, None, None])
 
-    reserved = (pos[None, :] < sink) | (pos[None, :] >= (num_blocks - recent)[:, None])
-    keep = (reserved & (pos[None, :] < num_blocks[:, None]))[:, None, :] | chosen
-    keep = keep | (dense[:, None, None] & (pos[None, None, :] < num_blocks[:, None, None]))
-    return keep, counts
+def chosen_candidates(
+    scores: torch.Tensor,
+    num_blocks: torch.Tensor,
+    budgets: torch.Tensor,
+    sink: int,
+    recent: int,
+) -> torch.Tensor:
+    """The part of the choice made by score, `[B, H_kv, M]`: the top-k candidates (none on a dense row)."""
+    return _chosen(scores, _Rule(scores, num_blocks, budgets, sink, recent))
+
+
+def _chosen(scores: torch.Tensor, rule: "_Rule") -> torch.Tensor:
+    rank = candidate_rank(scores, rule.candidate[:, None, :].expand_as(scores))
+    return rule.candidate[:, None, :] & (rank < rule.k_row[:, None, None])
+
+
+def choice_margin(
+    scores: torch.Tensor,
+    num_blocks: torch.Tensor,
+    budgets: torch.Tensor,
+    sink: int,
+    recent: int,
+) -> torch.Tensor:
+    """How near each row's top-k choice came to another one: the score gap between the last candidate chosen and
+    the first left out, over the candidates' score range, `[B, H_kv]` (0 = a tie; inf where no candidate was left
+    out or none chosen). Two runs whose choices part where this is tiny flipped a near-tie, not a real difference."""
+    rule = _Rule(scores, num_blocks, budgets, sink, recent)
+    candidate = rule.candidate[:, None, :].expand_as(scores)
+    ranked = torch.nan_to_num(scores.double(), nan=float("-inf")).masked_fill(~candidate, float("-inf"))
+    ordered = torch.sort(ranked, dim=-1, descending=True).values
+    in_play = candidate.sum(-1)
+    k = rule.k_row[:, None].expand_as(in_play)
+    last_in = ordered.gather(-1, (k - 1).clamp(min=0)[..., None])[..., 0]
+    first_out = ordered.gather(-1, k.clamp(max=scores.shape[-1] - 1)[..., None])[..., 0]
+    spread = ordered[..., 0] - ordered.gather(-1, (in_play - 1).clamp(min=0)[..., None])[..., 0]
+    margin = (last_in - first_out) / spread.clamp(min=torch.finfo(torch.float64).tiny)
+    return torch.where((k >= 1) & (k < in_play), margin, float("inf"))
+
+
+class _Rule:
+    """The selection rule's per-row quantities: candidates [sink, n − recent), top-k size, counts, dense rows."""
+
+    def __init__(self, scores, num_blocks, budgets, sink: int, recent: int):
+        if recent < 1:
+            raise ValueError(f"recent={recent}: must be >= 1 (the partial block has no landmark)")
+        device = scores.device
+        self.num_blocks = num_blocks.long().to(device)
+        budgets = torch.maximum(budgets.long().to(device), torch.full_like(self.num_blocks, sink + recent))
+        self.counts = torch.minimum(self.num_blocks, budgets)
+        self.dense = self.num_blocks <= budgets
+        self.k_row = torch.where(self.dense, 0, budgets - sink - recent)
+        self.pos = torch.arange(scores.shape[-1], device=device)
+        self.candidate = (self.pos[None, :] >= sink) & (self.pos[None, :] < (self.num_blocks - recent)[:, None])
 
 
 def candidate_rank(scores: torch.Tensor, candidate: torch.Tensor) -> torch.Tensor:

@@ -141,13 +141,15 @@ class SparrowSparseImpl(_vllm.AttentionImpl):
         k_blocks, v_blocks = sparse_block_views(kv_cache)
         if md.num_decodes:
             backend = state.backend(kv_cache.device)
+            q, landmarks = query[md.decode_tokens], self._landmarks(k_blocks, state)
             out, blocks = backend.decode(
-                query[md.decode_tokens], k_blocks, v_blocks, self._landmarks(k_blocks, state), md.decode_block_table,
-                md.decode_seq_lens, md.budgets, state.attention, self.scale,
+                q, k_blocks, v_blocks, landmarks, md.decode_block_table, md.decode_seq_lens, md.budgets,
+                state.attention, self.scale,
             )
             output[md.decode_tokens] = out
             if self.layer_index == state.first_sparse_layer:
                 state.record_step(md.decode_seq_lens, blocks)
+            state.trace_choice(self.layer_index, q, landmarks, md.decode_block_table, md.decode_seq_lens, md.budgets)
         if md.prefill_seq_lens:
             paged_prefill_attention(
                 query, k_blocks, v_blocks, md.prefill_block_table, md.prefill_query_spans, md.prefill_seq_lens,

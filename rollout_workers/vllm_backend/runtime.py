@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from sparrow.kernels import AttentionBackend, SparseAttentionConfig, make_backend
+from sparrow.kernels.reference import choice_margin, chosen_candidates, score_paged_blocks
 from sparrow.schedule import SparsitySchedule
 
 OPTIONS_KEY = "sparrow"
@@ -106,12 +107,34 @@ class SparseRuntime:
         context = (seq_lens.long() + self.attention.block_size - 1) // self.attention.block_size
         sums = torch.stack([blocks.long().sum(), context.sum()])
         self._block_sums = sums if self._block_sums is None else self._block_sums + sums
-        if self.trace is not None:
+        if self.tracing():
             self.trace.append({
                 "schedule_version": self.schedule_version,
                 "seq_lens": seq_lens.tolist(),
                 "blocks_attended": blocks.tolist(),
+                "chosen": {},
+                "margin": {},
             })
+
+    def trace_choice(self, layer: int, q, landmarks, block_table, seq_lens, budgets) -> None:
+        """Trace mode: which candidate blocks this sparse layer chose per row and KV head (logical ids) and how near
+        the choice came to another (`choice_margin`, the smallest over heads; None where nothing was chosen), from
+        the reference rule on the layer's own inputs. Two runs that part can then be told apart: a near-tie flipped
+        by rounding upstream, or attention that really differs. Added to the step the first sparse layer opened."""
+        if not self.tracing() or not self.trace or budgets is None:
+            return
+        cfg = self.attention
+        num_blocks = (seq_lens.long() + cfg.block_size - 1) // cfg.block_size
+        scores = score_paged_blocks(q, landmarks, block_table, num_blocks, cfg.landmark)
+        chosen = chosen_candidates(scores, num_blocks, budgets, cfg.sink, cfg.recent)
+        margin = choice_margin(scores, num_blocks, budgets, cfg.sink, cfg.recent).amin(-1)
+        step = self.trace[-1]
+        step["chosen"][layer] = [[torch.nonzero(head).flatten().tolist() for head in row] for row in chosen.cpu()]
+        step["margin"][layer] = [None if m == float("inf") else m for m in margin.tolist()]
+
+    def tracing(self) -> bool:
+        """Trace mode, outside a CUDA-graph capture (the trace reads tensors back to the host)."""
+        return self.trace is not None and not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
     def record_prompt(self, query_spans: list[tuple[int, int]]) -> None:
         """Count one step's prompt rows of one sparse layer (the first)."""
