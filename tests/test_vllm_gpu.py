@@ -191,7 +191,7 @@ def compare(ours, theirs, tol: float, name: str, partings: dict[str, tuple[int, 
             f"{name}.samples_with_other_block_counts": same_counts.count(False)})
     if partings:
         record({f"{name}.samples_whose_block_choice_parted": len(partings),
-                f"{name}.first_block_parting_tokens": sorted(t for t, _ in partings.values()),
+                f"{name}.first_block_parting_tokens": sorted(t for t, *_ in partings.values()),
                 f"{name}.widest_choice_margin_where_parted": max(m for _, m, _ in partings.values()),
                 f"{name}.largest_share_of_cuts_as_narrow": max(share for *_, share in partings.values())})
     for (a, _), (shared, diff, gap), same in zip(pairs, measured, same_counts):
@@ -204,19 +204,25 @@ def compare(ours, theirs, tol: float, name: str, partings: dict[str, tuple[int, 
         assert diff < tol, f"{a.request_id}: |Δ logprob| {diff:.2e} over the shared tokens"
 
 
+GRAPH_CASES = {"small": 12, "wide": 13}  # schedule name -> the seed of its unseen prompts
+
+
 @pytest.fixture(scope="module")
-def stock_graph_drift(qwen3_128) -> float:
-    """vLLM's own fp32 attention, piecewise graphs against eager: what compiling the pieces between the attention
-    layers changes by itself (the 2026-12-04 run measured 9.2e-2 for ours, where 1e-3 was guessed)."""
-    requests, outputs = unseen(seed=14), []
+def stock_graph_drift(qwen3_128) -> dict[str, float]:
+    """vLLM's own fp32 attention, piecewise graphs against eager, on each case's own prompts: what compiling the
+    pieces between the attention layers changes by itself. The drift is a max over a few hundred tokens and moves with
+    the prompts (2026-12-06, H100: 4.6e-4 on other prompts where ours read 1.08e-3), so each case is held to the
+    drift of the same requests. These engines are separate: the prompts stay unseen by the module's own engines."""
+    outputs: dict[bool, dict[str, list]] = {}
     for eager in (True, False):
         engine = make_engine(qwen3_128, dtype="float32", enforce_eager=eager, attention="stock")
         try:
-            outputs.append(engine.generate(requests))
+            outputs[eager] = {name: engine.generate(unseen(seed)) for name, seed in GRAPH_CASES.items()}
         finally:
             engine.shutdown()
-    drift = max(shared_diff(a, b)[1] for a, b in zip(*outputs, strict=True))
-    record({"fp32_graphs_vs_eager.stock_max_abs_dlogprob": drift})
+    drift = {name: max(shared_diff(a, b)[1] for a, b in zip(outputs[True][name], outputs[False][name], strict=True))
+             for name in GRAPH_CASES}
+    record({f"fp32_graphs_vs_eager.{name}.stock_max_abs_dlogprob": value for name, value in drift.items()})
     return drift
 
 
@@ -231,17 +237,18 @@ def test_fp32_eager_equals_the_native_engine(fp32_eager, native_fp32, schedule):
         assert any((s.blocks_attended < (len(s.prompt_token_ids) + torch.arange(64) + 15) // 16).any() for s in ours)
 
 
-@pytest.mark.parametrize(("schedule", "seed"), [(SMALL, 12), (WIDE, 13)], ids=["small-budget", "budget-covers-context"])
-def test_fp32_piecewise_cuda_graphs_equal_eager(fp32_eager, fp32_graphs, stock_graph_drift, schedule, seed):
-    """Within 1e-3, or within twice the drift stock vLLM shows between its own graphs and eager on the same model:
-    our sparse layers may not add to what Inductor's compiled pieces change. With a budget covering the context no
-    block is chosen; with a small one both engines trace the blocks each sparse layer chose and how near the cut
-    was, and logprobs are compared up to the first choice that parted at a near-tie (2026-12-06: the small budget
-    read 1.7e-2 with equal block counts, the wide one 1e-3: a choice flipped, untraced then)."""
-    requests = unseen(seed=seed)
+@pytest.mark.parametrize("schedule", [SMALL, WIDE], ids=["small-budget", "budget-covers-context"])
+def test_fp32_piecewise_cuda_graphs_equal_eager(fp32_eager, fp32_graphs, stock_graph_drift, schedule):
+    """Within 1e-3, or within twice the drift stock vLLM shows between its own graphs and eager on the same model and
+    prompts: our sparse layers may not add to what Inductor's compiled pieces change. With a budget covering the
+    context no block is chosen; with a small one both engines trace the blocks each sparse layer chose and how near
+    the cut was, and logprobs are compared up to the first choice that parted, which must be among the runs'
+    narrowest cuts (2026-12-06: the small budget read 1.7e-2 with equal block counts: a choice flipped, untraced
+    then; traced, it parted at token 44 with a 5.5e-3 margin)."""
+    requests = unseen(GRAPH_CASES[schedule.name])
     graphs, eager = traced_run(fp32_graphs, schedule, requests), traced_run(fp32_eager, schedule, requests)
-    compare(graphs[0], eager[0], max(SAME_KERNELS_TOL, 2 * stock_graph_drift), f"fp32_graphs_vs_eager.{schedule.name}",
-            block_partings(graphs, eager))
+    tol = max(SAME_KERNELS_TOL, 2 * stock_graph_drift[schedule.name])
+    compare(graphs[0], eager[0], tol, f"fp32_graphs_vs_eager.{schedule.name}", block_partings(graphs, eager))
 
 
 def test_bf16_cuda_graphs_match_the_native_engine(bf16_sleepy, native_bf16):
