@@ -39,6 +39,20 @@ def test_the_native_engine_decodes_every_token_of_the_protocol_in_both_modes(tmp
     assert "sparse / dense:" in capsys.readouterr().out
 
 
+def test_the_warm_up_sample_is_as_long_as_the_measured_ones_and_shares_no_tokens_beyond_the_prompt():
+    from sparrow.bench.rollout.engine_run import warmup_requests
+    from sparrow.bench.rollout.real_run import protocol_prompts, segment_requests
+
+    prompts = protocol_prompts(512, 2, 200, seed=0)
+    for start in (0, 300):
+        (warm,) = warmup_requests(prompts, start, 512, seed=0)
+        measured = segment_requests(prompts, 2, 48 + start, start, 512, seed=0)
+        assert len(warm.prompt_token_ids) == len(measured[0].prompt_token_ids) == 200 + start
+        assert warm.sampling.max_tokens == 2
+        if start:
+            assert all(r.prompt_token_ids[200:] != warm.prompt_token_ids[200:] for r in measured)
+
+
 def test_a_time_cap_interrupts_the_requests_and_keeps_what_they_generated(tmp_path):
     report = bench(tmp_path, "--engine", "native", "--mode", "sparse", "--gen-len", "3800", "--time-cap", "0.5")
     sparse = report["modes"]["sparse"]
