@@ -13,8 +13,8 @@ On CPU the dense layers' `CPU_ATTN` forces pages of 32 tokens (m = 2); on CUDA p
 """
 
 import torch
-import torch.nn.functional as F
 
+from sparrow.kernels.reference import sdpa
 from sparrow.layout import BLOCK_SIZE
 
 
@@ -76,22 +76,24 @@ def paged_prefill_attention(
     Row r's queries `query[start:end]` (`query_spans[r]`) are the last positions of its `seq_lens[r]` tokens
     (chunked prefill and prefix-cache hits read earlier pages); `block_table[r]` holds its blocks. Writes the same
     rows of `out` (`[num_tokens, H_q, D]`). Keys are gathered per row (O(context) copy, like any paged read), then
-    one SDPA call with a bottom-right causal mask.
+    one `sdpa` call as the native engine's paged prefill makes it: causal alone (a flash kernel) when the row's
+    queries are its whole context, else with a bottom-right causal mask and K/V repeated to the query heads (the
+    memory-efficient kernel; a mask with `enable_gqa` sent a GPU to the math kernel, which holds every query's
+    logits over the whole context: on an H100 this prefill read 7.7x slower than the native engine's at 25K tokens).
     """
     num_kv_heads, head_dim = k_blocks.shape[1], k_blocks.shape[3]
-    num_q_heads = query.shape[1]
     for row, ((start, end), seq_len) in enumerate(zip(query_spans, seq_lens)):
         num_queries = end - start
         if num_queries == 0:
             continue
         ids = block_table[row, : (seq_len + BLOCK_SIZE - 1) // BLOCK_SIZE].long()
-        keys = k_blocks[ids].transpose(0, 1).reshape(num_kv_heads, -1, head_dim)[:, :seq_len]
-        values = v_blocks[ids].transpose(0, 1).reshape(num_kv_heads, -1, head_dim)[:, :seq_len]
-        pos_q = torch.arange(seq_len - num_queries, seq_len, device=query.device)
-        mask = torch.arange(seq_len, device=query.device)[None, :] <= pos_q[:, None]
-        q = query[start:end].transpose(0, 1)
-        attended = F.scaled_dot_product_attention(
-            q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask, scale=scale,
-            enable_gqa=num_q_heads != num_kv_heads,
-        )
-        out[start:end] = attended.transpose(0, 1).to(out.dtype)
+        q = query[start:end]
+        keys = k_blocks[ids].transpose(1, 2).reshape(-1, num_kv_heads, head_dim)[:seq_len].to(q.dtype)
+        values = v_blocks[ids].transpose(1, 2).reshape(-1, num_kv_heads, head_dim)[:seq_len].to(q.dtype)
+        if num_queries == seq_len:
+            attended = sdpa(q, keys, values, causal=True, scale=scale)
+        else:
+            pos_q = torch.arange(seq_len - num_queries, seq_len, device=query.device)
+            mask = torch.arange(seq_len, device=query.device)[None, :] <= pos_q[:, None]
+            attended = sdpa(q, keys, values, mask[None], scale=scale)
+        out[start:end] = attended.to(out.dtype)
