@@ -2,13 +2,16 @@
 2,048-token chunks, against the call it made before (a boolean mask with `enable_gqa`, which SDPA can only run in
 its math kernel) on the same pages: milliseconds per row and layer, and the largest |difference| of the outputs.
 
-    python3 -m sparrow.bench.vllm_prefill [--contexts 2048 8192 24832] [--out FILE]
+    python3 -m sparrow.bench.vllm_prefill [--contexts 2048 8192 24832] [--device cuda] [--out FILE]
 
-Needs no vLLM: the function reads Sparrow blocks out of a page tensor laid out as vLLM's pages are.
+Needs no vLLM: the function reads Sparrow blocks out of a page tensor laid out as vLLM's pages are. On a GPU each
+call is the median of CUDA-event timings with L2 flushed; `--device cpu` (fp32, wall clock) checks the bench itself.
 """
 
 import argparse
 import json
+import statistics
+import time
 from pathlib import Path
 
 import torch
@@ -47,35 +50,50 @@ def row_prefill(fn, query, k_blocks, v_blocks, table, context: int, out) -> None
            out[start:end])
 
 
-def measure(context: int) -> dict:
-    gen = torch.Generator(device="cuda").manual_seed(context)
+def wall_ms(fn, reps: int = 5) -> float:
+    """Median wall-clock milliseconds of `fn` on the CPU."""
+    fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def measure(context: int, device: str = "cuda") -> dict:
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    gen = torch.Generator(device=device).manual_seed(context)
     blocks = -(-context // BLOCK_SIZE)
     kv_shape = (blocks + 7, SHAPE["kv_heads"], BLOCK_SIZE, SHAPE["head_dim"])
-    k_blocks = torch.randn(kv_shape, device="cuda", dtype=torch.bfloat16, generator=gen)
-    v_blocks = torch.randn(kv_shape, device="cuda", dtype=torch.bfloat16, generator=gen)
-    table = torch.randperm(blocks + 7, device="cuda", generator=gen)[None, :blocks].int()
-    query = torch.randn(context, SHAPE["q_heads"], SHAPE["head_dim"], device="cuda", dtype=torch.bfloat16,
-                        generator=gen)
+    k_blocks = torch.randn(kv_shape, device=device, dtype=dtype, generator=gen)
+    v_blocks = torch.randn(kv_shape, device=device, dtype=dtype, generator=gen)
+    table = torch.randperm(blocks + 7, device=device, generator=gen)[None, :blocks].int()
+    query = torch.randn(context, SHAPE["q_heads"], SHAPE["head_dim"], device=device, dtype=dtype, generator=gen)
     outs = {name: torch.empty_like(query) for name in ("now", "before")}
     fns = {"now": paged_prefill_attention, "before": masked_gqa}
-    ms = {name: median_us(lambda f=fn, o=outs[name]: row_prefill(f, query, k_blocks, v_blocks, table, context, o),
-                          rep_ms=300) / 1e3 for name, fn in fns.items()}
+    ms = {}
+    for name, fn in fns.items():
+        call = lambda f=fn, o=outs[name]: row_prefill(f, query, k_blocks, v_blocks, table, context, o)  # noqa: E731
+        ms[name] = median_us(call, rep_ms=300) / 1e3 if device == "cuda" else wall_ms(call)
     diff = (outs["now"].float() - outs["before"].float()).abs().max().item()
     return {"context": context, "ms_now": ms["now"], "ms_before": ms["before"], "speedup": ms["before"] / ms["now"],
             "max_abs_diff": diff}
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192, 24832])
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--out", type=Path)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     rows = []
     for context in args.contexts:
-        rows.append(measure(context))
+        rows.append(measure(context, args.device))
         print(f"[vllm-prefill] {context} tokens done", flush=True)
-    name = torch.cuda.get_device_name()
-    print(f"paged_prefill_attention, one row and one layer ({SHAPE}, bf16, {CHUNK}-token chunks) on {name}")
+    name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    dtype = "bf16" if args.device == "cuda" else "fp32"
+    print(f"paged_prefill_attention, one row and one layer ({SHAPE}, {dtype}, {CHUNK}-token chunks) on {name}")
     print(format_table(["context", "ms now", "ms before", "before / now", "max |diff|"],
                        [[r["context"], f"{r['ms_now']:.2f}", f"{r['ms_before']:.2f}", f"{r['speedup']:.1f}x",
                          f"{r['max_abs_diff']:.1e}"] for r in rows]))

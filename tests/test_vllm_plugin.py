@@ -3,6 +3,7 @@ registration, the Sparrow KV layout inside vLLM pages, dense prefill over it, pe
 accounting, and the KV budget split."""
 
 import importlib.util
+import json
 
 import pytest
 import torch
@@ -160,3 +161,17 @@ def test_kv_pages_plus_landmarks_fit_the_budget(total, layers, heads, head_dim, 
     landmark_bytes = num_pages * pages_per_block * sparse * heads * width * 4
     assert num_pages * page_bytes + landmark_bytes <= total
     assert kv_bytes >= total * 0.94  # mean landmarks cost ≤ 1/32 of the KV, min/max ≤ 1/16
+
+
+def test_the_prefill_bench_times_the_new_call_against_the_old_and_they_agree(tmp_path, capsys):
+    """`sparrow.bench.vllm_prefill` on the CPU: a whole-context chunk and one that reads earlier pages (3,000 tokens
+    are two chunks), the new call equal to the old masked one."""
+    from sparrow.bench.vllm_prefill import main
+
+    out = tmp_path / "prefill.json"
+    assert main(["--device", "cpu", "--contexts", "100", "3000", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["context"] for r in rows] == [100, 3000]
+    for r in rows:
+        assert r["max_abs_diff"] < 1e-4 and r["ms_now"] > 0 and r["ms_before"] > 0
+    assert "before / now" in capsys.readouterr().out
