@@ -14,7 +14,7 @@ On CPU the dense layers' `CPU_ATTN` forces pages of 32 tokens (m = 2); on CUDA p
 
 import torch
 
-from sparrow.kernels.reference import sdpa
+from sparrow.kernels.reference import read_pages, sdpa
 from sparrow.layout import BLOCK_SIZE
 
 
@@ -88,8 +88,8 @@ def paged_prefill_attention(
             continue
         ids = block_table[row, : (seq_len + BLOCK_SIZE - 1) // BLOCK_SIZE].long()
         q = query[start:end]
-        keys = k_blocks[ids].transpose(1, 2).reshape(-1, num_kv_heads, head_dim)[:seq_len].to(q.dtype)
-        values = v_blocks[ids].transpose(1, 2).reshape(-1, num_kv_heads, head_dim)[:seq_len].to(q.dtype)
+        keys = read_pages(k_blocks, None, ids, q.dtype).transpose(1, 2).reshape(-1, num_kv_heads, head_dim)[:seq_len]
+        values = read_pages(v_blocks, None, ids, q.dtype).transpose(1, 2).reshape(-1, num_kv_heads, head_dim)[:seq_len]
         if num_queries == seq_len:
             attended = sdpa(q, keys, values, causal=True, scale=scale)
         else:
