@@ -9,6 +9,7 @@ from .causal import (
     block_sparse_causal_attention,
     block_sparse_causal_sdpa,
     block_sparse_causal_sdpa_batch,
+    causal_rows_mask,
     first_sparse_query,
     sdpa,
     sparse_causal_mask,

@@ -18,6 +18,12 @@ from .scoring import group_mean_queries, score_landmarks
 from .selection import selected_blocks_mask
 
 
+def causal_rows_mask(positions: torch.Tensor, total: int) -> torch.Tensor:
+    """Boolean `[..., T]`: the keys 0 … T-1 a query at each of `positions` may see (those at or before it). Rows of
+    a chunked or cached prefill sit at the end of their context, so this is the bottom-right causal mask."""
+    return torch.arange(total, device=positions.device) <= positions[..., None]
+
+
 def sparse_causal_mask(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -56,8 +62,7 @@ def rows_keep(
     keep, _ = selected_blocks_mask(scores.flatten(0, 1), (positions // bs + 1).flatten(), budgets.flatten(),
                                    config.sink, config.recent)
     token_keep = keep.view(bsz, rows, heads, max_blocks).repeat_interleave(bs, dim=-1)[..., :total]
-    causal = torch.arange(total, device=q.device) <= positions[..., None]  # [B, R, T]
-    return token_keep & causal[:, :, None, :]
+    return token_keep & causal_rows_mask(positions, total)[:, :, None, :]
 
 
 def block_sparse_causal_attention(

@@ -14,6 +14,7 @@ from sparrow.kernels import AttentionBackend, SparseAttentionConfig
 from sparrow.kernels.reference import (
     SparseRows,
     block_sparse_causal_sdpa,
+    causal_rows_mask,
     read_pages,
     round_trip,
     sdpa,
@@ -71,8 +72,7 @@ class PagedPrefill:
             keys = read_pages(k_cache, k_scale, c.block_table, q.dtype).transpose(1, 2).flatten(0, 1)[: c.end]
             values = read_pages(v_cache, v_scale, c.block_table, q.dtype).transpose(1, 2).flatten(0, 1)[: c.end]
             if budgets is None:
-                causal = torch.arange(c.end, device=q.device)[None, :] <= c.positions[:, None]
-                mask = causal[None]
+                mask = causal_rows_mask(c.positions, c.end)[None]
             else:
                 mask = sparse_rows_mask(qc, keys, c.positions, budgets, self.config)
             out[c.rows] = sdpa(qc, keys, values, mask)

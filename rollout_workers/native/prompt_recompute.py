@@ -21,7 +21,7 @@ round to neighbouring e4m3 steps (on SmolLM2, 30 layers: most tokens' log q diff
 import torch
 
 from sparrow.kernels import SparseAttentionConfig
-from sparrow.kernels.reference import round_trip, sdpa, sparse_rows_mask
+from sparrow.kernels.reference import causal_rows_mask, round_trip, sdpa, sparse_rows_mask
 from sparrow.rollout_workers.api import TeacherForcedOutput
 
 from .attention import blocks_attended as count_blocks
@@ -62,7 +62,7 @@ class _OverPrefix:
             k = torch.cat([self.prefix.keys[layer], k])
             v = torch.cat([self.prefix.values[layer], v])
         if self.budgets is None or self.config.is_dense_layer(layer):
-            mask = (torch.arange(k.shape[0], device=q.device)[None, :] <= self.positions[:, None])[None]
+            mask = causal_rows_mask(self.positions, k.shape[0])[None]
         else:
             mask = sparse_rows_mask(q, k, self.positions, self.budgets, self.config)
         return sdpa(q, k, v, mask)

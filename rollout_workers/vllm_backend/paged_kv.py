@@ -14,7 +14,7 @@ On CPU the dense layers' `CPU_ATTN` forces pages of 32 tokens (m = 2); on CUDA p
 
 import torch
 
-from sparrow.kernels.reference import read_pages, sdpa
+from sparrow.kernels.reference import causal_rows_mask, read_pages, sdpa
 from sparrow.layout import BLOCK_SIZE
 
 
@@ -94,6 +94,5 @@ def paged_prefill_attention(
             attended = sdpa(q, keys, values, causal=True, scale=scale)
         else:
             pos_q = torch.arange(seq_len - num_queries, seq_len, device=query.device)
-            mask = torch.arange(seq_len, device=query.device)[None, :] <= pos_q[:, None]
-            attended = sdpa(q, keys, values, mask[None], scale=scale)
+            attended = sdpa(q, keys, values, causal_rows_mask(pos_q, seq_len)[None], scale=scale)
         out[start:end] = attended.to(out.dtype)
