@@ -43,6 +43,7 @@ _SYMBOLS = {
     "LlamaForCausalLM": "vllm.model_executor.models.llama:LlamaForCausalLM",
     "Qwen3ForCausalLM": "vllm.model_executor.models.qwen3:Qwen3ForCausalLM",
     "current_platform": "vllm.platforms:current_platform",
+    "dispatch_cpu_unquantized_gemm": "vllm.model_executor.layers.utils:dispatch_cpu_unquantized_gemm",
     # engine front end
     "AsyncEngineArgs": "vllm.engine.arg_utils:AsyncEngineArgs",
     "AsyncLLM": "vllm.v1.engine.async_llm:AsyncLLM",
@@ -204,8 +205,7 @@ def repack_cpu_weights(model: torch.nn.Module) -> int:
     (its weight is the embedding's, loaded under the embedding's name) kept the old policy's copy: logits 1.25 off a
     fresh load on the tiny model. The layers that keep their weight beside the copy (embeddings, lm_head: a linear
     layer's own is emptied once packed) are packed again from it."""
-    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
-
+    dispatch_cpu_unquantized_gemm = __getattr__("dispatch_cpu_unquantized_gemm")
     repacked = 0
     for module in model.modules():
         weight = getattr(module, "weight", None)
