@@ -153,7 +153,8 @@ def choices_by_token(samples, steps) -> dict[tuple[str, int], dict[int, tuple[li
     return choices
 
 
-def block_partings(a: tuple[list, list[dict]], b: tuple[list, list[dict]]) -> tuple[dict[str, tuple[int, float]], float]:
+def block_partings(a: tuple[list, list[dict]],
+                   b: tuple[list, list[dict]]) -> tuple[dict[str, tuple[int, float]], float]:
     """Per request where two traced runs first chose other blocks in some sparse layer: (token, the smallest choice
     margin of the layers that parted there over both runs); and how far the runs' numbers move a margin by
     themselves: the largest |margin − margin| over the cuts where they chose the same blocks, before any parting of

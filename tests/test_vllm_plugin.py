@@ -193,9 +193,10 @@ def test_an_update_is_checked_whole_against_the_served_checkpoint(tiny_llama, tm
         check_update(with_head, tiny_llama, tied=False)
     name = "model.layers.0.self_attn.q_proj.weight"
     narrow = save_checkpoint({**served, name: served[name][:32]}, tiny_llama, tmp_path / "narrow")
-    with pytest.raises(ValueError, match=rf"{name}: shape \(32, 64\) in the checkpoint .*narrow, the served model's is \(128, 64\)"):
+    shape = rf"{name}: shape \(32, 64\) in the checkpoint .*narrow, the served model's is \(128, 64\)"
+    with pytest.raises(ValueError, match=shape):
         check_update(narrow, tiny_llama, tied=True)
-    with pytest.raises(ValueError, match=rf"{name}: contains NaN or inf values; the engine keeps the weights it serves"):
+    with pytest.raises(ValueError, match=rf"{name}: contains NaN or inf values; the engine keeps the weights"):
         check_update({**served, name: served[name] * float("inf")}, tiny_llama, tied=True)
     with pytest.raises(ValueError, match=r"no \*.safetensors file; .*save_pretrained"):
         check_update(served, tmp_path, tied=True)

@@ -50,7 +50,8 @@ def check_update(weights: Mapping[str, torch.Tensor] | Path, served_dir: Path, t
         bad_dtype = [k for k, v in weights.items() if v.dtype not in FLOAT_DTYPES]
         shapes, where = {k: tuple(v.shape) for k, v in weights.items()}, "state dict"
     if bad_dtype:
-        raise ValueError(f"{bad_dtype[0]}: the {where} holds it in a non-floating dtype; send float32, bfloat16 or float16")
+        raise ValueError(f"{bad_dtype[0]}: the {where} holds it in a non-floating dtype; "
+                         "send float32, bfloat16 or float16")
     if tied:
         served.pop(TIED_HEAD, None)
         shapes.pop(TIED_HEAD, None)
