@@ -182,21 +182,25 @@ def test_an_update_is_checked_whole_against_the_served_checkpoint(tiny_llama, tm
     state dict by its tensors (NaN too); a tied lm_head may come or not, an untied model's may not go missing."""
     from safetensors.torch import load_file
 
-    from sparrow.rollout_workers.vllm_backend.weights import check_update, save_checkpoint
+    from sparrow.rollout_workers.vllm_backend.weights import check_fits_served, save_checkpoint, served_shapes
 
     served = load_file(str(tiny_llama / "model.safetensors"))
+    shapes = served_shapes(tiny_llama)
     assert "lm_head.weight" not in served  # tied: Hugging Face leaves it out
     with_head = {**served, "lm_head.weight": served["model.embed_tokens.weight"]}
-    check_update(save_checkpoint(with_head, tiny_llama, tmp_path / "with-head"), tiny_llama, tied=True)
-    check_update(with_head, tiny_llama, tied=True)
-    with pytest.raises(ValueError, match=r"unexpected \['lm_head.weight'\]"):
-        check_update(with_head, tiny_llama, tied=False)
+    check_fits_served(save_checkpoint(with_head, tiny_llama, tmp_path / "with-head"), shapes, tied=True)
+    check_fits_served(with_head, shapes, tied=True)
+    with pytest.raises(ValueError, match="unexpected keys: lm_head.weight"):
+        check_fits_served(with_head, shapes, tied=False)
     name = "model.layers.0.self_attn.q_proj.weight"
     narrow = save_checkpoint({**served, name: served[name][:32]}, tiny_llama, tmp_path / "narrow")
     shape = rf"{name}: shape \(32, 64\) in the checkpoint .*narrow, the served model's is \(128, 64\)"
     with pytest.raises(ValueError, match=shape):
-        check_update(narrow, tiny_llama, tied=True)
+        check_fits_served(narrow, shapes, tied=True)
+    integer = save_checkpoint({**served, name: served[name].to(torch.int32)}, tiny_llama, tmp_path / "integer")
+    with pytest.raises(ValueError, match=rf"{name}: dtype I32 in the checkpoint .*integer is not a floating weight"):
+        check_fits_served(integer, shapes, tied=True)
     with pytest.raises(ValueError, match=rf"{name}: contains NaN or inf values; the engine keeps the weights"):
-        check_update({**served, name: served[name] * float("inf")}, tiny_llama, tied=True)
+        check_fits_served({**served, name: served[name] * float("inf")}, shapes, tied=True)
     with pytest.raises(ValueError, match=r"no \*.safetensors file; .*save_pretrained"):
-        check_update(served, tmp_path, tied=True)
+        served_shapes(tmp_path)

@@ -14,12 +14,11 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
-from sparrow.finite import first_nonfinite
+from sparrow.weight_sync.check import check_update
 
 from .model import DecoderModel
 from .model_spec import ModelLoadError, WeightsError
 
-FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 """Non-parameter buffers some older checkpoints carry; recomputed from the config instead."""
 
@@ -61,35 +60,15 @@ def read_checkpoint(model_dir: str | Path, shard: Callable | None = None) -> dic
     return tensors
 
 
-def _names(keys, limit: int = 8) -> str:
-    keys = sorted(keys)
-    return ", ".join(keys[:limit]) + (f" (+{len(keys) - limit} more)" if len(keys) > limit else "")
-
-
 def validated_weights(model: DecoderModel, weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The tensors to copy into `model`, keyed like `model.named_parameters()`; raises WeightsError."""
     params = dict(model.named_parameters())
     given = {k: v for k, v in weights.items() if not k.endswith(IGNORED_SUFFIXES)}
     tied_head = given.pop("lm_head.weight", None) if model.lm_head is None else None
-    missing, unexpected = params.keys() - given.keys(), given.keys() - params.keys()
-    if missing or unexpected:
-        parts = ([f"missing keys: {_names(missing)}"] if missing else []) + (
-            [f"unexpected keys: {_names(unexpected)}"] if unexpected else []
-        )
-        raise WeightsError(f"state dict does not match the {model.spec.family} model: " + "; ".join(parts))
-    out = {}
-    for name, param in params.items():
-        t = given[name]
-        if not isinstance(t, torch.Tensor):
-            raise WeightsError(f"{name}: expected a tensor, got {type(t).__name__}")
-        if t.dtype not in FLOAT_DTYPES:
-            raise WeightsError(f"{name}: dtype {t.dtype} is not a floating weight type (float32, bfloat16, float16)")
-        if tuple(t.shape) != tuple(param.shape):
-            shard = "" if model.tensor_parallel is None else " (shapes of this tensor-parallel rank's shard)"
-            raise WeightsError(f"{name}: shape {tuple(t.shape)} does not match the model's {tuple(param.shape)}{shard}")
-        out[name] = t
-    if (bad := first_nonfinite(out)) is not None:
-        raise WeightsError(f"{bad}: contains NaN or inf values")
+    shard = "" if model.tensor_parallel is None else " (shapes of this tensor-parallel rank's shard)"
+    check_update(given, {name: tuple(p.shape) for name, p in params.items()}, where="state dict",
+                 served=f"the {model.spec.family} model", shape_note=shard, error=WeightsError)
+    out = {name: given[name] for name in params}
     if tied_head is not None:
         embed = out["model.embed_tokens.weight"]
         if tied_head.shape != embed.shape or not torch.equal(tied_head.to(embed.device, embed.dtype), embed):

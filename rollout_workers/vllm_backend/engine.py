@@ -36,7 +36,7 @@ from .config import VllmEngineConfig, split_kv_budget
 from .names import SPARSE_ARCHITECTURES, WORKER_EXTENSION
 from .runtime import OPTIONS_KEY, WorkerOptions
 from .samples import SampleBuilder
-from .weights import check_update, save_checkpoint
+from .weights import check_fits_served, save_checkpoint, served_shapes
 
 _STOP = object()
 
@@ -91,6 +91,11 @@ class VllmEngine(RolloutEngine):
             raise
 
     # ------------------------------------------------------------------ set-up
+
+    @functools.cached_property
+    def _served_shapes(self) -> dict[str, tuple[int, ...]]:
+        """What every update must match, read once from the first checkpoint (an accepted update has its shapes)."""
+        return served_shapes(self.model_dir)
 
     def _architecture(self) -> str:
         archs = self.hf_config.get("architectures") or []
@@ -233,9 +238,9 @@ class VllmEngine(RolloutEngine):
         if isinstance(weights, (str, Path)):
             model_dir = Path(weights)
             read_model_config(model_dir)
-            check_update(model_dir, self._current_dir, tied)
+            check_fits_served(model_dir, self._served_shapes, tied)
         else:
-            check_update(weights, self._current_dir, tied)
+            check_fits_served(weights, self._served_shapes, tied)
             model_dir = self._weights_root / f"v{version}-{next(self._ids)}"
             save_checkpoint(weights, self.model_dir, model_dir)
         if self.weight_update_mode() == "recreate":

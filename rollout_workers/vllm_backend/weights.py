@@ -1,69 +1,42 @@
-"""New policy weights for vLLM: checked against the checkpoint it serves, and written as one it can load.
-
-vLLM reloads in place tensor by tensor, so an update is checked whole before any of it is loaded: a bad tensor found
-midway would leave the engine serving a mix of two policies (the engine contract keeps the old weights on any error).
-"""
+"""New policy weights for vLLM: checked whole against the checkpoint it serves (vLLM reloads in place tensor by
+tensor), and written as a checkpoint it can load."""
 
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
-from sparrow.finite import first_nonfinite
+from sparrow.weight_sync.check import TensorHeader, check_update, read_headers
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
-FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 TIED_HEAD = "lm_head.weight"
 
 
-def checkpoint_shapes(model_dir: Path) -> dict[str, tuple[tuple[int, ...], str]]:
-    """Name → (shape, safetensors dtype) of every tensor in a directory's safetensors files, from their headers."""
+def checkpoint_headers(model_dir: Path) -> dict[str, TensorHeader]:
+    """Name → shape and dtype of every tensor in a directory's safetensors files."""
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         raise ValueError(f"{model_dir}: no *.safetensors file; a weight update is checked against the served model's "
                          "safetensors (save a .bin model again with transformers' save_pretrained)")
-    shapes = {}
-    for f in files:
-        with safe_open(str(f), "pt") as handle:
-            for name in handle.keys():
-                part = handle.get_slice(name)
-                shapes[name] = (tuple(part.get_shape()), part.get_dtype())
-    return shapes
+    return read_headers(files)
 
 
-def check_update(weights: Mapping[str, torch.Tensor] | Path, served_dir: Path, tied: bool) -> None:
-    """Raise ValueError naming the tensor unless `weights` (a state dict, or a checkpoint directory, read from its
-    headers) has the served checkpoint's names and shapes in floating dtypes, and a state dict only finite values.
-    With tied embeddings an update may carry `lm_head.weight` or not."""
-    served = {k: shape for k, (shape, _) in checkpoint_shapes(served_dir).items()}
+def served_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
+    """What every update must match, read once: an accepted update has these shapes again."""
+    return {name: header.shape for name, header in checkpoint_headers(model_dir).items()}
+
+
+def check_fits_served(weights: Mapping[str, torch.Tensor] | Path, served: Mapping[str, tuple[int, ...]],
+                      tied: bool) -> None:
+    """Raise ValueError naming the tensor unless `weights` (a state dict, or a checkpoint directory by its headers)
+    fits the served shapes (`sparrow.weight_sync.check`). With tied embeddings an update may carry the lm_head or not."""
     if isinstance(weights, Path):
-        given = checkpoint_shapes(weights)
-        bad_dtype = [k for k, (_, dtype) in given.items() if dtype not in ("F32", "BF16", "F16")]
-        shapes, where = {k: shape for k, (shape, _) in given.items()}, f"checkpoint {weights}"
+        given, where = checkpoint_headers(weights), f"checkpoint {weights}"
     else:
-        bad = [k for k, v in weights.items() if not isinstance(v, torch.Tensor)]
-        if bad:
-            raise ValueError(f"state dict entries {bad[:5]} are not tensors")
-        bad_dtype = [k for k, v in weights.items() if v.dtype not in FLOAT_DTYPES]
-        shapes, where = {k: tuple(v.shape) for k, v in weights.items()}, "state dict"
-    if bad_dtype:
-        raise ValueError(f"{bad_dtype[0]}: the {where} holds it in a non-floating dtype; "
-                         "send float32, bfloat16 or float16")
-    if tied:
-        served.pop(TIED_HEAD, None)
-        shapes.pop(TIED_HEAD, None)
-    missing, unexpected = sorted(served.keys() - shapes.keys()), sorted(shapes.keys() - served.keys())
-    if missing or unexpected:
-        raise ValueError(f"the {where} does not match the served model ({served_dir}): missing {missing[:5]}, "
-                         f"unexpected {unexpected[:5]}")
-    for name, shape in shapes.items():
-        if shape != served[name]:
-            raise ValueError(f"{name}: shape {shape} in the {where}, the served model's is {served[name]}")
-    if not isinstance(weights, Path) and (name := first_nonfinite(weights)) is not None:
-        raise ValueError(f"{name}: contains NaN or inf values; the engine keeps the weights it serves")
+        given, where = weights, "state dict"
+    check_update(given, served, where=where, served="the served model", optional=(TIED_HEAD,) if tied else ())
 
 
 def save_checkpoint(state_dict: Mapping[str, torch.Tensor], base_dir: Path, out_dir: Path) -> Path:
