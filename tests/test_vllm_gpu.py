@@ -250,7 +250,8 @@ def test_fp32_piecewise_cuda_graphs_equal_eager(fp32_eager, fp32_graphs, stock_g
     the cut was, and logprobs are compared up to the first choice that parted, whose margin must be within how far
     the two runs move margins at the cuts where they agree (2026-12-06: the small budget read 1.7e-2 with equal
     block counts: a choice flipped, untraced then; traced, it parted at tokens 44 and 46, margin 5.5e-3, on an H100
-    and an H200 alike; a rule admitting only the narrowest 2 % of cuts failed it: 19.3 %)."""
+    and an H200 alike; a rule admitting only the narrowest 2 % of cuts failed it: 19.3 %; this rule fails it too,
+    the runs moving margins by 1.4-1.8e-3 where they agree, also with both engines fresh: open, see docs/vllm.md)."""
     requests = unseen(GRAPH_CASES[schedule.name])
     graphs, eager = traced_run(fp32_graphs, schedule, requests), traced_run(fp32_eager, schedule, requests)
     tol = max(SAME_KERNELS_TOL, 2 * stock_graph_drift[schedule.name])
@@ -323,9 +324,8 @@ def matches_a_fresh_load(updated, fresh, name: str) -> None:
 
 @pytest.fixture(scope="module")
 def stock_sleep_drift(qwen3_128) -> float:
-    """Stock vLLM's own bf16 engine, the same requests before and after a sleep / wake: what that changes by itself
-    (2026-12-06, H100: ours parted at exact bf16 ties, |Δ logprob| up to 0.059 on the tokens before, blocks attended
-    equal; a weight or KV restore gone wrong would differ from the first token)."""
+    """Stock vLLM's own bf16 engine, the same requests before and after a sleep / wake: what that changes by itself,
+    recorded beside ours (a weight or KV restore gone wrong would differ from the first token)."""
     requests = unseen(seed=11)
     engine = make_engine(qwen3_128, dtype="bfloat16", sleep_mode=True, attention="stock")
     try:
@@ -343,7 +343,9 @@ def stock_sleep_drift(qwen3_128) -> float:
 
 
 def test_sleep_gives_memory_back_and_wake_restores_the_same_engine(bf16_sleepy, stock_sleep_drift):
-    """Within 1e-3 of the run before the sleep, or within twice what stock vLLM's own sleep / wake changes."""
+    """The same greedy tokens up to a bf16 tie and logprobs within bf16's tolerance of the run before the sleep. Not
+    within stock's drift of one run: that is 0 or one bf16 step of a logit at random (2026-12-06, H100, two runs of
+    this test: ours 3.3e-2 and stock 0.0, then ours 0.0 and stock 3.1e-2 = 2^-5, a logit's step in [4, 8))."""
     requests = unseen(seed=11)  # sleep resets the prefix cache: the woken run prefills in full, so must this one
     awake = run(bf16_sleepy, SMALL, requests)
     asleep = bf16_sleepy.sleep()
@@ -351,9 +353,9 @@ def test_sleep_gives_memory_back_and_wake_restores_the_same_engine(bf16_sleepy, 
         bf16_sleepy.generate(requests)
     woken = bf16_sleepy.wake()
     record({"sleep.gib_freed": asleep.bytes / 2**30, "sleep.seconds": asleep.seconds,
-                     "wake.gib_taken": woken.bytes / 2**30, "wake.seconds": woken.seconds})
+            "wake.gib_taken": woken.bytes / 2**30, "wake.seconds": woken.seconds})
     assert asleep.bytes >= 0.9 * KV_BYTES and woken.bytes >= 0.9 * KV_BYTES
-    compare(bf16_sleepy.generate(requests), awake, max(SAME_KERNELS_TOL, 2 * stock_sleep_drift), "sleep_wake")
+    compare(bf16_sleepy.generate(requests), awake, max(BF16_TOL, 2 * stock_sleep_drift), "sleep_wake")
 
 
 def test_weights_loaded_while_asleep_equal_a_fresh_load(bf16_sleepy, qwen3_128, fresh_perturbed):
