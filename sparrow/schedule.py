@@ -127,6 +127,14 @@ class SparsitySchedule:
         table = bins.new_tensor([DENSE_BUDGET if b is None else b for b in map(self.blocks_for_bin, range(self.num_bins))])
         return table[bins]
 
+    def budget_by_blocks(self, max_blocks: int) -> "torch.Tensor":
+        """Budget (blocks) of a row by its block count ceil(L / block_size) = 0..max_blocks: a row's budget depends on
+        that count only, so a batch's budgets are one lookup (on the host, or on the device with nothing built or
+        copied per step)."""
+        import torch
+
+        return self.budgets_for_lengths(torch.arange(max_blocks + 1) * self.block_size)
+
     def query_budgets(self, prompt_len: int, num_tokens: int) -> "torch.Tensor":
         """`[num_tokens]` budget of the query at each position of a sequence, as rollouts run them: dense at
         prompt positions (prefill, and the pass that samples the first response token), the schedule's at

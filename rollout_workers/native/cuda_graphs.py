@@ -39,12 +39,6 @@ def batch_buckets(max_rows: int) -> list[int]:
     return sizes + [max_rows]
 
 
-def budget_table(schedule: SparsitySchedule, max_blocks: int) -> torch.Tensor:
-    """Budget (blocks) of a row by its block count ceil(L/16) = 0..max_blocks: a row's budget depends on
-    that count only, so per-row budgets become one lookup (on the host or on the device)."""
-    return schedule.budgets_for_lengths(torch.arange(max_blocks + 1) * schedule.block_size)
-
-
 def width_bucket(num_blocks: int, max_blocks: int) -> int:
     """Block-table width for a batch whose longest row has `num_blocks` blocks: the next power of two
     (≥ 16), so the scoring grid and the selection's register tile follow the context, not the maximum."""
@@ -127,7 +121,7 @@ class DecodeGraphs:
         if schedule is None:
             self.budget_by_blocks.fill_(DENSE_BUDGET)
             return
-        self.budget_by_blocks.copy_(budget_table(schedule, self.max_blocks).clamp(max=DENSE_BUDGET))
+        self.budget_by_blocks.copy_(schedule.budget_by_blocks(self.max_blocks).clamp(max=DENSE_BUDGET))
 
     def capture(self, batch_sizes, max_len: int, modes=(False, True)) -> None:
         """Capture now, instead of at first use, the steps for these batch sizes at every table width up to

@@ -16,7 +16,7 @@ from sparrow.schedule import DENSE_BUDGET, SparsitySchedule
 
 from .attention import PagedDecode, PagedPrefill, PrefillChunkMeta, blocks_attended
 from .config import NativeEngineConfig
-from .cuda_graphs import DecodeGraphs, budget_table
+from .cuda_graphs import DecodeGraphs
 from .kv_cache import KVCache, bytes_per_block
 from .model import DecoderModel
 from .model_loader import load_model, resolve_device, resolve_dtype
@@ -174,7 +174,7 @@ class ModelRunner:
         self._schedule = schedule
         self._budget_table = None
         if schedule is not None:
-            self._budget_table = budget_table(schedule, self.layout.blocks_for(self.max_model_len)).tolist()
+            self._budget_table = schedule.budget_by_blocks(self.layout.blocks_for(self.max_model_len)).tolist()
         if self.graphs is not None:
             self.graphs.set_schedule(schedule)
 

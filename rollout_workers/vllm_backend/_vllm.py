@@ -216,7 +216,9 @@ def repack_cpu_weights(model: torch.nn.Module) -> int:
 
 
 class _CpuGeneratorRewind:
-    """What the runner's rewind gets for a CPU generator: `set_offset` puts back its state from before this step."""
+    """What `get` hands out for a CPU generator: the runner's rewind (`set_offset(get_offset() - 4)`) puts back the
+    state it had before this step's draw. Stored back into the dict (vLLM swaps rows with `get`), it is the generator
+    again."""
 
     def __init__(self, generator: torch.Generator, before: torch.Tensor | None):
         self.generator, self.before = generator, before
@@ -230,12 +232,15 @@ class _CpuGeneratorRewind:
 
 
 class _RewindableCpuGenerators(dict):
-    """A runner's seeded-request generators (batch index -> generator) that CPU generators can be rewound in: the
-    sampler's `items()` records each one's state before it draws, and the rewind's `get` restores it."""
+    """A runner's seeded-request generators (batch row -> generator) that CPU generators can be rewound in: the
+    sampler's `items()` records each one's state before it draws, the rewind's `get` restores it."""
 
     def __init__(self, generators: dict):
         super().__init__(generators)
         self._before: dict[int, torch.Tensor] = {}
+
+    def __setitem__(self, key, generator) -> None:
+        super().__setitem__(key, generator.generator if isinstance(generator, _CpuGeneratorRewind) else generator)
 
     def items(self):
         self._before = {i: g.get_state() for i, g in super().items() if g.device.type == "cpu"}
@@ -256,8 +261,7 @@ def rewindable_cpu_generators(worker) -> None:
     CUDA generator's Philox offset). A CPU generator has no offset: the engine core died ("CPU Generator does not use
     offset") as soon as a batch's prompts exceeded one step's tokens, and every request of ours is seeded. Here the
     rewind restores the state the generator had before that step's draw (the sampler reads the dict with `items()`,
-    the rewind with `get()`, its only caller of it without speculative decoding), so a prompt prefilled in chunks
-    draws what one prefilled at once does."""
+    the rewind and row swaps with `get()`), so a prompt prefilled in chunks draws what one prefilled at once does."""
     batch = worker.model_runner.input_batch
     if not isinstance(batch.generators, _RewindableCpuGenerators):
         batch.generators = _RewindableCpuGenerators(batch.generators)

@@ -80,7 +80,7 @@ def step_metadata(cm, page_size: int) -> SparrowMetadata:
         decode_tokens=decode_tokens,
         decode_block_table=block_table[decode_index],
         decode_seq_lens=decode_seq_lens,
-        budgets=runtime.current().budgets(decode_seq_lens) if num_decodes else None,
+        budgets=runtime.current().budgets(decode_seq_lens, block_table.shape[1]) if num_decodes else None,
         slot_mapping=cm.slot_mapping,
         prefill_block_table=block_table[prefill_rows.to(device, non_blocking=True)] if prefill else block_table[:0],
         prefill_query_spans=[(int(starts[r]), int(starts[r + 1])) for r in prefill],

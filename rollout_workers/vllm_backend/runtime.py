@@ -79,6 +79,7 @@ class SparseRuntime:
         self.prompt_tokens = 0
         """Rows and query tokens attended densely as prompt (a prefix-cache hit leaves one token to compute)."""
         self._block_sums: torch.Tensor | None = None
+        self._budget_lookup: tuple[tuple, torch.Tensor] | None = None
 
     @property
     def schedule_version(self) -> int:
@@ -94,11 +95,18 @@ class SparseRuntime:
             self._backend = make_attention_backend(self.backend_kind, device)
         return self._backend
 
-    def budgets(self, seq_lens: torch.Tensor) -> torch.Tensor | None:
-        """Blocks each decode row may attend to (total context length → schedule); None = dense."""
+    def budgets(self, seq_lens: torch.Tensor, max_blocks: int) -> torch.Tensor | None:
+        """Blocks each decode row may attend to (total context length → schedule); None = dense. A lookup by block
+        count in a table on the rows' device, made once per schedule and width: building the budgets from Python
+        lists each step copied them host to device, which waits for the GPU's queue (`max_blocks`: the block
+        table's width, the most blocks a row can hold)."""
         if self.schedule is None:
             return None
-        return self.schedule.budgets_for_lengths(seq_lens)
+        key = (self.schedule, max_blocks, seq_lens.device)
+        if self._budget_lookup is None or self._budget_lookup[0] != key:
+            self._budget_lookup = (key, self.schedule.budget_by_blocks(max_blocks).to(seq_lens.device))
+        blocks = (seq_lens.long() + self.attention.block_size - 1) // self.attention.block_size
+        return self._budget_lookup[1][blocks.clamp(max=max_blocks)]
 
     def record_step(self, seq_lens: torch.Tensor, blocks: torch.Tensor) -> None:
         """Count one decode step of one sparse layer (the first): rows, blocks attended vs in context."""
