@@ -180,6 +180,46 @@ def block_partings(a: tuple[list, list[dict]],
     return partings, drift
 
 
+def scores_by_token(samples, steps) -> dict[tuple[str, int], dict[int, list[list[float]]]]:
+    """{(request, generated token): {sparse layer: scores per KV head of every block in use}}, as `choices_by_token`."""
+    owner = {len(s.prompt_token_ids) + t: (s.request_id, t) for s in samples for t in range(1, len(s.token_ids))}
+    return {owner[length]: {layer: rows[row] for layer, rows in step["scores"].items()}
+            for step in steps for row, length in enumerate(step["seq_lens"]) if length in owner}
+
+
+def parting_details(a: tuple[list, list[dict]], b: tuple[list, list[dict]],
+                    partings: dict[str, tuple[int, float]]) -> dict[str, list[dict]]:
+    """Where two traced runs' block choices part: per request, each layer and KV head that chose otherwise, the
+    blocks only one run chose with both runs' scores of them at that token and the one before, and how far the two
+    runs' scores of any block lie apart there and, at most, over every token before any parting (the scale a
+    rounding difference upstream moves scores by): what tells a flipped near-tie from attention that differs."""
+    choices = choices_by_token(*a), choices_by_token(*b)
+    scores = scores_by_token(*a), scores_by_token(*b)
+    shared = set(scores[0]) & set(scores[1])
+
+    def apart(key) -> float:
+        ours, theirs = scores[0][key], scores[1][key]
+        return max((abs(x - y) for layer in ours for h0, h1 in zip(ours[layer], theirs[layer])
+                    for x, y in zip(h0, h1) if math.isfinite(x) and math.isfinite(y)), default=0.0)
+
+    before = max((apart(key) for key in shared if key[1] < partings.get(key[0], (math.inf,))[0]), default=0.0)
+    details: dict[str, list[dict]] = {}
+    for rid, (t, _) in partings.items():
+        for layer, (chosen, _) in choices[0][rid, t].items():
+            for head, (ours, theirs) in enumerate(zip(chosen, choices[1][rid, t][layer][0])):
+                if ours == theirs:
+                    continue
+                only = sorted(set(ours) - set(theirs)), sorted(set(theirs) - set(ours))
+                details.setdefault(rid, []).append({
+                    "token": t, "layer": layer, "head": head, "only_in_ours": only[0], "only_in_theirs": only[1],
+                    **{f"scores_{when}_{run}": {j: scores[i][rid, tok][layer][head][j] for j in only[0] + only[1]}
+                       for when, tok in (("at", t), ("before", t - 1)) if (rid, tok) in shared
+                       for i, run in enumerate(("ours", "theirs"))},
+                    "largest_score_difference_here": apart((rid, t)),
+                    "largest_score_difference_before_any_parting": before})
+    return details
+
+
 def compare(ours, theirs, tol: float, name: str,
             traced: tuple[dict[str, tuple[int, float]], float] | None = None) -> None:
     """Greedy tokens equal up to the first near-tie; logprobs within `tol` on the tokens before it; blocks attended
@@ -255,7 +295,10 @@ def test_fp32_piecewise_cuda_graphs_equal_eager(fp32_eager, fp32_graphs, stock_g
     requests = unseen(GRAPH_CASES[schedule.name])
     graphs, eager = traced_run(fp32_graphs, schedule, requests), traced_run(fp32_eager, schedule, requests)
     tol = max(SAME_KERNELS_TOL, 2 * stock_graph_drift[schedule.name])
-    compare(graphs[0], eager[0], tol, f"fp32_graphs_vs_eager.{schedule.name}", block_partings(graphs, eager))
+    traced = block_partings(graphs, eager)
+    if traced[0]:
+        record({f"fp32_graphs_vs_eager.{schedule.name}.partings": parting_details(graphs, eager, traced[0])})
+    compare(graphs[0], eager[0], tol, f"fp32_graphs_vs_eager.{schedule.name}", traced)
 
 
 def test_bf16_cuda_graphs_match_the_native_engine(bf16_sleepy, native_bf16):

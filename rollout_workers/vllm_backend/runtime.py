@@ -122,13 +122,15 @@ class SparseRuntime:
                 "blocks_attended": blocks.tolist(),
                 "chosen": {},
                 "margin": {},
+                "scores": {},
             })
 
     def trace_choice(self, layer: int, q, landmarks, block_table, seq_lens, budgets) -> None:
-        """Trace mode: which candidate blocks this sparse layer chose per row and KV head (logical ids) and how near
-        the choice came to another (`choice_margin`, the smallest over heads; None where nothing was chosen), from
-        the reference rule on the layer's own inputs. Two runs that part can then be told apart: a near-tie flipped
-        by rounding upstream, or attention that really differs. Added to the step the first sparse layer opened."""
+        """Trace mode: which candidate blocks this sparse layer chose per row and KV head (logical ids), how near
+        the choice came to another (`choice_margin`, the smallest over heads; None where nothing was chosen) and the
+        score of every block in use per head, from the reference rule on the layer's own inputs. Two runs that part
+        can then be told apart: a near-tie flipped by rounding upstream, or attention that really differs. Added to
+        the step the first sparse layer opened."""
         if not self.tracing() or not self.trace or budgets is None:
             return
         cfg = self.attention
@@ -139,6 +141,8 @@ class SparseRuntime:
         step = self.trace[-1]
         step["chosen"][layer] = [[torch.nonzero(head).flatten().tolist() for head in row] for row in chosen.cpu()]
         step["margin"][layer] = [None if m == float("inf") else m for m in margin.tolist()]
+        step["scores"][layer] = [[head[:n].tolist() for head in row]
+                                 for row, n in zip(scores.float().cpu(), num_blocks.tolist())]
 
     def tracing(self) -> bool:
         """Trace mode, outside a CUDA-graph capture (the trace reads tensors back to the host)."""
