@@ -50,7 +50,7 @@ def _receiver(shape: str, device: str, dtype: torch.dtype, conn) -> None:
 def measure(shape: str, device: str, versions: int, bucket_mb: float) -> dict:
     from sparrow.finite import first_nonfinite
     from sparrow.rollout_workers.native.shapes import build_model
-    from sparrow.trainer.publish.send import publish_state_dict
+    from sparrow.weight_sync.send import publish_state_dict
     from sparrow.weight_sync import SharedSender
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32

@@ -50,7 +50,7 @@ def _progress(line: str) -> None:
 
 
 def _sender(args, port: int, queue) -> None:
-    from sparrow.trainer.publish import publish_state_dict
+    from sparrow.weight_sync.send import publish_state_dict
     from sparrow.weight_sync import CollectiveGroup, CollectiveSender
 
     device = _device(args, 0)

@@ -16,7 +16,7 @@ from sparrow.rollout_workers.native import NativeEngine
 from sparrow.rollout_workers.native.cuda_graphs import DecodeGraphs
 from sparrow.schedule import SparsitySchedule
 from sparrow.weight_sync import SharedMappings, SharedSender, SharedSource, WeightReceiver, WeightsRefused
-from sparrow.trainer.publish.send import publish_state_dict
+from sparrow.weight_sync.send import publish_state_dict
 
 GREEDY = SamplingParams(max_tokens=12, temperature=1e-5, n=2, seed=3, ignore_eos=True)
 

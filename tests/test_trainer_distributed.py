@@ -300,7 +300,7 @@ def test_checkpoint_resume_hf_export_and_publish_into_native_engine_refusing_bad
     weights published into two native engines over a collective group and bad updates refused."""
     from transformers import AutoModelForCausalLM
 
-    from sparrow.trainer.publish import publish_state_dict
+    from sparrow.weight_sync.send import publish_state_dict
     from sparrow.weight_sync import ObjectStoreSender
 
     group = _group(tiny_qwen3, 2, publish={"bucket_mb": 0.05})

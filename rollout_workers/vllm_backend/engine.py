@@ -20,8 +20,10 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
+
+import torch
 
 from sparrow.architecture import decoder_facts, read_model_config
 from sparrow.layout import BLOCK_SIZE
@@ -30,13 +32,15 @@ from sparrow.rollout_workers.api import (
 )
 from sparrow.schedule import SparsitySchedule, load_schedule
 from sparrow.seeds import sample_seed
+from sparrow.weight_sync import SharedSender
+from sparrow.weight_sync.send import publish_state_dict
 
 from . import _vllm
 from .config import VllmEngineConfig, split_kv_budget
 from .names import SPARSE_ARCHITECTURES, WORKER_EXTENSION
 from .runtime import OPTIONS_KEY, WorkerOptions
 from .samples import SampleBuilder
-from .weights import check_fits_served, save_checkpoint, served_shapes
+from .weights import MEMORY_BUCKET_BYTES, check_fits_served, encode_handle, save_checkpoint, served_shapes
 
 _STOP = object()
 
@@ -79,6 +83,8 @@ class VllmEngine(RolloutEngine):
         """vLLM allocations asleep ('weights', 'kv_cache'): weights wake alone to take a new version."""
         self._weights_root = Path(tempfile.mkdtemp(prefix="sparrow-vllm-weights-"))
         self._current_dir = self.model_dir
+        self._memory_sender: SharedSender | None = None
+        """The shared buffers a state dict reaches vLLM's worker through (`weight_update: memory`)."""
         """Where the weights vLLM runs now came from (checkpoints written by load_weights live in _weights_root)."""
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="sparrow-vllm-loop", daemon=True)
@@ -187,6 +193,8 @@ class VllmEngine(RolloutEngine):
             self._loop.close()
         gc.collect()  # AsyncLLM sits in reference cycles; collect it now, not during interpreter teardown
         shutil.rmtree(self._weights_root, ignore_errors=True)
+        if self._memory_sender is not None:
+            self._memory_sender.close()
 
     # ------------------------------------------------------------------ RolloutEngine contract
 
@@ -235,8 +243,9 @@ class VllmEngine(RolloutEngine):
         self._call(self._switch_schedule(schedule))
 
     def _load_weights(self, weights: WeightsSource, version: int) -> None:
-        """New policy weights (a state dict with HF names, or an HF directory), reloaded in place (`recreate`:
-        vLLM restarted on a checkpoint of them, ~20 s on CPU for the tiny model, which a reload does in < 1 s)."""
+        """New policy weights (a state dict with HF names, or an HF directory), loaded in place: a state dict from
+        shared buffers (`memory`) or from a checkpoint of it (`reload`; `recreate`: vLLM restarted on that checkpoint,
+        ~20 s on CPU for the tiny model, which a reload does in < 1 s)."""
         tied = bool(self.hf_config.get("tie_word_embeddings", False))
         if isinstance(weights, (str, Path)):
             model_dir = Path(weights)
@@ -244,6 +253,9 @@ class VllmEngine(RolloutEngine):
             check_fits_served(model_dir, self._served_shapes, tied)
         else:
             check_fits_served(weights, self._served_shapes, tied)
+            if self.weight_update_mode() == "memory":
+                self._call(self._load_from_memory(weights, version))
+                return
             model_dir = self._weights_root / f"v{version}-{next(self._ids)}"
             save_checkpoint(weights, self.model_dir, model_dir)
         if self.weight_update_mode() == "recreate":
@@ -299,7 +311,9 @@ class VllmEngine(RolloutEngine):
     # ------------------------------------------------------------------ native weight transfer (GPU)
 
     def weight_update_mode(self) -> str:
-        return "reload" if self.config.weight_update == "auto" else self.config.weight_update
+        if self.config.weight_update == "auto":
+            return "memory" if self.on_cpu else "reload"
+        return self.config.weight_update
 
     def _require_in_place(self, what: str) -> None:
         if self.on_cpu:
@@ -515,6 +529,19 @@ class VllmEngine(RolloutEngine):
     async def _reload(self, model_dir: Path) -> None:
         await self._wake_weights()
         await self._llm.collective_rpc("reload_weights", kwargs={"weights_path": str(model_dir)})
+        await self._after_reload()
+
+    async def _load_from_memory(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
+        """The state dict packed into this engine's shared buffers (shared memory on CPU, CUDA IPC on a GPU), which
+        vLLM's worker maps and loads in place: no checkpoint on disk. The buffers are kept for the next version."""
+        if self._memory_sender is None:
+            self._memory_sender = SharedSender(next(iter(weights.values())).device)
+        handle = publish_state_dict(weights, version, self._memory_sender, MEMORY_BUCKET_BYTES).handle
+        await self._wake_weights()
+        await self._llm.collective_rpc("sparrow_load_shared", args=(encode_handle(handle),))
+        await self._after_reload()
+
+    async def _after_reload(self) -> None:
         if self.on_cpu:
             await self._llm.collective_rpc("sparrow_repack_cpu_weights")
         await self._llm.reset_prefix_cache()

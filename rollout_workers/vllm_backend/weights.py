@@ -1,6 +1,8 @@
 """New policy weights for vLLM: checked whole against the checkpoint it serves (vLLM reloads in place tensor by
-tensor), and written as a checkpoint it can load."""
+tensor), then handed to its worker through shared buffers, or written as a checkpoint it can load."""
 
+import base64
+import pickle
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
@@ -8,10 +10,23 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from sparrow.weight_sync import SharedHandle
 from sparrow.weight_sync.check import TensorHeader, check_update, read_headers
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 TIED_HEAD = "lm_head.weight"
+MEMORY_BUCKET_BYTES = 256 << 20
+"""Buckets of the shared buffers a state dict reaches vLLM's worker through (`weight_update: memory`)."""
+
+
+def encode_handle(handle: SharedHandle) -> str:
+    """A `SharedHandle` as text for `collective_rpc` (vLLM's RPC encoder takes no arbitrary objects; the handle
+    holds file paths or CUDA IPC arguments, never tensor data)."""
+    return base64.b64encode(pickle.dumps(handle)).decode()
+
+
+def decode_handle(text: str) -> SharedHandle:
+    return pickle.loads(base64.b64decode(text))
 
 
 def checkpoint_headers(model_dir: Path) -> dict[str, TensorHeader]:

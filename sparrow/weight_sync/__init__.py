@@ -5,6 +5,7 @@ and rollout workers receive, without either importing the other.
 - `channels`: how buckets move — a standalone collective group (NCCL / gloo broadcast) or Ray's object
   store — with the sending and receiving end of each;
 - `shared`: buffers handed over in place to a process on the same GPU (CUDA IPC) or host (shared memory);
+- `send`: a versioned state dict through any sender (the trainer's publication; vLLM's engine core fed in memory);
 - `receive`: one version into a rollout engine (`WeightReceiver`), refused unless newer and valid;
 - `check`: valid = an update that fits the served model whole (names, shapes, floating dtypes, finite values),
   checked by each engine before it loads any of it.

@@ -12,7 +12,7 @@ from sparrow.weight_sync import CollectiveGroup, CollectiveSender, Manifest, Obj
 from ..collectives import all_reduce_scalar
 from ..config import PublishConfig
 from ..export import WeightExporter
-from .send import PublishReport, send_buckets
+from sparrow.weight_sync.send import PublishReport, send_buckets
 
 CHANNELS = ("collective", "object_store", "shared")
 

@@ -1,4 +1,5 @@
-"""Publishing a versioned state dict from the trainer through a sender (`sparrow.weight_sync` channels)."""
+"""Sending a versioned state dict through a sender (any channel of `sparrow.weight_sync`): the trainer publishes
+its policy this way, and an engine hands a state dict to a process of its own (vLLM's engine core)."""
 
 import time
 from collections.abc import Callable, Mapping
@@ -8,7 +9,7 @@ from typing import Any
 
 import torch
 
-from sparrow.weight_sync import Bucket, Manifest, pack, plan_buckets
+from .buckets import Bucket, Manifest, pack, plan_buckets
 
 
 @dataclass
