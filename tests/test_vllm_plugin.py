@@ -138,7 +138,7 @@ def test_config_errors_name_field_and_fix():
     assert VllmEngineConfig(dense_layers=(1, 0, 1)).layout().dense_layers == (0, 1)
     with pytest.raises(ValueError, match="sleep_mode=true with weight_update='recreate'.*use weight_update='memory'"):
         VllmEngineConfig(sleep_mode=True, weight_update="recreate")
-    with pytest.raises(ValueError, match="weight_update='memory' with tensor_parallel_size=2.*use weight_update='reload'"):
+    with pytest.raises(ValueError, match="weight_update='memory' with tensor_parallel_size=2.*weight_update='reload'"):
         VllmEngineConfig(weight_update="memory", tensor_parallel_size=2)
 
 

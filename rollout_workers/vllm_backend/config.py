@@ -43,9 +43,9 @@ class VllmEngineConfig(EngineSettings):
     weight_update: Literal["auto", "memory", "reload", "recreate"] = Field(
         "auto", description="how a state dict reaches vLLM: memory = loaded in place from shared buffers vLLM's worker "
                             "maps (no disk); reload = written as a checkpoint, then loaded in place (reload_weights); "
-                            "recreate = vLLM restarted on that checkpoint (~20 s on CPU even for a tiny model); auto = "
-                            "memory on CPU, reload on GPU (memory is not measured on a GPU yet). On CPU the packed GEMM "
-                            "copies are re-packed after an in-place load"
+                            "recreate = vLLM restarted on that checkpoint (~20 s on CPU even for a tiny model); "
+                            "auto = memory on CPU, reload on GPU (memory is not measured on a GPU yet). On CPU the "
+                            "packed GEMM copies are re-packed after an in-place load"
     )
     weight_transfer_backend: str | None = Field(
         None, description="vLLM native weight transfer for trainer pushes, e.g. 'nccl' (GPU only)"
@@ -83,16 +83,17 @@ class VllmEngineConfig(EngineSettings):
     @model_validator(mode="after")
     def _memory_updates_one_worker(self) -> "VllmEngineConfig":
         if self.weight_update == "memory" and self.tensor_parallel_size > 1:
-            raise ValueError(f"weight_update='memory' with tensor_parallel_size={self.tensor_parallel_size}: the shared "
-                             "buffers are mapped by one worker on the engine's own device; use weight_update='reload' "
-                             "(or 'auto') with tensor parallelism")
+            raise ValueError(f"weight_update='memory' with tensor_parallel_size={self.tensor_parallel_size}: the "
+                             "shared buffers are mapped by one worker on the engine's own device; use "
+                             "weight_update='reload' (or 'auto') with tensor parallelism")
         return self
 
     @model_validator(mode="after")
     def _sleep_mode_reloads_in_place(self) -> "VllmEngineConfig":
         if self.sleep_mode and self.weight_update == "recreate":
             raise ValueError("sleep_mode=true with weight_update='recreate': a restarted vLLM takes its GPU memory back "
-                             "while the engine should sleep; use weight_update='memory', 'reload' or 'auto' with sleep mode")
+                             "while the engine should sleep; use weight_update='memory', 'reload' or 'auto' with "
+                             "sleep mode")
         return self
 
     @field_validator("landmark")

@@ -46,7 +46,8 @@ def served_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
 def check_fits_served(weights: Mapping[str, torch.Tensor] | Path, served: Mapping[str, tuple[int, ...]],
                       tied: bool) -> None:
     """Raise ValueError naming the tensor unless `weights` (a state dict, or a checkpoint directory by its headers)
-    fits the served shapes (`sparrow.weight_sync.check`). With tied embeddings an update may carry the lm_head or not."""
+    fits the served shapes (`sparrow.weight_sync.check`). With tied embeddings an update may carry the lm_head or
+    not."""
     if isinstance(weights, Path):
         given, where = checkpoint_headers(weights), f"checkpoint {weights}"
     else:
