@@ -206,3 +206,21 @@ def test_an_update_is_checked_whole_against_the_served_checkpoint(tiny_llama, tm
         check_fits_served({**served, name: served[name] * float("inf")}, shapes, tied=True)
     with pytest.raises(ValueError, match=r"no \*.safetensors file; .*save_pretrained"):
         served_shapes(tmp_path)
+
+
+@needs_vllm
+def test_a_cpu_generator_rewinds_to_its_state_before_the_steps_draw_and_swaps_stay_generators():
+    """What `_vllm.rewindable_cpu_generators` gives vLLM's runner: the sampler's `items()` records each CPU generator's
+    state, the rewind (`get(i).set_offset(get(i).get_offset() - 4)`) puts it back, a row swap through `get` stores
+    the generator itself, and an untouched generator draws on."""
+    from sparrow.rollout_workers.vllm_backend._vllm import _RewindableCpuGenerators
+    from vllm.utils.collection_utils import swap_dict_values
+
+    generators = _RewindableCpuGenerators({0: torch.Generator().manual_seed(1), 1: torch.Generator().manual_seed(2)})
+    draw = lambda g: torch.randint(0, 1 << 30, (1,), generator=g).item()  # noqa: E731
+    first = {i: draw(g) for i, g in generators.items()}  # the sampler's draw of a step
+    rewind = generators.get(0)
+    rewind.set_offset(rewind.get_offset() - 4)  # the runner discards row 0's sample
+    assert draw(generators[0]) == first[0] and draw(generators[1]) != first[1]
+    swap_dict_values(generators, 0, 1)
+    assert all(type(g) is torch.Generator for g in dict.values(generators))
