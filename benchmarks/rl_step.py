@@ -266,9 +266,13 @@ def run_bench(args) -> int:
     from sparrow.coordinator.config import build_config
     from sparrow.coordinator.driver import TrainingJob
     from sparrow.coordinator.run_dir import RunDir
+    from sparrow.schedule import published_schedules
 
     if args.steps < 1:
         raise ValueError(f"--steps {args.steps}: time at least one step")
+    if args.mode == "sparse" and args.schedule is None and f"{args.shape}-0.86" not in published_schedules():
+        raise ValueError(f"--mode sparse --shape {args.shape}: no published {args.shape}-0.86 schedule to default to; "
+                         "give --schedule (a name from `sparrow schedule list`, e.g. qwen3-1.7b-0.86, or a file)")
     args.workdir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     print(f"[rl-step] building the {args.shape} checkpoint (random weights) ...", flush=True)

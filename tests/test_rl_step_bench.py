@@ -203,10 +203,13 @@ def test_merge_refuses_results_of_different_protocols_or_kinds():
 
 def test_the_bench_runs_the_real_job_on_cpu_and_keeps_each_step_and_the_reference(tmp_path, capsys):
     """The whole command on the tiny shape: the JSON holds every step and the no-tail reference, and the merge sets
-    the job's rollout tokens/s beside it."""
+    the job's rollout tokens/s beside it; sparse without --schedule on a shape with no published one is refused."""
     from sparrow.cli.main import main
 
     out = tmp_path / "run.json"
+    assert main(["bench", "rl-step", "--shape", "tiny", "--device", "cpu", "--mode", "sparse", "--workdir",
+                 str(tmp_path / "w")]) == 2  # no published tiny-0.86: refused before any checkpoint is built
+    assert "give --schedule" in capsys.readouterr().err and not (tmp_path / "w").exists()
     assert main(["bench", "rl-step", "--shape", "tiny", "--device", "cpu", "--mode", "sparse", "--schedule",
                  "qwen3-1.7b-0.86", "--prompts", "1", "--samples", "2", "--max-tokens", "16", "--prompt-tokens", "32",
                  "--steps", "2", "--workdir", str(tmp_path / "w"), "--out", str(out), "--reference-rollout"]) == 0
