@@ -83,15 +83,15 @@ class VllmEngine(RolloutEngine):
         """vLLM allocations asleep ('weights', 'kv_cache'): weights wake alone to take a new version."""
         self._weights_root = Path(tempfile.mkdtemp(prefix="sparrow-vllm-weights-"))
         self._current_dir = self.model_dir
+        """Where the weights vLLM runs now came from (checkpoints written by load_weights live in _weights_root)."""
         self._memory_sender: SharedSender | None = None
         """The shared buffers a state dict reaches vLLM's worker through (`weight_update: memory`)."""
-        """Where the weights vLLM runs now came from (checkpoints written by load_weights live in _weights_root)."""
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="sparrow-vllm-loop", daemon=True)
         self._thread.start()
         self._llm = None
         try:
-            self._llm = self._call(self._start(self.model_dir))
+            self._call(self._start(self.model_dir))
         except BaseException:
             self.shutdown()
             raise
@@ -171,13 +171,12 @@ class VllmEngine(RolloutEngine):
             raise ValueError(f"engine_args sets {clash}, which VllmEngineConfig controls; use its fields instead")
         return _vllm.AsyncEngineArgs(**kwargs, **c.engine_args)
 
-    async def _start(self, model_dir: Path):
+    async def _start(self, model_dir: Path) -> None:
         self._counters["engine_starts"] += 1
         # No local for the AsyncLLM: vLLM keeps a traceback of an import it made here, and with it this frame.
         self._llm = _vllm.AsyncLLM.from_engine_args(self.engine_args(model_dir))
         if self.on_cpu:
             await self._llm.collective_rpc("sparrow_rewindable_cpu_generators")
-        return self._llm
 
     def _call(self, coro):
         """Run a coroutine on the engine's loop and wait for it (from any thread but the loop's)."""
@@ -524,7 +523,7 @@ class VllmEngine(RolloutEngine):
     async def _restart(self, model_dir: Path) -> None:
         if self._llm is not None:
             await self._stop_llm()
-        self._llm = await self._start(model_dir)
+        await self._start(model_dir)
 
     async def _reload(self, model_dir: Path) -> None:
         await self._wake_weights()

@@ -67,6 +67,8 @@ class SparseRuntime:
         self.attention = options.attention
         self.backend_kind = options.attention_backend
         self.schedule: SparsitySchedule | None = None
+        self._budget_lookup: tuple[tuple, torch.Tensor] | None = None
+        """(block-table width, device) -> the schedule's budget by block count there; dropped with the schedule."""
         self.set_schedule(options.schedule)
         self._backend: AttentionBackend | None = None
         self.trace: deque | None = deque(maxlen=options.trace_steps) if options.trace_steps else None
@@ -79,7 +81,6 @@ class SparseRuntime:
         self.prompt_tokens = 0
         """Rows and query tokens attended densely as prompt (a prefix-cache hit leaves one token to compute)."""
         self._block_sums: torch.Tensor | None = None
-        self._budget_lookup: tuple[tuple, torch.Tensor] | None = None
 
     @property
     def schedule_version(self) -> int:
@@ -89,6 +90,7 @@ class SparseRuntime:
         schedule = None if payload is None else SparsitySchedule.from_dict(payload, origin="sparrow_set_schedule")
         self.attention.check_compatible(schedule)
         self.schedule = schedule
+        self._budget_lookup = None
 
     def backend(self, device: torch.device) -> AttentionBackend:
         if self._backend is None:
@@ -102,7 +104,7 @@ class SparseRuntime:
         table's width, the most blocks a row can hold)."""
         if self.schedule is None:
             return None
-        key = (self.schedule, max_blocks, seq_lens.device)
+        key = (max_blocks, seq_lens.device)
         if self._budget_lookup is None or self._budget_lookup[0] != key:
             self._budget_lookup = (key, self.schedule.budget_by_blocks(max_blocks).to(seq_lens.device))
         blocks = (seq_lens.long() + self.attention.block_size - 1) // self.attention.block_size

