@@ -70,6 +70,9 @@ def register(actions) -> None:
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--kv-cache-dtype", default="auto", help="rollout.native.kv_cache_dtype (fp8_e4m3: half the pages)")
     p.add_argument("--micro-batch-tokens", type=int, default=None, help="trainer micro-batch (default: one sample)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override one key of the job's config after the flags above, as `sparrow train --set` does, "
+                        "e.g. --set rollout.vllm.weight_update=memory (repeatable)")
     p.add_argument("--workdir", type=Path, default=Path("/tmp/sparrow-rl-step"),
                    help="where the checkpoint (reused by shape), prompts and run directory go")
     p.add_argument("--out", type=Path, help="JSON results (default benchmarks/results/rl-step-<device>-<time>.json)")
@@ -263,7 +266,7 @@ def step_table(rows: list[dict], label: str | None = None) -> str:
 
 
 def run_bench(args) -> int:
-    from sparrow.coordinator.config import build_config
+    from sparrow.coordinator.config import build_config, set_override
     from sparrow.coordinator.driver import TrainingJob
     from sparrow.coordinator.run_dir import RunDir
     from sparrow.schedule import published_schedules
@@ -280,7 +283,10 @@ def run_bench(args) -> int:
     prompts_path = args.workdir / f"prompts-{args.prompts}x{args.prompt_tokens}.jsonl"
     prompt_tokens = write_prompts(model_dir, prompts_path, args.prompts, args.prompt_tokens)
     run_root = args.workdir / "runs"
-    config = build_config(job_config(args, model_dir, prompts_path, run_root), "bench rl-step")
+    data = job_config(args, model_dir, prompts_path, run_root)
+    for assignment in args.set:
+        set_override(data, assignment)
+    config = build_config(data, "bench rl-step" + (" with --set overrides" if args.set else ""))
     run_dir = RunDir.create(run_root, time.strftime(f"{args.mode}-{args.placement}-%Y%m%d-%H%M%S"))
     run_dir.config_file.write_text(config.dump())
     busy = GpuBusy() if args.device == "cuda" else None
@@ -298,7 +304,7 @@ def run_bench(args) -> int:
                   "weights_channel": rows[0]["publish_channel"], "stop_at_eos": args.stop_at_eos,
                   "partial_rollout": args.partial_rollout,
                   "carry": args.carry if args.partial_rollout is not None else None,
-                  "close_after_s": args.close_after_s, "carry_staleness": args.carry_staleness,
+                  "close_after_s": args.close_after_s, "carry_staleness": args.carry_staleness, "set": args.set,
                   "startup_s": startup, "steps": rows, "steps_asked": args.steps, "reference_rollout": reference,
                   "seconds": time.perf_counter() - started, "run_dir": str(run_dir.path)}
         out.write_text(json.dumps(result, indent=1) + "\n")

@@ -1,5 +1,5 @@
-"""A model directory's `config.json`, and what a Llama / Qwen2 / Qwen3 one says about its decoder's
-attention and projections.
+"""A model directory's `config.json`, what a Llama / Qwen2 / Qwen3 one says about its decoder's attention and
+projections, and which safetensors files hold its weights.
 
 Read one way for every user — the job (vocabulary size), the native engine's `ModelSpec`, the cost model's
 `ModelShape` and the vLLM backend's KV budget split — so the file's errors, the defaults (KV heads, head
@@ -45,6 +45,26 @@ def read_json_object(path: Path, what: str) -> dict[str, Any]:
 def read_model_config(source: str | Path) -> dict[str, Any]:
     """The parsed `config.json` of a Hugging Face model directory (or of the file itself)."""
     return read_json_object(config_path(source), "config.json")
+
+
+def safetensors_files(model_dir: str | Path, fix: str) -> list[Path]:
+    """The safetensors files of a model directory: those its `model.safetensors.index.json` lists (each must exist),
+    else every `*.safetensors` file. `fix` ends the error when there is none (what the reader needs instead)."""
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = read_json_object(index, index.name).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ModelConfigError(f"{index}: not a valid safetensors index (no 'weight_map' of tensor name -> file)")
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        for f in files:
+            if not f.is_file():
+                raise ModelConfigError(f"{f}: listed in {index.name} but missing")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ModelConfigError(f"{model_dir}: no *.safetensors file; {fix}")
+    return files
 
 
 @dataclass(frozen=True)

@@ -116,10 +116,11 @@ def edit_config(model_dir, **changes):
         (lambda d: (d / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00garbage"),
          "model.safetensors: corrupt or unreadable safetensors"),
         (lambda d: (d / "model.safetensors").unlink(), "no \\*.safetensors file"),
+        (lambda d: (d / "model.safetensors.index.json").write_text('{"metadata": {}}'), "not a valid safetensors index"),
         (lambda d: save_file({"model.embed_tokens.weight": torch.zeros(3, 3)}, d / "model.safetensors"), "missing keys"),
     ],
     ids=["architecture", "missing-field", "rope-type", "rope-field", "no-config", "bad-json", "corrupt-safetensors",
-         "no-safetensors", "wrong-tensors"],
+         "no-safetensors", "bad-index", "wrong-tensors"],
 )
 def test_bad_model_directories_fail_clearly(tiny_qwen3, tmp_path, damage, message):
     model_dir = tmp_path / "model"

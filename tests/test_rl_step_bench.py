@@ -2,6 +2,7 @@
 
 import argparse
 import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -210,10 +211,17 @@ def test_the_bench_runs_the_real_job_on_cpu_and_keeps_each_step_and_the_referenc
     assert main(["bench", "rl-step", "--shape", "tiny", "--device", "cpu", "--mode", "sparse", "--workdir",
                  str(tmp_path / "w")]) == 2  # no published tiny-0.86: refused before any checkpoint is built
     assert "give --schedule" in capsys.readouterr().err and not (tmp_path / "w").exists()
+    assert main(["bench", "rl-step", "--shape", "tiny", "--device", "cpu", "--mode", "dense", "--max-tokens", "16",
+                 "--prompt-tokens", "32", "--workdir", str(tmp_path / "w"), "--set", "rollout.native.max_num_seqs=0"]) == 2
+    refusal = capsys.readouterr().err
+    assert "bench rl-step with --set overrides" in refusal and "max_num_seqs" in refusal
     assert main(["bench", "rl-step", "--shape", "tiny", "--device", "cpu", "--mode", "sparse", "--schedule",
                  "qwen3-1.7b-0.86", "--prompts", "1", "--samples", "2", "--max-tokens", "16", "--prompt-tokens", "32",
-                 "--steps", "2", "--workdir", str(tmp_path / "w"), "--out", str(out), "--reference-rollout"]) == 0
+                 "--steps", "2", "--workdir", str(tmp_path / "w"), "--out", str(out), "--reference-rollout",
+                 "--set", "trainer.optimizer.lr=2.5e-6"]) == 0
     result = json.loads(out.read_text())
+    assert result["set"] == ["trainer.optimizer.lr=2.5e-6"]
+    assert "lr: 2.5e-06" in (Path(result["run_dir"]) / "config.yaml").read_text()
     assert [s["step"] for s in result["steps"]] == [0, 1] and result["steps_asked"] == 2
     assert all(s["samples"] == 2 and s["tokens"] == 2 * 16 for s in result["steps"])
     reference = result["reference_rollout"]

@@ -3,8 +3,9 @@
 The sparse layers run the Triton kernels inside vLLM's own engine (Model Runner V2 on CUDA from vLLM 0.26 on), eager
 and under piecewise CUDA graphs, against the native engine on the same random-weight Qwen3 (head_dim 128, the
 kernels' shape) and schedule: greedy tokens, logprobs and blocks attended; prefix-cache hits by GRPO siblings stay
-dense in their prompt; a schedule hot-update reaches the very next decode step; weights reloaded in place, or loaded
-while vLLM's sleep mode holds the GPU memory given back, equal a fresh load; NCCL weight transfer from a trainer
+dense in their prompt; a schedule hot-update reaches the very next decode step; weights reloaded in place from a
+checkpoint, or handed over as CUDA tensors (`weight_update: memory`, CUDA IPC) while vLLM's sleep mode holds the GPU
+memory given back, equal a fresh load; NCCL weight transfer from a trainer
 process (two GPUs: NCCL refuses two ranks on one device). Measured differences go to $OUT/vllm-gpu-measured.json.
 """
 
@@ -83,7 +84,8 @@ def fp32_graphs(qwen3_128):
 
 @pytest.fixture(scope="module")
 def bf16_sleepy(qwen3_128):
-    engine = make_engine(qwen3_128, dtype="bfloat16", sleep_mode=True)
+    """The colocated engine: sleep mode, a state dict taken from shared buffers (CUDA IPC), a checkpoint reloaded."""
+    engine = make_engine(qwen3_128, dtype="bfloat16", sleep_mode=True, weight_update="memory")
     yield engine
     engine.shutdown()
 
@@ -404,7 +406,7 @@ def test_sleep_gives_memory_back_and_wake_restores_the_same_engine(bf16_sleepy, 
 def test_weights_loaded_while_asleep_equal_a_fresh_load(bf16_sleepy, qwen3_128, fresh_perturbed):
     bf16_sleepy.set_schedule(SMALL)
     bf16_sleepy.sleep()
-    bf16_sleepy.load_weights(perturbed(qwen3_128, seed=1), version=1)
+    bf16_sleepy.load_weights({k: v.cuda() for k, v in perturbed(qwen3_128, seed=1).items()}, version=1)
     bf16_sleepy.wake()
     updated = bf16_sleepy.generate(greedy())
     assert all(s.policy_version == 1 for s in updated)

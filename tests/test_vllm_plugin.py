@@ -208,6 +208,30 @@ def test_an_update_is_checked_whole_against_the_served_checkpoint(tiny_llama, tm
         served_shapes(tmp_path)
 
 
+def test_a_sharded_checkpoint_is_read_by_its_index(tiny_llama, tmp_path):
+    """A model saved in shards is checked by the files its index lists (every one of them), not by whatever
+    *.safetensors lies in the folder; a shard the index names but the folder lacks is refused by name."""
+    from safetensors.torch import load_file, save_file
+
+    from sparrow.rollout_workers.vllm_backend.weights import served_shapes
+
+    served = load_file(str(tiny_llama / "model.safetensors"))
+    names = sorted(served)
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    halves = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for file, part in halves.items():
+        save_file({n: served[n].contiguous() for n in part}, str(sharded / file))
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {n: file for file, part in halves.items() for n in part}}))
+    save_file({"stray.weight": torch.zeros(2)}, str(sharded / "consolidated.safetensors"))
+    assert served_shapes(sharded) == served_shapes(tiny_llama)
+    (sharded / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(ValueError, match="model-00002-of-00002.safetensors: listed in model.safetensors.index.json "
+                                         "but missing"):
+        served_shapes(sharded)
+
+
 @needs_vllm
 def test_a_cpu_generator_rewinds_to_its_state_before_the_steps_draw_and_swaps_stay_generators():
     """What `_vllm.rewindable_cpu_generators` gives vLLM's runner: the sampler's `items()` records each CPU generator's

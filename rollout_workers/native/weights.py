@@ -6,7 +6,6 @@ engine keeps serving the old weights. Under tensor parallelism a rank takes its 
 first (`tensor_parallel.py`) and validates that.
 """
 
-import json
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
+from sparrow.architecture import ModelConfigError, safetensors_files
 from sparrow.weight_sync.check import check_update
 
 from .model import DecoderModel
@@ -24,21 +24,10 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise ModelLoadError(f"{index}: not a valid safetensors index ({exc.__class__.__name__}: {exc})") from None
-        files = [model_dir / name for name in sorted(set(weight_map.values()))]
-        for f in files:
-            if not f.is_file():
-                raise ModelLoadError(f"{f}: listed in {index.name} but missing")
-        return files
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise ModelLoadError(f"{model_dir}: no *.safetensors file; the native engine reads safetensors checkpoints only")
-    return files
+    try:
+        return safetensors_files(model_dir, "the native engine reads safetensors checkpoints only")
+    except ModelConfigError as exc:
+        raise ModelLoadError(str(exc)) from None
 
 
 def read_checkpoint(model_dir: str | Path, shard: Callable | None = None) -> dict[str, torch.Tensor]:

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from sparrow.architecture import safetensors_files
 from sparrow.weight_sync import SharedHandle
 from sparrow.weight_sync.check import TensorHeader, check_update, read_headers
 
@@ -31,11 +32,9 @@ def decode_handle(text: str) -> SharedHandle:
 
 def checkpoint_headers(model_dir: Path) -> dict[str, TensorHeader]:
     """Name → shape and dtype of every tensor in a directory's safetensors files."""
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"{model_dir}: no *.safetensors file; a weight update is checked against the served model's "
-                         "safetensors (save a .bin model again with transformers' save_pretrained)")
-    return read_headers(files)
+    return read_headers(safetensors_files(model_dir, "a weight update is checked against the served model's "
+                                                      "safetensors (save a .bin model again with transformers' "
+                                                      "save_pretrained)"))
 
 
 def served_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
