@@ -5,7 +5,8 @@ and under piecewise CUDA graphs, against the native engine on the same random-we
 kernels' shape) and schedule: greedy tokens, logprobs and blocks attended; prefix-cache hits by GRPO siblings stay
 dense in their prompt; a schedule hot-update reaches the very next decode step; weights reloaded in place from a
 checkpoint, or handed over as CUDA tensors (`weight_update: memory`, CUDA IPC) while vLLM's sleep mode holds the GPU
-memory given back, equal a fresh load; NCCL weight transfer from a trainer
+memory given back, equal a fresh load; with `cuda_graphs: full_decode` a decode step replays one graph of the whole
+model, sparse layers included, and matches the native engine; NCCL weight transfer from a trainer
 process (two GPUs: NCCL refuses two ranks on one device). Measured differences go to $OUT/vllm-gpu-measured.json.
 """
 
@@ -86,6 +87,16 @@ def fp32_graphs(qwen3_128):
 def bf16_sleepy(qwen3_128):
     """The colocated engine: sleep mode, a state dict taken from shared buffers (CUDA IPC), a checkpoint reloaded."""
     engine = make_engine(qwen3_128, dtype="bfloat16", sleep_mode=True, weight_update="memory")
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def bf16_full_graphs(qwen3_128, tmp_path_factory):
+    """`cuda_graphs: full_decode`, started sparse (an engine started dense keeps the dense kernel it captured)."""
+    schedule_file = tmp_path_factory.mktemp("schedule") / "small.json"
+    SMALL.save(schedule_file)
+    engine = make_engine(qwen3_128, dtype="bfloat16", cuda_graphs="full_decode", schedule=str(schedule_file))
     yield engine
     engine.shutdown()
 
@@ -306,6 +317,23 @@ def test_fp32_piecewise_cuda_graphs_equal_eager(fp32_eager, fp32_graphs, stock_g
 def test_bf16_cuda_graphs_match_the_native_engine(bf16_sleepy, native_bf16):
     requests = greedy()
     compare(run(bf16_sleepy, SMALL, requests), run(native_bf16, SMALL, requests), BF16_TOL, "bf16_graphs_vs_native")
+
+
+def test_full_decode_graphs_match_the_native_engine_and_take_each_schedule(bf16_full_graphs, native_bf16):
+    """Decode steps replay one graph of the whole model, sparse layers included: the native engine's tokens (to a
+    bf16 tie), logprobs and blocks attended, under a small budget, one covering the context and dense, switched
+    between steps through the captured budgets buffer; the counters the replayed layers keep move with the steps."""
+    requests = greedy()
+    for schedule in (SMALL, WIDE, None):
+        before = bf16_full_graphs.stats()
+        ours = run(bf16_full_graphs, schedule, requests)
+        after = bf16_full_graphs.stats()
+        name = "dense" if schedule is None else schedule.name
+        compare(ours, run(native_bf16, schedule, requests), BF16_TOL, f"bf16_full_graphs_vs_native.{name}")
+        steps = after["sparse_decode_steps"] - before["sparse_decode_steps"]
+        attended = after["sparse_blocks_attended"] - before["sparse_blocks_attended"]
+        record({f"bf16_full_graphs.{name}.decode_steps": steps, f"bf16_full_graphs.{name}.blocks_attended": attended})
+        assert steps >= 63 and attended > 0
 
 
 def test_grpo_siblings_hit_the_prefix_cache_and_stay_dense_in_their_prompt(fp32_eager):

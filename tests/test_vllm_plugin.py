@@ -140,6 +140,11 @@ def test_config_errors_name_field_and_fix():
         VllmEngineConfig(sleep_mode=True, weight_update="recreate")
     with pytest.raises(ValueError, match="weight_update='memory' with tensor_parallel_size=2.*weight_update='reload'"):
         VllmEngineConfig(weight_update="memory", tensor_parallel_size=2)
+    for setting, why in [({"trace_steps": 4}, "trace reads every step on the host"),
+                         ({"attention_backend": "reference"}, "lengths on the host, which a graph cannot"),
+                         ({"block_size": 32}, "pages of 16 tokens"), ({"enforce_eager": True}, "no graphs at all")]:
+        with pytest.raises(ValueError, match=rf"cuda_graphs='full_decode' with .*{why}; use cuda_graphs='piecewise'"):
+            VllmEngineConfig(cuda_graphs="full_decode", **setting)
 
 
 def test_only_a_sleep_mode_engine_releases_memory_for_the_colocated_placement():

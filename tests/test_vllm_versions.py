@@ -169,6 +169,54 @@ def test_a_prompt_row_among_the_decodes_stays_dense_and_the_decodes_sparse():
         assert close if name == "s" else not close, f"{name}: the prompt row must be dense, the decode sparse"
 
 
+@pytest.mark.vllm
+@needs_vllm
+def test_a_full_decode_graph_reads_fixed_addresses_that_each_step_refills():
+    """A replayed decode graph reads what its capture read, at the same addresses: views of vLLM's persistent seq_lens
+    and block table, and the builder's budgets buffer, refilled in place from each step's lengths and the schedule in
+    force (a dense one too: every block). The graph's padding rows (no query token, length 0) are decodes that are
+    not requests. An engine started dense captured the dense kernel: it refuses a sparse schedule, naming the fix."""
+    from sparrow.rollout_workers.vllm_backend import runtime
+    from sparrow.rollout_workers.vllm_backend.backend import step_metadata
+
+    page, width = 16, 64
+    seq_lens, budgets = torch.zeros(4, dtype=torch.int32), torch.zeros(8, dtype=torch.long)
+    block_table = torch.arange(4 * width, dtype=torch.int32).view(4, width)
+
+    def step(lengths):
+        """Three decoding requests and one padding row, written into the runner's buffers as vLLM does."""
+        seq_lens.copy_(torch.tensor([*lengths, 0]))
+        cm = SimpleNamespace(num_reqs=4, query_start_loc_cpu=torch.tensor([0, 1, 2, 3, 3], dtype=torch.int32),
+                             num_actual_tokens=4, is_prefilling=torch.zeros(3, dtype=torch.bool), seq_lens=seq_lens,
+                             seq_lens_cpu_upper_bound=torch.tensor([*lengths, 0]), block_table_tensor=block_table,
+                             slot_mapping=torch.zeros(4, dtype=torch.long))
+        return step_metadata(cm, page, budgets)
+
+    def expected(lengths, schedule):
+        blocks = (torch.tensor([*lengths, 0]) + page - 1) // page
+        return [DENSE_BUDGET] * 4 if schedule is None else schedule.budget_by_blocks(width)[blocks].tolist()
+
+    runtime.configure(runtime.WorkerOptions(attention_backend="reference", schedule=SMALL.to_dict(),
+                                            full_decode_graphs=True).to_dict())
+    captured = step([100, 140, 700])
+    assert captured.decode_tokens == slice(0, 4) and captured.num_decodes == 4 and captured.num_live_decodes == 3
+    assert captured.budgets.tolist() == expected([100, 140, 700], SMALL)
+    replayed = step([101, 161, 701])  # the second row crosses SMALL's 160-token edge
+    for a, b in [(captured.decode_seq_lens, replayed.decode_seq_lens), (captured.budgets, replayed.budgets),
+                 (captured.decode_block_table, replayed.decode_block_table)]:
+        assert a.data_ptr() == b.data_ptr() and torch.equal(a, b)
+    assert captured.decode_seq_lens.data_ptr() == seq_lens.data_ptr()
+    assert captured.budgets.tolist() == expected([101, 161, 701], SMALL) != expected([100, 140, 700], SMALL)
+    runtime.current().set_schedule(None)  # dense between steps: the same graph, every block
+    step([102, 162, 702])
+    assert captured.budgets.tolist() == expected([102, 162, 702], None)
+
+    runtime.configure(runtime.WorkerOptions(attention_backend="reference", full_decode_graphs=True).to_dict())
+    assert step([100, 150, 700]).budgets is None
+    with pytest.raises(ValueError, match="started dense with cuda_graphs='full_decode'.*start it with a schedule"):
+        runtime.current().set_schedule(SMALL.to_dict())
+
+
 VERSION_SCRIPT = """
 import inspect
 from sparrow.rollout_workers.vllm_backend import _vllm, plugin

@@ -10,6 +10,12 @@ keep vLLM's stock backend. In a sparse layer:
   `budget` from the worker's current schedule and L = the row's total length, through a
   `sparrow.kernels` backend (torch reference on CPU, Triton on CUDA);
 - prompt rows (prefill, chunked prefill, prefix-cache extends) attend densely, as in Sparrow.
+
+With `cuda_graphs: full_decode` the builder declares `UNIFORM_SINGLE_TOKEN_DECODE`: a decode-only step replays one
+graph of the whole model. What the sparse layers read is then at fixed addresses, refilled before each replay:
+vLLM's own seq_lens, block table and slot mapping (views of its persistent buffers; a page is one Sparrow block) and
+the builder's budgets buffer; the padding rows of a graph (no query token, length 0) attend nothing. The Triton
+kernels' scratch is allocated before capture, and per-step counting happens on the host when metadata is built.
 """
 
 from dataclasses import dataclass
@@ -27,6 +33,8 @@ class SparrowMetadata:
     """One engine step of one KV-cache group, shared by all its sparse layers."""
 
     num_actual_tokens: int
+    num_live_decodes: int
+    """Decode rows that are requests (a full graph's padding rows, no query token and length 0, are not)."""
     decode_tokens: slice | torch.Tensor
     """Query rows of the decode rows: a slice when they lead the batch, else their indices."""
     decode_block_table: torch.Tensor
@@ -47,23 +55,57 @@ class SparrowMetadata:
 class SparrowMetadataBuilder(_vllm.AttentionMetadataBuilder[SparrowMetadata]):
     _cudagraph_support = _vllm.AttentionCGSupport.NEVER
 
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config, kv_cache_spec):
+        """Eager layers inside vLLM's piecewise graphs, unless the engine asked for full decode graphs."""
+        options = (vllm_config.additional_config or {}).get(runtime.OPTIONS_KEY) or {}
+        if options.get("full_decode_graphs"):
+            return _vllm.AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+        return cls._cudagraph_support
+
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.page_size = kv_cache_spec.block_size
         self._init_reorder_batch_threshold(1)
+        state = runtime.current()
+        model, scheduler = vllm_config.model_config, vllm_config.scheduler_config
+        max_rows = max(scheduler.max_num_seqs, vllm_config.compilation_config.max_cudagraph_capture_size or 0)
+        self.budgets = torch.zeros(max_rows, dtype=torch.long, device=device)
+        """The decode rows' budgets, refilled in place each step (the address a decode graph captured)."""
+        state.prepare_counters(torch.device(device))
+        if state.full_decode_graphs:  # on CUDA, pages of BLOCK_SIZE (VllmEngineConfig): the scratch before capture
+            width = -(-model.max_model_len // BLOCK_SIZE)
+            width = -(-width // BLOCK_TABLE_ALIGN) * BLOCK_TABLE_ALIGN
+            parallel = vllm_config.parallel_config
+            state.backend(torch.device(device)).prepare(
+                max_rows, width, model.get_num_attention_heads(parallel), model.get_num_kv_heads(parallel),
+                model.get_head_size(), device)
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False) -> SparrowMetadata:
-        return step_metadata(common_attn_metadata, self.page_size)
+        md = step_metadata(common_attn_metadata, self.page_size, self.budgets)
+        if md.num_live_decodes:
+            runtime.current().count_decode_step(md.num_live_decodes)
+        return md
+
+    def build_for_cudagraph_capture(self, common_attn_metadata) -> SparrowMetadata:
+        """A dummy decode batch: its metadata, with no step counted."""
+        return step_metadata(common_attn_metadata, self.page_size, self.budgets)
 
 
-def step_metadata(cm, page_size: int) -> SparrowMetadata:
-    """Split one step's rows (vLLM's `CommonAttentionMetadata`) into sparse decodes and dense prompt rows."""
+BLOCK_TABLE_ALIGN = 128 // BLOCK_SIZE
+"""vLLM rounds its block tables' width up to a multiple of 128 / page size (kernels that read 128-token tiles)."""
+
+
+def step_metadata(cm, page_size: int, budgets_out: torch.Tensor | None = None) -> SparrowMetadata:
+    """Split one step's rows (vLLM's `CommonAttentionMetadata`) into sparse decodes and dense prompt rows; the
+    decodes' budgets go into `budgets_out` (the builder's buffer) when given."""
     rows = cm.num_reqs
     decoding = _vllm.decode_rows(cm)
     decode_rows = decoding.nonzero().flatten()
     prefill_rows = (~decoding).nonzero().flatten()
     num_decodes = decode_rows.numel()
     starts = cm.query_start_loc_cpu[: rows + 1]
+    padding = int((starts[1:] == starts[:-1]).sum())
     device = cm.seq_lens.device
     block_table = sparse_block_table(cm.block_table_tensor[:rows], page_size)
     seq_lens = cm.seq_lens[:rows]
@@ -73,18 +115,23 @@ def step_metadata(cm, page_size: int) -> SparrowMetadata:
         decode_index = decode_rows.to(device, non_blocking=True)
         decode_tokens = starts[decode_rows].long().to(device, non_blocking=True)
     decode_seq_lens = seq_lens[decode_index]
-    seq_lens_cpu = cm.seq_lens_cpu_upper_bound if cm.seq_lens_cpu_upper_bound is not None else cm.seq_lens.cpu()
     prefill = prefill_rows.tolist()
+    prefill_seq_lens = []
+    if prefill:  # read on the host only for prompt rows (an older runner's seq_lens.cpu() waits for the GPU)
+        seq_lens_cpu = cm.seq_lens_cpu_upper_bound if cm.seq_lens_cpu_upper_bound is not None else cm.seq_lens.cpu()
+        prefill_seq_lens = seq_lens_cpu[prefill_rows].tolist()
+    out = None if budgets_out is None else budgets_out[:num_decodes]
     return SparrowMetadata(
         num_actual_tokens=cm.num_actual_tokens,
+        num_live_decodes=num_decodes - padding,
         decode_tokens=decode_tokens,
         decode_block_table=block_table[decode_index],
         decode_seq_lens=decode_seq_lens,
-        budgets=runtime.current().budgets(decode_seq_lens, block_table.shape[1]) if num_decodes else None,
+        budgets=runtime.current().budgets(decode_seq_lens, block_table.shape[1], out) if num_decodes else None,
         slot_mapping=cm.slot_mapping,
         prefill_block_table=block_table[prefill_rows.to(device, non_blocking=True)] if prefill else block_table[:0],
         prefill_query_spans=[(int(starts[r]), int(starts[r + 1])) for r in prefill],
-        prefill_seq_lens=seq_lens_cpu[prefill_rows].tolist(),
+        prefill_seq_lens=prefill_seq_lens,
     )
 
 

@@ -34,7 +34,13 @@ class VllmEngineConfig(EngineSettings):
     )
     kv_cache_memory_bytes: int = Field(GiB, ge=1 << 20, description="per worker: KV pages + landmark side tables")
     enable_prefix_caching: bool = True
-    enforce_eager: bool | None = Field(None, description="None = eager on CPU, CUDA graphs (piecewise) on CUDA")
+    enforce_eager: bool | None = Field(None, description="None = eager on CPU, CUDA graphs on CUDA (see cuda_graphs)")
+    cuda_graphs: Literal["piecewise", "full_decode"] = Field(
+        "piecewise", description="piecewise = vLLM's graphs between the sparse layers, which run eagerly (run on "
+                                 "an H100 and an H200); full_decode = a decode-only step replays one graph of the "
+                                 "whole model, sparse layers included (CUDA, pages of 16 tokens, Triton kernels; not "
+                                 "run on a GPU yet). An engine started dense with full_decode stays dense"
+    )
     attention_backend: Literal["auto", "reference", "triton"] = Field(
         "auto", description="sparse decode kernels; auto = triton on CUDA, reference (torch) on CPU"
     )
@@ -86,6 +92,25 @@ class VllmEngineConfig(EngineSettings):
             raise ValueError(f"weight_update='memory' with tensor_parallel_size={self.tensor_parallel_size}: the "
                              "shared buffers are mapped by one worker on the engine's own device; use "
                              "weight_update='reload' (or 'auto') with tensor parallelism")
+        return self
+
+    @model_validator(mode="after")
+    def _full_decode_graphs_capture(self) -> "VllmEngineConfig":
+        if self.cuda_graphs != "full_decode":
+            return self
+        clashes = {
+            "enforce_eager=true": (self.enforce_eager is True, "no graphs at all"),
+            "attention='stock'": (self.attention == "stock", "vLLM's own layers choose their graphs"),
+            "attention_backend='reference'": (self.attention_backend == "reference",
+                                              "the torch kernels read lengths on the host, which a graph cannot"),
+            f"block_size={self.block_size}": (self.block_size not in (None, BLOCK_SIZE),
+                                              f"a decode graph reads vLLM's block table as Sparrow's: pages of "
+                                              f"{BLOCK_SIZE} tokens"),
+            f"trace_steps={self.trace_steps}": (self.trace_steps > 0, "the trace reads every step on the host"),
+        }
+        for setting, (clash, why) in clashes.items():
+            if clash:
+                raise ValueError(f"cuda_graphs='full_decode' with {setting}: {why}; use cuda_graphs='piecewise'")
         return self
 
     @model_validator(mode="after")

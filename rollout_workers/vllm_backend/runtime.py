@@ -14,7 +14,7 @@ import torch
 
 from sparrow.kernels import AttentionBackend, SparseAttentionConfig, make_backend
 from sparrow.kernels.reference import choice_margin, chosen_candidates, score_paged_blocks
-from sparrow.schedule import SparsitySchedule
+from sparrow.schedule import DENSE_BUDGET, SparsitySchedule
 
 OPTIONS_KEY = "sparrow"
 """Key of Sparrow's section in vLLM's `additional_config`."""
@@ -30,6 +30,8 @@ class WorkerOptions:
     attention_backend: str = "auto"
     schedule: dict | None = None
     trace_steps: int = 0
+    full_decode_graphs: bool = False
+    """Decode-only steps replay one CUDA graph of the whole model, sparse layers included (`cuda_graphs: full_decode`)."""
 
     def to_dict(self) -> dict:
         return {
@@ -37,6 +39,7 @@ class WorkerOptions:
             "attention_backend": self.attention_backend,
             "schedule": self.schedule,
             "trace_steps": self.trace_steps,
+            "full_decode_graphs": self.full_decode_graphs,
         }
 
     @classmethod
@@ -46,6 +49,7 @@ class WorkerOptions:
             attention_backend=data["attention_backend"],
             schedule=data["schedule"],
             trace_steps=data["trace_steps"],
+            full_decode_graphs=data.get("full_decode_graphs", False),
         )
 
 
@@ -66,6 +70,10 @@ class SparseRuntime:
     def __init__(self, options: WorkerOptions):
         self.attention = options.attention
         self.backend_kind = options.attention_backend
+        self.full_decode_graphs = options.full_decode_graphs
+        self.graph_budgets = options.full_decode_graphs and options.schedule is not None
+        """Decode graphs captured with budgets: every later schedule, dense (None) too, is read through budgets
+        (dense = DENSE_BUDGET, every block). An engine started dense captured the dense kernel and stays dense."""
         self.schedule: SparsitySchedule | None = None
         self._budget_lookup: tuple[tuple, torch.Tensor] | None = None
         """(block-table width, device) -> the schedule's budget by block count there; dropped with the schedule."""
@@ -88,6 +96,10 @@ class SparseRuntime:
 
     def set_schedule(self, payload: dict | None) -> None:
         schedule = None if payload is None else SparsitySchedule.from_dict(payload, origin="sparrow_set_schedule")
+        if schedule is not None and self.full_decode_graphs and not self.graph_budgets:
+            raise ValueError(f"schedule {schedule.name!r}: this engine started dense with cuda_graphs='full_decode', "
+                             "so its decode graphs hold the dense kernel; start it with a schedule (a dense one may "
+                             "follow), or use cuda_graphs='piecewise'")
         self.attention.check_compatible(schedule)
         self.schedule = schedule
         self._budget_lookup = None
@@ -97,26 +109,40 @@ class SparseRuntime:
             self._backend = make_attention_backend(self.backend_kind, device)
         return self._backend
 
-    def budgets(self, seq_lens: torch.Tensor, max_blocks: int) -> torch.Tensor | None:
+    def budgets(self, seq_lens: torch.Tensor, max_blocks: int, out: torch.Tensor | None = None) -> torch.Tensor | None:
         """Blocks each decode row may attend to (total context length → schedule); None = dense. A lookup by block
         count in a table on the rows' device, made once per schedule and width: building the budgets from Python
         lists each step copied them host to device, which waits for the GPU's queue (`max_blocks`: the block
-        table's width, the most blocks a row can hold)."""
-        if self.schedule is None:
+        table's width, the most blocks a row can hold). Written into `out` when given: a decode graph reads the
+        budgets from the address it captured."""
+        if self.schedule is None and not self.graph_budgets:
             return None
         key = (max_blocks, seq_lens.device)
         if self._budget_lookup is None or self._budget_lookup[0] != key:
-            self._budget_lookup = (key, self.schedule.budget_by_blocks(max_blocks).to(seq_lens.device))
+            table = (torch.full((max_blocks + 1,), DENSE_BUDGET, dtype=torch.long) if self.schedule is None
+                     else self.schedule.budget_by_blocks(max_blocks))
+            self._budget_lookup = (key, table.to(seq_lens.device))
         blocks = (seq_lens.long() + self.attention.block_size - 1) // self.attention.block_size
-        return self._budget_lookup[1][blocks.clamp(max=max_blocks)]
+        return torch.index_select(self._budget_lookup[1], 0, blocks.clamp(max=max_blocks), out=out)
+
+    def count_decode_step(self, rows: int) -> None:
+        """One engine step's decode rows, counted on the host when the step's metadata is built (a replayed decode
+        graph runs no Python in the layers)."""
+        self.decode_steps += 1
+        self.decode_rows += rows
+
+    def prepare_counters(self, device: torch.device) -> None:
+        """The device counters the first sparse layer adds to in place (before any graph is captured: a captured
+        add then counts every replay)."""
+        if self._block_sums is None:
+            self._block_sums = torch.zeros(2, dtype=torch.long, device=device)
 
     def record_step(self, seq_lens: torch.Tensor, blocks: torch.Tensor) -> None:
-        """Count one decode step of one sparse layer (the first): rows, blocks attended vs in context."""
-        self.decode_steps += 1
-        self.decode_rows += seq_lens.shape[0]
+        """Count one decode step of one sparse layer (the first): blocks attended vs in context (padding rows of a
+        graph, of length 0, add nothing)."""
+        self.prepare_counters(seq_lens.device)
         context = (seq_lens.long() + self.attention.block_size - 1) // self.attention.block_size
-        sums = torch.stack([blocks.long().sum(), context.sum()])
-        self._block_sums = sums if self._block_sums is None else self._block_sums + sums
+        self._block_sums.add_(torch.stack([blocks.long().sum(), context.sum()]))
         if self.tracing():
             self.trace.append({
                 "schedule_version": self.schedule_version,
