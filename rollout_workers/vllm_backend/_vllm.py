@@ -143,8 +143,8 @@ def surface() -> Surface:
     return surface_for(vllm_version())
 
 
-__all__ = [*_SYMBOLS, "KVCacheDeclaration", "decode_rows", "external_request_id", "generated_token_counts",
-           "is_supported", "repack_cpu_weights", "surface", "vllm_version"]
+__all__ = [*_SYMBOLS, "KVCacheDeclaration", "cudagraph_mode", "decode_rows", "external_request_id",
+           "generated_token_counts", "is_supported", "repack_cpu_weights", "surface", "vllm_version"]
 
 
 def __getattr__(name: str):
@@ -175,6 +175,12 @@ def decode_rows(common) -> torch.Tensor:
         prefilling = common.is_prefilling[:rows].cpu()
         decoding[: prefilling.numel()] &= ~prefilling
     return decoding
+
+
+def cudagraph_mode(worker) -> str:
+    """The CUDA-graph mode a worker runs (`NONE`, `PIECEWISE`, `FULL_AND_PIECEWISE`, ...), as vLLM resolved it at
+    start-up from what every attention backend supports."""
+    return worker.vllm_config.compilation_config.cudagraph_mode.name
 
 
 def generated_token_counts(worker) -> dict[str, int] | None:

@@ -21,7 +21,7 @@ class SparrowWorkerExtension:
         return counts
 
     def sparrow_stats(self) -> dict:
-        return runtime.current().stats()
+        return {**runtime.current().stats(), "cudagraph_mode": _vllm.cudagraph_mode(self)}
 
     def sparrow_trace(self) -> list[dict]:
         """Recent decode steps of the first sparse layer (kept when trace_steps > 0)."""
