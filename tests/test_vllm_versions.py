@@ -111,6 +111,8 @@ def test_decode_rows_are_one_token_rows_past_their_prompt():
     assert _vllm.decode_rows(interleaved).tolist() == [True, False, True, False]  # Model Runner V2's order
     unknown = common_metadata([1, 1, 1, 5], [200, 180, 300, 40], None, pages)
     assert _vllm.decode_rows(unknown).tolist() == [True, True, True, False]
+    padded = common_metadata([1, 1, 0, 0], [200, 180, 0, 0], [False, False], pages)  # a full graph's last 2 rows
+    assert _vllm.decode_rows(padded).tolist() == [True, True, True, True]
 
 
 def test_generated_token_counts_read_both_model_runners():

@@ -170,7 +170,10 @@ def decode_rows(common) -> torch.Tensor:
     """
     rows = common.num_reqs
     starts = common.query_start_loc_cpu[: rows + 1]
-    decoding = (starts[1:] - starts[:-1]) <= 1
+    query_lens = starts[1:] - starts[:-1]
+    decoding = query_lens == 1
+    requests = int(query_lens.nonzero().max()) + 1 if bool(query_lens.any()) else 0
+    decoding[requests:] = True  # padding rows trail the requests
     if common.is_prefilling is not None:
         prefilling = common.is_prefilling[:rows].cpu()
         decoding[: prefilling.numel()] &= ~prefilling
