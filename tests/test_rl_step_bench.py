@@ -212,7 +212,8 @@ def test_the_bench_runs_the_real_job_on_cpu_and_keeps_each_step_and_the_referenc
                  str(tmp_path / "w")]) == 2  # no published tiny-0.86: refused before any checkpoint is built
     assert "give --schedule" in capsys.readouterr().err and not (tmp_path / "w").exists()
     assert main(["bench", "rl-step", "--shape", "tiny", "--device", "cpu", "--mode", "dense", "--max-tokens", "16",
-                 "--prompt-tokens", "32", "--workdir", str(tmp_path / "w"), "--set", "rollout.native.max_num_seqs=0"]) == 2
+                 "--prompt-tokens", "32", "--workdir", str(tmp_path / "w"),
+                 "--set", "rollout.native.max_num_seqs=0"]) == 2
     refusal = capsys.readouterr().err
     assert "bench rl-step with --set overrides" in refusal and "max_num_seqs" in refusal
     assert main(["bench", "rl-step", "--shape", "tiny", "--device", "cpu", "--mode", "sparse", "--schedule",

@@ -31,7 +31,7 @@ class WorkerOptions:
     schedule: dict | None = None
     trace_steps: int = 0
     full_decode_graphs: bool = False
-    """Decode-only steps replay one CUDA graph of the whole model, sparse layers included (`cuda_graphs: full_decode`)."""
+    """Decode-only steps replay one CUDA graph of the whole model, sparse layers included (cuda_graphs: full_decode)."""
 
     def to_dict(self) -> dict:
         return {
