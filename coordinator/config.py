@@ -601,6 +601,7 @@ class SparrowConfig(_Section):
             )
         self._colocated_pools_pair_up()
         self._partial_rollout_engine_interrupts()
+        self._controller_has_sparsity_to_steer()
         self.rollout.engine_config().check_job(
             SamplingParams(**s.model_dump()), self.schedule_template(), "rollout", self.rollout.engine
         )
@@ -623,6 +624,12 @@ class SparrowConfig(_Section):
         if not engine.releases_memory:
             raise ValueError("run.placement='colocated' needs an engine that gives its KV memory back between steps: "
                              + engine.how_to_release_memory("rollout", self.rollout.engine))
+
+    def _controller_has_sparsity_to_steer(self) -> None:
+        dense = self.rollout.engine_config().dense_only("rollout", self.rollout.engine)
+        if self.controller.enabled and dense:
+            raise ValueError(f"controller.enabled=true steers the rollout's sparsity, and {dense}: set "
+                             "controller.enabled=false for a dense run, or let the engine run sparse layers")
 
     def _partial_rollout_engine_interrupts(self) -> None:
         partial = self.run.partial_rollout

@@ -27,6 +27,11 @@ class EngineSettings(SparseLayoutSettings):
         """What a user changes when a colocated job needs `releases_memory` and this engine lacks it."""
         return f"{section}.engine={name!r} cannot: use run.placement='disaggregated'"
 
+    def dense_only(self, section: str, name: str) -> str | None:
+        """Why this engine, as set, attends densely whatever the schedule (a job then runs the dense schedule and no
+        controller), naming the setting; None when its layers follow a schedule."""
+        return None
+
     max_num_seqs: int = Field(64, ge=1, description="sequences decoded together (a GRPO group counts n)")
     schedule: str | None = Field(None, description="initial sparsity schedule (name or file); None = dense")
     kv_cache_dtype: KVCacheDType = Field(

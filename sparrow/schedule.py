@@ -84,6 +84,11 @@ class SparsitySchedule:
                 )
 
     @property
+    def is_dense(self) -> bool:
+        """Every bin attends the whole context (the job's dense schedule: bins for α, no budget)."""
+        return all(v is None for v in self.topk_blocks)
+
+    @property
     def num_bins(self) -> int:
         return len(self.topk_blocks)
 

@@ -104,6 +104,19 @@ def test_a_colocated_placement_pairs_pools_that_can_take_turns():
         ["run.placement=colocated", "rollout.engine=vllm", "rollout.sampling.top_p=1.0"])
 
 
+def test_stock_vllm_runs_the_dense_schedule_without_a_controller():
+    """vLLM's own layers attend densely: a dense job validates; a sparse schedule or a controller, which would steer
+    sparsity the engine does not have, is refused up front naming both settings (it used to fail at the first
+    schedule, with every pool started)."""
+    stock = ["rollout.engine=vllm", "rollout.sampling.top_p=1.0", "rollout.vllm.attention=stock"]
+    load_config(None, [*stock, "controller.enabled=false", "rollout.schedule=dense"])
+    sparse = _error([*stock, "controller.enabled=false", "rollout.schedule=qwen3-1.7b-0.86"])
+    assert "rollout.schedule='qwen3-1.7b-0.86': rollout.vllm.attention='stock'" in sparse
+    assert "set rollout.schedule=dense, or rollout.vllm.attention='sparrow'" in sparse
+    steered = _error([*stock, "controller.enabled=true", "rollout.schedule=dense"])
+    assert "controller.enabled=true steers the rollout's sparsity, and rollout.vllm.attention='stock'" in steered
+
+
 def test_partial_rollouts_bound_staleness_past_the_runs_and_need_an_engine_that_interrupts():
     sync = load_config(None, ["run.partial_rollout.enabled=true", "run.mode=sync"])
     assert (sync.run.carry_staleness, sync.run.trained_staleness) == (1, 1)

@@ -86,7 +86,9 @@ PROMPT_LENGTHS = (150, 230, 60, 301)
 def test_budget_covering_the_context_equals_stock_vllm_and_native(sparse_qwen3, stock_qwen3, native_qwen3):
     requests = greedy_requests(random_prompts(PROMPT_LENGTHS))
     stock = run(native_qwen3, None, requests)  # native dense, then check everything against it
-    assert_same_rollouts(stock_qwen3.generate(requests), stock)
+    assert_same_rollouts(run(stock_qwen3, None, requests), stock)  # the dense schedule applies to stock vLLM
+    with pytest.raises(ValueError, match="stock attention .*only a dense schedule"):
+        stock_qwen3.set_schedule(WIDE)
     assert_same_rollouts(run(sparse_qwen3, None, requests), stock)
     wide = run(sparse_qwen3, WIDE, requests)  # the sparse code path, with a budget that covers the context
     assert_same_rollouts(wide, stock)

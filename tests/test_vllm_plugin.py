@@ -140,6 +140,8 @@ def test_config_errors_name_field_and_fix():
         VllmEngineConfig(sleep_mode=True, weight_update="recreate")
     with pytest.raises(ValueError, match="weight_update='memory' with tensor_parallel_size=2.*weight_update='reload'"):
         VllmEngineConfig(weight_update="memory", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="schedule='qwen3-1.7b-0.86' with attention='stock': .*leave schedule unset"):
+        VllmEngineConfig(attention="stock", schedule="qwen3-1.7b-0.86")
     for setting, why in [({"trace_steps": 4}, "trace reads every step on the host"),
                          ({"attention_backend": "reference"}, "lengths on the host, which a graph cannot"),
                          ({"block_size": 32}, "pages of 16 tokens"), ({"enforce_eager": True}, "no graphs at all")]:

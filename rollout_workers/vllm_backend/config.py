@@ -74,9 +74,19 @@ class VllmEngineConfig(EngineSettings):
     def how_to_release_memory(self, section: str, name: str) -> str:
         return f"set {section}.{name}.sleep_mode=true (CUDA only), or use run.placement='disaggregated'"
 
+    def dense_only(self, section: str, name: str) -> str | None:
+        if self.attention == "stock":
+            return f"{section}.{name}.attention='stock' runs vLLM's own layers, which attend densely"
+        return None
+
     def check_job(self, sampling: SamplingParams, schedule: SparsitySchedule, section: str, name: str) -> None:
-        """The shared rules, and vLLM's: unfiltered logprobs (no top-p / top-k) and enough top-k logprobs."""
+        """The shared rules, and vLLM's: unfiltered logprobs (no top-p / top-k), enough top-k logprobs, and stock
+        attention only under the dense schedule."""
         super().check_job(sampling, schedule, section, name)
+        dense = self.dense_only(section, name)
+        if dense and not schedule.is_dense:
+            raise ValueError(f"{section}.schedule={schedule.name!r}: {dense}; set {section}.schedule=dense, or "
+                             f"{section}.{name}.attention='sparrow' for sparse rollouts")
         if sampling.top_p != 1.0 or sampling.top_k != 0:
             raise ValueError(
                 f"{section}.sampling.top_p/top_k: the vLLM backend returns renormalised logprobs under top-p/top-k; "
@@ -93,6 +103,13 @@ class VllmEngineConfig(EngineSettings):
             raise ValueError(f"weight_update='memory' with tensor_parallel_size={self.tensor_parallel_size}: the "
                              "shared buffers are mapped by one worker on the engine's own device; use "
                              "weight_update='reload' (or 'auto') with tensor parallelism")
+        return self
+
+    @model_validator(mode="after")
+    def _stock_attention_is_dense(self) -> "VllmEngineConfig":
+        if self.attention == "stock" and self.schedule is not None:
+            raise ValueError(f"schedule={self.schedule!r} with attention='stock': vLLM's own layers attend densely; "
+                             "leave schedule unset, or use attention='sparrow'")
         return self
 
     @model_validator(mode="after")

@@ -239,7 +239,11 @@ class VllmEngine(RolloutEngine):
 
     def _set_schedule(self, schedule: SparsitySchedule | None) -> None:
         if self.config.attention == "stock":
-            raise RuntimeError("set_schedule: this engine runs vLLM's stock attention (attention='stock'), it has no sparse layers")
+            if schedule is not None and not schedule.is_dense:
+                raise ValueError(f"set_schedule({schedule.name!r}): this engine runs vLLM's stock attention "
+                                 "(attention='stock'), which attends densely; only a dense schedule applies")
+            self._schedule = schedule
+            return
         self._call(self._switch_schedule(schedule))
 
     def _load_weights(self, weights: WeightsSource, version: int) -> None:
