@@ -144,7 +144,7 @@ def surface() -> Surface:
 
 
 __all__ = [*_SYMBOLS, "KVCacheDeclaration", "cudagraph_mode", "decode_rows", "external_request_id",
-           "generated_token_counts", "is_supported", "repack_cpu_weights", "surface", "vllm_version"]
+           "generated_token_counts", "is_supported", "padding_rows", "repack_cpu_weights", "surface", "vllm_version"]
 
 
 def __getattr__(name: str):
@@ -170,14 +170,19 @@ def decode_rows(common) -> torch.Tensor:
     """
     rows = common.num_reqs
     starts = common.query_start_loc_cpu[: rows + 1]
-    query_lens = starts[1:] - starts[:-1]
-    decoding = query_lens == 1
-    requests = int(query_lens.nonzero().max()) + 1 if bool(query_lens.any()) else 0
-    decoding[requests:] = True  # padding rows trail the requests
+    decoding = (starts[1:] - starts[:-1]) == 1
+    decoding[rows - padding_rows(common):] = True
     if common.is_prefilling is not None:
         prefilling = common.is_prefilling[:rows].cpu()
         decoding[: prefilling.numel()] &= ~prefilling
     return decoding
+
+
+def padding_rows(common) -> int:
+    """Rows after the last one with a query token: a full CUDA graph's padding up to its batch size (length 0)."""
+    starts = common.query_start_loc_cpu[: common.num_reqs + 1]
+    with_query = (starts[1:] > starts[:-1]).nonzero()
+    return common.num_reqs - (int(with_query.max()) + 1 if with_query.numel() else 0)
 
 
 def cudagraph_mode(worker) -> str:

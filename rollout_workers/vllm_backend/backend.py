@@ -105,7 +105,7 @@ def step_metadata(cm, page_size: int, budgets_out: torch.Tensor | None = None) -
     prefill_rows = (~decoding).nonzero().flatten()
     num_decodes = decode_rows.numel()
     starts = cm.query_start_loc_cpu[: rows + 1]
-    padding = int((starts[1:] == starts[:-1]).sum())
+    padding = _vllm.padding_rows(cm)
     device = cm.seq_lens.device
     block_table = sparse_block_table(cm.block_table_tensor[:rows], page_size)
     seq_lens = cm.seq_lens[:rows]
