@@ -45,7 +45,7 @@ KV_BYTES = 2 << 30
 MEASURED: dict[str, float] = {}
 
 
-def record(values: dict[str, float]) -> None:
+def record(values: dict[str, float | str]) -> None:
     """Keep measured values, written to $OUT at once: a run cut short by its time limit keeps what it measured."""
     MEASURED.update(values)
     if out := os.environ.get("OUT"):
@@ -331,7 +331,9 @@ def test_full_decode_graphs_match_the_native_engine_and_take_each_schedule(bf16_
     bf16 tie), logprobs and blocks attended, under a small budget, one covering the context and dense, switched
     between steps through the captured budgets buffer; the counters the replayed layers keep move with the steps."""
     requests = greedy()
-    assert bf16_full_graphs.stats()["sparse_cudagraph_mode"] == "FULL_AND_PIECEWISE"
+    mode = bf16_full_graphs.stats()["sparse_cudagraph_mode"]
+    record({"bf16_full_graphs.cudagraph_mode": mode})
+    assert mode == "FULL_AND_PIECEWISE"  # full graphs for decode-only steps, piecewise for the rest
     for schedule in (SMALL, WIDE, None):
         before = bf16_full_graphs.stats()
         ours = run(bf16_full_graphs, schedule, requests)
