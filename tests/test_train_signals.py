@@ -83,7 +83,7 @@ def test_a_job_run_from_another_thread_keeps_the_process_handlers():
     """Only the main thread may set signal handlers: from another thread the job runs without its own."""
     import threading
 
-    from sparrow.cli.train_cmd import stop_on_signals
+    from sparrow.cli.train_cmd import SignalStop
 
     class Job:
         step = 0
@@ -92,7 +92,7 @@ def test_a_job_run_from_another_thread_keeps_the_process_handlers():
 
     def run():
         try:
-            with stop_on_signals() as signals:
+            with SignalStop() as signals:
                 signals.attach(Job())
         except Exception as exc:  # noqa: BLE001 - the assertion below reports it
             errors.append(exc)
@@ -101,3 +101,38 @@ def test_a_job_run_from_another_thread_keeps_the_process_handlers():
     thread.start()
     thread.join()
     assert errors == [] and signal.getsignal(signal.SIGTERM) is before
+
+
+def test_a_stop_at_once_while_ray_get_waits_keeps_its_signal(ray_cluster):
+    """A handler's exception raised while `ray.get` waits reaches the caller as Ray's own KeyboardInterrupt, so
+    the signal that stopped the job is read from the handler: a scheduler's second SIGTERM exits with 143."""
+    import os
+    import threading
+
+    import ray
+
+    from sparrow.cli.train_cmd import SignalStop
+
+    class Job:
+        step = 3
+        stop_reason = None
+
+        def request_stop(self, reason):
+            self.stop_reason = reason
+
+    @ray.remote(num_cpus=0)
+    def a_step():
+        time.sleep(60)
+
+    job, under_way = Job(), a_step.remote()
+    try:
+        with SignalStop() as signals:
+            signals.attach(job)
+            os.kill(os.getpid(), signal.SIGTERM)
+            threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
+            with pytest.raises(KeyboardInterrupt):
+                ray.get(under_way)
+    finally:
+        ray.cancel(under_way, force=True)
+    assert job.stop_reason == "SIGTERM" and signals.signum == signal.SIGTERM
+    assert signals.at_once == signal.SIGTERM

@@ -10,7 +10,6 @@ import signal
 import sys
 import threading
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -50,22 +49,31 @@ def run(args) -> int:
     return train(config, run_dir, resume=bool(args.resume), progress=not args.no_progress)
 
 
-class Stopped(KeyboardInterrupt):
-    """SIGINT or SIGTERM arrived while nothing could finish first: the job stops at once, as on Ctrl-C."""
-
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
 class SignalStop:
-    """The handler of SIGINT and SIGTERM (Ctrl-C; Slurm's cancel and time limit, `ray job stop`, `timeout`). While
-    the job starts, a signal stops it at once. Once it runs (`attach`), the first signal asks it to finish the step
-    under way and checkpoint it, and a second one stops it at once."""
+    """The handler of SIGINT and SIGTERM (Ctrl-C; Slurm's cancel and time limit, `ray job stop`, `timeout`), as a
+    context that installs it and puts the previous handlers back. While the job starts, a signal stops it at once.
+    Once it runs (`attach`), the first signal asks it to finish the step under way and checkpoint it, and a second
+    one stops it at once.
+
+    A stop at once raises KeyboardInterrupt, and which signal it was is kept here (`at_once`), not in the exception:
+    `ray.get` turns any exception raised by a handler while it waits into a plain KeyboardInterrupt."""
 
     def __init__(self):
         self.job = None
         self.signum: int | None = None
+        self.at_once: int | None = None
+
+    def __enter__(self) -> "SignalStop":
+        """SIGINT is set explicitly because a non-interactive shell starts background commands with it ignored
+        (Slurm's batch script)."""
+        self.previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+        self.install()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if threading.current_thread() is threading.main_thread():
+            for sig, old in self.previous.items():
+                signal.signal(sig, old)
 
     def install(self) -> None:
         """Only the main thread may set handlers; a job run from another thread keeps the process's own."""
@@ -80,28 +88,14 @@ class SignalStop:
         self.install()
 
     def __call__(self, signum, frame) -> None:
-        if self.job is None or self.signum is not None:
-            raise Stopped(signum)
-        self.signum = signum
         name = signal.Signals(signum).name
+        if self.job is None or self.signum is not None:
+            self.at_once = signum
+            raise KeyboardInterrupt(name)
+        self.signum = signum
         self.job.request_stop(name)
         print(f"\n{name}: stopping after step {self.job.step + 1} with a checkpoint; {name} again stops at once",
               file=sys.stderr, flush=True)
-
-
-@contextmanager
-def stop_on_signals():
-    """Install `SignalStop` for SIGINT and SIGTERM, and put the previous handlers back on exit. SIGINT is set
-    explicitly because a non-interactive shell starts background commands with it ignored (Slurm's batch script)."""
-    previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
-    handler = SignalStop()
-    handler.install()
-    try:
-        yield handler
-    finally:
-        if threading.current_thread() is threading.main_thread():
-            for sig, old in previous.items():
-                signal.signal(sig, old)
 
 
 def train(config, run_dir, resume: bool, progress: bool) -> int:
@@ -112,8 +106,9 @@ def train(config, run_dir, resume: bool, progress: bool) -> int:
 
     start = time.perf_counter()
     print(f"run directory: {run_dir.path}")
+    signals = SignalStop()
     try:
-        with stop_on_signals() as signals, TrainingJob(config, run_dir, resume=resume, progress=progress) as job:
+        with signals, TrainingJob(config, run_dir, resume=resume, progress=progress) as job:
             signals.attach(job)
             if job.step >= config.run.steps:
                 print(f"nothing to do: the run is at step {job.step} of run.steps={config.run.steps} "
@@ -122,9 +117,10 @@ def train(config, run_dir, resume: bool, progress: bool) -> int:
             job.run()
     except PlacementError as exc:
         raise CliError(str(exc)) from None
-    except KeyboardInterrupt as exc:
-        what = f"stopped at once by {exc.args[0]}" if isinstance(exc, Stopped) else "interrupted"
-        return _stopped(run_dir, what, exc.signum if isinstance(exc, Stopped) else signal.SIGINT)
+    except KeyboardInterrupt:
+        if signals.at_once is None:
+            return _stopped(run_dir, "interrupted", signal.SIGINT)
+        return _stopped(run_dir, f"stopped at once by {signal.Signals(signals.at_once).name}", signals.at_once)
     if signals.signum is not None and job.step < config.run.steps:
         return _stopped(run_dir, f"stopped by {job.stop_reason} after step {job.step}", signals.signum)
     report = write_report(run_dir)
