@@ -654,6 +654,14 @@ class SparrowConfig(_Section):
 
     # ------------------------------------------------------------------ derived values
 
+    @property
+    def pools_start_together(self) -> bool:
+        """Whether the engines may load while the trainer ranks start. Not when an engine and a rank can share a
+        GPU (colocated bundles, or fractional GPUs in both pools): an engine sizes its KV pool from the memory free
+        when it starts, which the rank is then still taking."""
+        fractional = [p.gpus % 1 > 0 for p in (self.rollout.pool, self.trainer.pool)]
+        return self.run.placement != "colocated" and not all(fractional)
+
     def trainer_config(self, model: str) -> TrainerConfig:
         """The trainer ranks' config: the trainer section, with the rollout engine's K/V pages."""
         return self.trainer.trainer_config(model, self.rollout.engine_config().kv_cache_dtype)

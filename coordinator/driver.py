@@ -121,6 +121,8 @@ class TrainingJob:
                                   self.bundles)
         self.trainers = TrainerLink(cfg, self.model, self.credentials, self.supervise, self.bundles)
         self.control = PoolControl(self.fleet, self.trainers, lambda: (self.step, self.version, self.schedule.version), self.log)
+        if cfg.pools_start_together:
+            self.fleet.spawn()
         self.trainers.start(self.scrape_targets)
         self.sparsity = SparsityLoop(cfg, self.metrics, self.fleet, self.trainers)
         self.publication = Publication(cfg.run, self.trainers, self.fleet)

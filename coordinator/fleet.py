@@ -80,12 +80,19 @@ class RolloutFleet:
 
     # ------------------------------------------------------------------ start and stop
 
+    def spawn(self) -> None:
+        """Create the initial workers without waiting: their engines load while the driver starts the rest."""
+        for _ in range(self.target):
+            self.pool.spawn(self.pool.add_slot(wait_s=self.config.rollout.pool.ready_timeout_s))
+
     def start(self, setup: WorkerSetup) -> None:
-        """Create the initial workers and wait until every one has loaded (errors surface here, at start)."""
+        """Wait until every initial worker has loaded (errors surface here, at start; `spawn` first if not yet),
+        then let each serve."""
         self.setup = setup
-        slots = [self.pool.add_slot(wait_s=self.config.rollout.pool.ready_timeout_s) for _ in range(self.target)]
-        actors = [self.pool.spawn(slot) for slot in slots]
-        self.workers = ray.get([a.info.remote() for a in actors])
+        if not self.pool.slots:
+            self.spawn()
+        slots = list(self.pool.slots.values())
+        self.workers = ray.get([slot.actor.info.remote() for slot in slots])
         for slot, info in zip(slots, self.workers):
             self._announce(info)
             self._serve(slot)

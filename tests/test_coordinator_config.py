@@ -104,6 +104,17 @@ def test_a_colocated_placement_pairs_pools_that_can_take_turns():
         ["run.placement=colocated", "rollout.engine=vllm", "rollout.sampling.top_p=1.0"])
 
 
+@pytest.mark.parametrize("sets, together", [
+    ([], True),  # CPU pools
+    (["rollout.pool.gpus=1", "trainer.pool.gpus=1"], True),  # an engine's GPU is never a rank's
+    (["rollout.pool.gpus=0.5", "trainer.pool.gpus=1"], True),
+    (["rollout.pool.gpus=0.5", "trainer.pool.gpus=0.5"], False),  # one GPU, both pools: the engine sizes its KV
+    (["run.placement=colocated"], False),  # pool from the memory free once the rank has offloaded its states
+])
+def test_engines_load_while_the_trainer_starts_unless_they_may_share_its_gpu(sets, together):
+    assert load_config(None, sets).pools_start_together is together
+
+
 def test_stock_vllm_runs_the_dense_schedule_without_a_controller():
     """vLLM's own layers attend densely: a dense job validates; a sparse schedule or a controller, which would steer
     sparsity the engine does not have, is refused up front naming both settings (it used to fail at the first

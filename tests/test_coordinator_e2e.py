@@ -12,6 +12,7 @@ more than one policy version old, and `sparrow train --resume` continues from th
 
 import json
 import threading
+import time
 import urllib.request
 
 import pytest
@@ -177,6 +178,27 @@ def test_async_job_bounds_staleness_and_resumes(ray_cluster, tiny_qwen3, tmp_pat
     assert [line["policy_version"] for line in ledger] == [0, 1, 2] and all(line["schedule_versions"] for line in ledger)
     ids = [i for line in ledger for rank in line["trained_ids"] for i in rank]
     assert len(ids) == len(set(ids)) and sorted(ids) == sorted(expected_ids(job, range(3)))
+
+
+def test_a_trainer_pool_that_cannot_start_stops_the_engines_already_loading(ray_cluster, tiny_qwen3, tmp_path):
+    """The rollout workers load while the trainer ranks start; when the ranks cannot, the job fails naming the
+    trainer pool and nothing it started keeps holding the cluster."""
+    from sparrow.coordinator.pools import PlacementError
+
+    path = _config_file(tmp_path, tiny_qwen3, ranks=1, steps=1, mode="sync")
+    config = load_config(path, ["trainer.pool.cpus=64", "run.name=no-room"])
+    assert config.pools_start_together
+    job = TrainingJob(config, RunDir.create(config.run.out_dir, "no-room"), progress=False, log=lambda *_: None)
+    with pytest.raises(PlacementError, match="trainer pool.*CPU: needs 64"):
+        with job:
+            pass
+    assert job.fleet is None and job.trainers is None
+    total = ray.cluster_resources()["CPU"]
+    for _ in range(100):
+        if ray.available_resources().get("CPU") == total:
+            break
+        time.sleep(0.1)
+    assert ray.available_resources().get("CPU") == total, "a rollout worker's bundle was left placed"
 
 
 def test_held_out_evaluation_before_during_and_after_training(ray_cluster, tiny_qwen3, tmp_path):
