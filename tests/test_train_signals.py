@@ -65,7 +65,8 @@ def test_sigterm_finishes_the_step_checkpoints_it_and_resume_goes_on(tiny_qwen3,
 
 def test_a_second_signal_stops_at_once(tiny_qwen3, tmp_path):
     config, run_dir = _job(tmp_path, tiny_qwen3, "twice")
-    proc = _start(config, "run.steps=500", "run.name=twice", "rollout.sampling.max_tokens=64")  # ~1 s steps
+    proc = _start(config, "run.steps=500", "run.name=twice", "rollout.sampling.max_tokens=200",
+                  "rollout.sampling.ignore_eos=true")  # ~3 s steps: the second signal lands well inside the job
     _wait_for_steps(proc, run_dir, 1)
     proc.send_signal(signal.SIGINT)
     seen = []
