@@ -121,9 +121,11 @@ class TrainingJob:
                                   self.bundles)
         self.trainers = TrainerLink(cfg, self.model, self.credentials, self.supervise, self.bundles)
         self.control = PoolControl(self.fleet, self.trainers, lambda: (self.step, self.version, self.schedule.version), self.log)
+        starting = time.perf_counter()
         if cfg.pools_start_together:
             self.fleet.spawn()
         self.trainers.start(self.scrape_targets)
+        ranks_up = time.perf_counter() - starting
         self.sparsity = SparsityLoop(cfg, self.metrics, self.fleet, self.trainers)
         self.publication = Publication(cfg.run, self.trainers, self.fleet)
         self.notices = Notices(self.log, cfg.rollout.sampling.logprobs, self.sparsity.controller_config.statistic,
@@ -133,6 +135,10 @@ class TrainingJob:
             self.restore()
         self.time_sharing.before_engines_start()
         self.fleet.start(WorkerSetup(self.trainers.trajectory_address, self.schedule, None))
+        ranks, workers = cfg.trainer.pool.size, self.fleet.target
+        self.log(f"pools up in {time.perf_counter() - starting:.1f} s: {ranks} trainer rank{'s' * (ranks > 1)} in "
+                 f"{ranks_up:.1f} s, {workers} rollout worker{'s' * (workers > 1)} ({cfg.rollout.engine}) "
+                 + ("loading meanwhile" if cfg.pools_start_together else "started after them"))
         self.publication.start()
         if self.version:  # resumed: the engines started from the model directory
             self.time_sharing.to_training()

@@ -173,6 +173,7 @@ def test_async_job_bounds_staleness_and_resumes(ray_cluster, tiny_qwen3, tmp_pat
     assert not (run_dir.checkpoints / "step1").exists(), "keep_checkpoints=1 deletes older checkpoints"
     assert (run_dir.report / "report.md").is_file() and (run_dir.report / "alpha_tail.png").is_file()
     assert "report:" in out.out
+    assert "1 trainer rank in" in out.out and "1 rollout worker (native) loading meanwhile" in out.out, out.out
     ledger = RunDir.read_jsonl(run_dir.ledger_file)
     assert [line["step"] for line in ledger] == [0, 1, 2], "the resumed run neither repeats nor loses a step's line"
     assert [line["policy_version"] for line in ledger] == [0, 1, 2] and all(line["schedule_versions"] for line in ledger)
