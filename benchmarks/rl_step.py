@@ -290,7 +290,7 @@ def run_bench(args) -> int:
     run_dir = RunDir.create(run_root, time.strftime(f"{args.mode}-{args.placement}-%Y%m%d-%H%M%S"))
     run_dir.config_file.write_text(config.dump())
     busy = GpuBusy() if args.device == "cuda" else None
-    rows, startup, reference = [], None, None
+    rows, startup, pools_startup, reference = [], None, None, None
     out = args.out or default_out_path(_device_name(args.device), KIND)
     out.parent.mkdir(parents=True, exist_ok=True)
 
@@ -305,14 +305,14 @@ def run_bench(args) -> int:
                   "partial_rollout": args.partial_rollout,
                   "carry": args.carry if args.partial_rollout is not None else None,
                   "close_after_s": args.close_after_s, "carry_staleness": args.carry_staleness, "set": args.set,
-                  "startup_s": startup, "steps": rows, "steps_asked": args.steps, "reference_rollout": reference,
+                  "startup_s": startup, "pools_startup": pools_startup, "steps": rows, "steps_asked": args.steps, "reference_rollout": reference,
                   "seconds": time.perf_counter() - started, "run_dir": str(run_dir.path)}
         out.write_text(json.dumps(result, indent=1) + "\n")
 
     try:
         t_start = time.perf_counter()
         with TrainingJob(config, run_dir, progress=False, log=lambda m: print(f"[job] {m}", flush=True)) as job:
-            startup = time.perf_counter() - t_start
+            startup, pools_startup = time.perf_counter() - t_start, job.pools_startup
             print(f"[rl-step] job started in {startup:.1f} s ({args.placement}, {args.mode}, schedule "
                   f"{config.rollout.schedule})", flush=True)
             for _ in range(args.steps):

@@ -83,6 +83,9 @@ class TrainingJob:
         self.trainer_restarts = 0
         self.stop_reason: str | None = None
         """Set by `request_stop`: `run` returns at the next step boundary, after a checkpoint."""
+        self.pools_startup: dict | None = None
+        """Seconds from creating the pools until both were up, of which the trainer ranks', and whether the engines
+        loaded meanwhile (`SparrowConfig.pools_start_together`); resuming, the checkpoint's restore is in them."""
 
     # ------------------------------------------------------------------ start and stop
 
@@ -135,8 +138,10 @@ class TrainingJob:
             self.restore()
         self.time_sharing.before_engines_start()
         self.fleet.start(WorkerSetup(self.trainers.trajectory_address, self.schedule, None))
+        self.pools_startup = {"seconds": time.perf_counter() - starting, "trainer_ranks_seconds": ranks_up,
+                              "together": cfg.pools_start_together}
         ranks, workers = cfg.trainer.pool.size, self.fleet.target
-        self.log(f"pools up in {time.perf_counter() - starting:.1f} s: {ranks} trainer rank{'s' * (ranks > 1)} in "
+        self.log(f"pools up in {self.pools_startup['seconds']:.1f} s: {ranks} trainer rank{'s' * (ranks > 1)} in "
                  f"{ranks_up:.1f} s, {workers} rollout worker{'s' * (workers > 1)} ({cfg.rollout.engine}) "
                  + ("loading meanwhile" if cfg.pools_start_together else "started after them"))
         self.publication.start()

@@ -222,6 +222,8 @@ def test_the_bench_runs_the_real_job_on_cpu_and_keeps_each_step_and_the_referenc
                  "--set", "trainer.optimizer.lr=2.5e-6"]) == 0
     result = json.loads(out.read_text())
     assert result["set"] == ["trainer.optimizer.lr=2.5e-6"]
+    pools = result["pools_startup"]  # colocated: the engine starts once the rank has offloaded its states
+    assert pools["together"] is False and 0 < pools["trainer_ranks_seconds"] < pools["seconds"] < result["startup_s"]
     assert "lr: 2.5e-06" in (Path(result["run_dir"]) / "config.yaml").read_text()
     assert [s["step"] for s in result["steps"]] == [0, 1] and result["steps_asked"] == 2
     assert all(s["samples"] == 2 and s["tokens"] == 2 * 16 for s in result["steps"])
