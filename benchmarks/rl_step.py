@@ -305,8 +305,9 @@ def run_bench(args) -> int:
                   "partial_rollout": args.partial_rollout,
                   "carry": args.carry if args.partial_rollout is not None else None,
                   "close_after_s": args.close_after_s, "carry_staleness": args.carry_staleness, "set": args.set,
-                  "startup_s": startup, "pools_startup": pools_startup, "steps": rows, "steps_asked": args.steps, "reference_rollout": reference,
-                  "seconds": time.perf_counter() - started, "run_dir": str(run_dir.path)}
+                  "startup_s": startup, "pools_startup": pools_startup, "steps": rows, "steps_asked": args.steps,
+                  "reference_rollout": reference, "seconds": time.perf_counter() - started,
+                  "run_dir": str(run_dir.path)}
         out.write_text(json.dumps(result, indent=1) + "\n")
 
     try:

@@ -108,11 +108,12 @@ def common_metadata(query_lens, seq_lens, prefilling, pages, page_size=32):
 def test_decode_rows_are_one_token_rows_past_their_prompt():
     pages = torch.zeros(4, 10, dtype=torch.int32)
     interleaved = common_metadata([1, 1, 1, 5], [200, 180, 300, 40], [False, True, False, True], pages)
-    assert _vllm.decode_rows(interleaved).tolist() == [True, False, True, False]  # Model Runner V2's order
+    decoding = _vllm.decode_rows(interleaved, _vllm.padding_rows(interleaved))
+    assert decoding.tolist() == [True, False, True, False]  # Model Runner V2's order
     unknown = common_metadata([1, 1, 1, 5], [200, 180, 300, 40], None, pages)
-    assert _vllm.decode_rows(unknown).tolist() == [True, True, True, False]
+    assert _vllm.decode_rows(unknown, _vllm.padding_rows(unknown)).tolist() == [True, True, True, False]
     padded = common_metadata([1, 1, 0, 0], [200, 180, 0, 0], [False, False], pages)  # a full graph's last 2 rows
-    assert _vllm.decode_rows(padded).tolist() == [True, True, True, True]
+    assert _vllm.decode_rows(padded, _vllm.padding_rows(padded)).tolist() == [True, True, True, True]
 
 
 def test_generated_token_counts_read_both_model_runners():

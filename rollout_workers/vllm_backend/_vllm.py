@@ -159,19 +159,19 @@ def __getattr__(name: str):
     return value
 
 
-def decode_rows(common) -> torch.Tensor:
+def decode_rows(common, padding: int) -> torch.Tensor:
     """Which rows of an engine step are decodes (CPU bool `[num_reqs]`): one query token, prompt done.
 
     A one-token query still reading its prompt (a prefix-cache hit's last prompt token, a chunked prefill's last
     token) is a prefill for Sparrow: prompt positions attend densely. vLLM's V1 runner puts decodes first; Model
     Runner V2 sorts by query length only, so such a row can sit among the decodes. A full decode graph's padding
     rows (no query token, length 0, after the requests; Model Runner V2's `is_prefilling` does not cover them)
-    count as decodes: they attend nothing.
+    count as decodes: they attend nothing (`padding`: their number, `padding_rows`).
     """
     rows = common.num_reqs
     starts = common.query_start_loc_cpu[: rows + 1]
     decoding = (starts[1:] - starts[:-1]) == 1
-    decoding[rows - padding_rows(common):] = True
+    decoding[rows - padding:] = True
     if common.is_prefilling is not None:
         prefilling = common.is_prefilling[:rows].cpu()
         decoding[: prefilling.numel()] &= ~prefilling

@@ -100,12 +100,12 @@ def step_metadata(cm, page_size: int, budgets_out: torch.Tensor | None = None) -
     """Split one step's rows (vLLM's `CommonAttentionMetadata`) into sparse decodes and dense prompt rows; the
     decodes' budgets go into `budgets_out` (the builder's buffer) when given."""
     rows = cm.num_reqs
-    decoding = _vllm.decode_rows(cm)
+    padding = _vllm.padding_rows(cm)
+    decoding = _vllm.decode_rows(cm, padding)
     decode_rows = decoding.nonzero().flatten()
     prefill_rows = (~decoding).nonzero().flatten()
     num_decodes = decode_rows.numel()
     starts = cm.query_start_loc_cpu[: rows + 1]
-    padding = _vllm.padding_rows(cm)
     device = cm.seq_lens.device
     block_table = sparse_block_table(cm.block_table_tensor[:rows], page_size)
     seq_lens = cm.seq_lens[:rows]
