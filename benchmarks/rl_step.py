@@ -290,7 +290,7 @@ def run_bench(args) -> int:
     run_dir = RunDir.create(run_root, time.strftime(f"{args.mode}-{args.placement}-%Y%m%d-%H%M%S"))
     run_dir.config_file.write_text(config.dump())
     busy = GpuBusy() if args.device == "cuda" else None
-    rows, startup, pools_startup, reference = [], None, None, None
+    rows, startup, pools_startup, reference, engines = [], None, None, None, None
     out = args.out or default_out_path(_device_name(args.device), KIND)
     out.parent.mkdir(parents=True, exist_ok=True)
 
@@ -305,10 +305,11 @@ def run_bench(args) -> int:
                   "partial_rollout": args.partial_rollout,
                   "carry": args.carry if args.partial_rollout is not None else None,
                   "close_after_s": args.close_after_s, "carry_staleness": args.carry_staleness, "set": args.set,
-                  "startup_s": startup, "pools_startup": pools_startup, "steps": rows, "steps_asked": args.steps,
+                  "startup_s": startup, "pools_startup": pools_startup, "engine_stats": engines, "steps": rows,
+                  "steps_asked": args.steps,
                   "reference_rollout": reference, "seconds": time.perf_counter() - started,
                   "run_dir": str(run_dir.path)}
-        out.write_text(json.dumps(result, indent=1) + "\n")
+        out.write_text(json.dumps(result, indent=1, default=str) + "\n")
 
     try:
         t_start = time.perf_counter()
@@ -323,6 +324,9 @@ def run_bench(args) -> int:
                 rows.append(step_row(record, b - a, busy.fraction(a, b) if busy else None))
                 save()
                 print(step_table(rows[-1:]), flush=True)
+            engines = job.fleet.broadcast("engine_stats")
+            save()
+            print(f"[rl-step] engine stats: {json.dumps(engines, default=str)}", flush=True)
     finally:
         if busy:
             busy.close()

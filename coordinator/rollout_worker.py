@@ -228,6 +228,10 @@ class RolloutWorker:
                 "busy_seconds": self._busy_seconds, "held": len(self._held), "policy_version": self.engine.policy_version,
                 "schedule_version": self.engine.schedule_version}
 
+    def engine_stats(self) -> dict:
+        """The engine's own counters and settings as it resolved them (e.g. vLLM's CUDA-graph mode), for benchmarks."""
+        return self.engine.stats()
+
     def parameters(self, names: list[str]) -> dict[str, torch.Tensor]:
         """Copies of the served weights by HF name (for checks and debugging)."""
         return self.engine.parameters(names)

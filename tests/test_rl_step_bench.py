@@ -227,6 +227,8 @@ def test_the_bench_runs_the_real_job_on_cpu_and_keeps_each_step_and_the_referenc
     assert "lr: 2.5e-06" in (Path(result["run_dir"]) / "config.yaml").read_text()
     assert [s["step"] for s in result["steps"]] == [0, 1] and result["steps_asked"] == 2
     assert all(s["samples"] == 2 and s["tokens"] == 2 * 16 for s in result["steps"])
+    (engine,) = result["engine_stats"]  # the engine's own counters, read after the timed steps
+    assert engine["schedule"] == "qwen3-1.7b-0.86" and engine["tokens_generated"] == 2 * 2 * 16
     reference = result["reference_rollout"]
     assert reference["batch"] == 2 and reference["gen_len"] == 16 and reference["tokens_generated"] == 32
     capsys.readouterr()
