@@ -99,6 +99,9 @@ class RolloutWorker:
         self._sync_wanted = threading.Event()
         self._stop = threading.Event()
         self._held: dict[int, _Group] = {}
+        self._alone: dict[int, bool] = {}
+        """Probes and evaluations granted and not yet done, by lease id (True while the engine runs one): renewed like
+        the held groups, since one over long generations (several passes of a step's prompts) outlasts a lease."""
         self._lost: set[int] = set()
         self._held_lock = threading.Lock()
         self._busy_seconds = 0.0
@@ -295,6 +298,8 @@ class RolloutWorker:
                 leases = []
                 if not wants_sync and held < capacity:
                     leases = self._lease(capacity - held)
+                    with self._held_lock:
+                        self._alone.update((lease.lease_id, False) for lease in leases if lease.exclusive)
                 alone = waiting + [lease for lease in leases if lease.exclusive]
                 groups = [lease for lease in leases if not lease.exclusive]
                 if groups:
@@ -309,10 +314,7 @@ class RolloutWorker:
                 # so that work waits until the groups are done and the stream is closed.
                 waiting, alone = (alone, []) if stream is not None else ([], alone)
                 for lease in alone:
-                    if isinstance(lease.task, ProbeTask):
-                        self._probe(lease)
-                    else:
-                        self._evaluate(lease)
+                    self._run_alone(lease)
                 sender.raise_errors()
                 if self._heartbeat_error is not None:
                     raise self._heartbeat_error
@@ -403,10 +405,29 @@ class RolloutWorker:
         with self._held_lock:
             lost, self._lost = self._lost, set()
             groups = [self._held.pop(i) for i in lost if i in self._held]
+            for i in lost:
+                if self._alone.get(i) is False:  # still waiting to run: dropped (a running one finishes unsent)
+                    del self._alone[i]
         for g in groups:
             if stream is not None:
                 for request_id in g.running:
                     self.engine.abort(request_id)
+
+    def _run_alone(self, lease: Lease) -> None:
+        """A probe or an evaluation on the idle engine, its lease renewed meanwhile; skipped if it was lost while it
+        waited (requeued: the queue grants it again)."""
+        with self._held_lock:
+            if lease.lease_id not in self._alone:
+                return
+            self._alone[lease.lease_id] = True
+        try:
+            if isinstance(lease.task, ProbeTask):
+                self._probe(lease)
+            else:
+                self._evaluate(lease)
+        finally:
+            with self._held_lock:
+                self._alone.pop(lease.lease_id, None)
 
     def _probe(self, lease: Lease) -> None:
         """Sparse, then dense, on the same requests and an otherwise idle engine; nothing is sent."""
@@ -475,9 +496,10 @@ class RolloutWorker:
         tokens = -1
         while not self._stop.wait(interval):
             with self._held_lock:
-                ids = list(self._held)
+                ids = [*self._held, *self._alone]
+                running_alone = any(self._alone.values())
             now_tokens = self.engine.counters().tokens_generated
-            if ids and now_tokens == tokens and self._engine_busy():
+            if ids and now_tokens == tokens and (running_alone or self._engine_busy()):
                 continue  # no progress since the last beat: let the leases run out (parked groups wait for a sync)
             tokens = now_tokens
             lost = self._dispatcher.renew(self.worker_id, ids, self._engine_time())

@@ -54,3 +54,47 @@ def test_a_probe_granted_while_groups_generate_runs_after_them(tiny_qwen3):
     first, second = dispatcher.take_step(0), dispatcher.take_step(1)
     assert second.probe_result is not None and second.probe_result.speedup > 0
     assert len(first.done) == len(second.done) == 2 and first.requeued >= 1, "released groups were generated again"
+
+
+def test_a_probe_longer_than_a_lease_is_renewed_while_it_runs_and_completes_once(tiny_qwen3):
+    """A speedup probe decodes a step's prompts four times (warm-up and timed, sparse and dense): over long
+    generations that outlasts a lease. Its lease used to be left unrenewed, so it expired, the finished probe was
+    refused and granted again, forever: a CPU job at 384 tokens never finished its first probed step."""
+    from sparrow.coordinator.dispatcher import Dispatcher
+    from sparrow.coordinator.fleet import WorkerSetup
+    from sparrow.coordinator.rollout_worker import RolloutWorker
+    from sparrow.coordinator.transport import JobCredentials, TrajectoryServer
+
+    lease_s = 0.6
+    config = load_config(overrides=[
+        f"model={tiny_qwen3}", "metrics.enabled=false", "rollout.speedup_probe_every=0",
+        "rollout.native={max_num_seqs: 8, max_model_len: 1024, num_kv_blocks: 256}",
+        "rollout.sampling={max_tokens: 300, n: 4, temperature: 1.0, ignore_eos: true}",
+        f"run.recovery.lease_timeout_s={lease_s}",  # the worker renews every quarter of it
+    ])
+    records = PromptSource(config.data, seed=0).batch(0, 2)
+    credentials = JobCredentials.create(config.transport)
+    worker = RolloutWorker(config.worker_payload(), str(tiny_qwen3), 0, torch.get_num_threads(), credentials)
+    dispatcher = Dispatcher(max_staleness=1, lease_timeout_s=lease_s)
+    dispatcher.add_step(0, records[:1], records)  # the idle worker's first lease is the probe, then the group
+    expired = []
+    try:
+        with TrajectoryServer(config.transport, credentials) as server:
+            serving = threading.Thread(target=worker.serve, daemon=True,
+                                       args=(dispatcher, WorkerSetup(server.address, config.schedule_template(), None)))
+            start = time.monotonic()
+            serving.start()
+            while not dispatcher.progress(0)[2] and time.monotonic() < start + 120:
+                expired += dispatcher.take_expired()  # what the fleet does each turn
+                time.sleep(0.05)
+            took = time.monotonic() - start
+            done = dispatcher.progress(0)
+            worker.stop()
+            serving.join(timeout=60)
+    finally:
+        worker.shutdown()
+    assert done[2], f"the probed step never completed in {took:.0f} s; leases expired: {len(expired)}"
+    assert took > 4 * lease_s, f"the probe ran {took:.1f} s: too short to outlast a {lease_s} s lease"
+    assert expired == [], "the running probe's lease expired"
+    probe = dispatcher.take_step(0).probe_result
+    assert probe is not None and probe.speedup > 0
