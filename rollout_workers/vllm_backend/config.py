@@ -40,7 +40,7 @@ class VllmEngineConfig(EngineSettings):
                                  "an H100 and an H200); full_decode = a decode-only step replays one graph of the "
                                  "whole model, sparse layers included (CUDA, pages of 16 tokens, Triton kernels; "
                                  "matches the native engine on an H100, not timed yet). An engine started dense "
-                                 "with full_decode stays dense"
+                                 "with full_decode stays dense, so a job (whose engines start dense) refuses it"
     )
     attention_backend: Literal["auto", "reference", "triton"] = Field(
         "auto", description="sparse decode kernels; auto = triton on CUDA, reference (torch) on CPU"
@@ -81,8 +81,14 @@ class VllmEngineConfig(EngineSettings):
 
     def check_job(self, sampling: SamplingParams, schedule: SparsitySchedule, section: str, name: str) -> None:
         """The shared rules, and vLLM's: unfiltered logprobs (no top-p / top-k), enough top-k logprobs, and stock
-        attention only under the dense schedule."""
+        attention only under the dense schedule; no full decode graphs (a job's engines start dense and take the
+        job's schedule after: one started dense with full_decode refuses it)."""
         super().check_job(sampling, schedule, section, name)
+        if self.cuda_graphs == "full_decode":
+            raise ValueError(f"{section}.{name}.cuda_graphs='full_decode': a job's engines start dense and take its "
+                             f"schedule after they start, which an engine started dense with full decode graphs "
+                             f"refuses (its graphs hold the dense kernel); use {section}.{name}.cuda_graphs='piecewise' "
+                             f"in a job (full_decode serves an engine started with its schedule)")
         dense = self.dense_only(section, name)
         if dense and not schedule.is_dense:
             raise ValueError(f"{section}.schedule={schedule.name!r}: {dense}; set {section}.schedule=dense, or "
