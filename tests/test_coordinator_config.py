@@ -128,7 +128,6 @@ def test_stock_vllm_runs_the_dense_schedule_without_a_controller():
     assert "controller.enabled=true steers the rollout's sparsity, and rollout.vllm.attention='stock'" in steered
 
 
-
 def test_a_job_refuses_vllm_full_decode_graphs_before_any_pool_starts():
     """A job's engines start dense and take its schedule after; a vLLM engine started dense with full decode graphs
     refuses every schedule, the job's dense one too. Found on an H100: `bench rl-step --engine vllm --set
@@ -138,6 +137,7 @@ def test_a_job_refuses_vllm_full_decode_graphs_before_any_pool_starts():
     refused = _error([*vllm, "rollout.vllm.cuda_graphs=full_decode"])
     assert "rollout.vllm.cuda_graphs='full_decode': a job's engines start dense" in refused
     assert "use rollout.vllm.cuda_graphs='piecewise' in a job" in refused
+
 
 def test_partial_rollouts_bound_staleness_past_the_runs_and_need_an_engine_that_interrupts():
     sync = load_config(None, ["run.partial_rollout.enabled=true", "run.mode=sync"])
