@@ -670,11 +670,7 @@ class SparrowConfig(_Section):
         """`rollout.schedule` as a schedule (None = dense); its bins are the job's α length bins."""
         value = self.rollout.schedule
         try:
-            if isinstance(value, dict):
-                return SparsitySchedule.from_dict(dict(value), origin="rollout.schedule")
-            if value == "dense":
-                return None
-            return load_schedule(value)
+            return None if value == "dense" else load_schedule(value, origin="rollout.schedule")
         except ScheduleError as exc:
             raise ValueError(f"rollout.schedule: {exc}") from None
 

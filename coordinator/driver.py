@@ -124,12 +124,12 @@ class TrainingJob:
                                   self.bundles)
         self.trainers = TrainerLink(cfg, self.model, self.credentials, self.supervise, self.bundles)
         self.control = PoolControl(self.fleet, self.trainers, lambda: (self.step, self.version, self.schedule.version), self.log)
+        self.sparsity = SparsityLoop(cfg, self.metrics, self.fleet, self.trainers)
         starting = time.perf_counter()
         if cfg.pools_start_together:
-            self.fleet.spawn()
+            self.fleet.spawn(self.schedule)
         self.trainers.start(self.scrape_targets)
         ranks_up = time.perf_counter() - starting
-        self.sparsity = SparsityLoop(cfg, self.metrics, self.fleet, self.trainers)
         self.publication = Publication(cfg.run, self.trainers, self.fleet)
         self.notices = Notices(self.log, cfg.rollout.sampling.logprobs, self.sparsity.controller_config.statistic,
                                hint_long_tail=cfg.rollout.pool.gpus > 0 and not cfg.run.partial_rollout.enabled)

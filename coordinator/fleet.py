@@ -26,6 +26,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError
 
 from sparrow.coordinator.transport import PoolStatus
+from sparrow.schedule import SparsitySchedule
 
 from .config import SparrowConfig
 from .pools import RolloutPool, SharedBundles, WorkerSlot
@@ -41,7 +42,9 @@ class WorkerSetup:
     """What a (new) worker needs before it leases work."""
 
     trajectory_address: str
-    schedule: object
+    schedule: SparsitySchedule
+    """The job's schedule in force: a new worker's engine starts with it (an engine that fixes its kernels when it
+    starts, as vLLM's full decode graphs do, must start sparse to run sparse)."""
     weights: object | None
     """A `WeightHandle` of the current version (None while the initial weights are current, or while the channel
     hands versions over another way: then the driver sends a joiner the current one, `Publication.for_joiners`)."""
@@ -80,17 +83,18 @@ class RolloutFleet:
 
     # ------------------------------------------------------------------ start and stop
 
-    def spawn(self) -> None:
-        """Create the initial workers without waiting: their engines load while the driver starts the rest."""
+    def spawn(self, schedule: SparsitySchedule) -> None:
+        """Create the initial workers without waiting: their engines load (with the job's `schedule`) while the
+        driver starts the rest."""
         for _ in range(self.target):
-            self.pool.spawn(self.pool.add_slot(wait_s=self.config.rollout.pool.ready_timeout_s))
+            self.pool.spawn(self.pool.add_slot(wait_s=self.config.rollout.pool.ready_timeout_s), schedule)
 
     def start(self, setup: WorkerSetup) -> None:
         """Wait until every initial worker has loaded (errors surface here, at start; `spawn` first if not yet),
         then let each serve."""
         self.setup = setup
         if not self.pool.slots:
-            self.spawn()
+            self.spawn(setup.schedule)
         slots = list(self.pool.slots.values())
         self.workers = ray.get([slot.actor.info.remote() for slot in slots])
         for slot, info in zip(slots, self.workers):
@@ -202,7 +206,7 @@ class RolloutFleet:
         """Spawn into the slot if its bundle is placed; otherwise wait for capacity (the pool runs smaller)."""
         if self.pool.ready(slot):
             self._waiting_placement.discard(slot.index)
-            self.pool.spawn(slot)
+            self.pool.spawn(slot, self.setup.schedule)
             self._serve(slot)
             if slot.index in self._recovering:
                 self._recovering[slot.index].spawned = time.monotonic()

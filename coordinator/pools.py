@@ -26,6 +26,7 @@ from ray.exceptions import RayError
 from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from sparrow.schedule import SparsitySchedule
 from sparrow.trainer import TrainerConfig
 
 from .config import PoolConfig, SparrowConfig
@@ -150,11 +151,12 @@ class RolloutPool:
         self.slots[index] = slot
         return slot
 
-    def spawn(self, slot: WorkerSlot):
-        """A new actor in the slot's bundle (Ray starts it when the bundle is placed)."""
+    def spawn(self, slot: WorkerSlot, schedule: SparsitySchedule):
+        """A new actor in the slot's bundle (Ray starts it when the bundle is placed); its engine starts with
+        `schedule`, the job's in force."""
         options = _actor_options(f"rollout-{slot.index}.{slot.generation}", self.pool, slot.group, slot.bundle)
         slot.actor = self.cls.options(max_concurrency=8, **options).remote(
-            self.payload, self.model, slot.index, self.pool.torch_threads, self.credentials)
+            self.payload, self.model, slot.index, self.pool.torch_threads, self.credentials, schedule.to_dict())
         slot.generation += 1
         return slot.actor
 

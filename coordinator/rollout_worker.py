@@ -76,14 +76,18 @@ class _Group:
 
 
 class RolloutWorker:
-    def __init__(self, config: dict, model: str, index: int, threads: int, credentials: JobCredentials):
+    def __init__(self, config: dict, model: str, index: int, threads: int, credentials: JobCredentials,
+                 schedule: dict | None = None):
+        """`schedule`: the job's schedule in force (`to_dict`), which the engine starts with; None = dense until
+        `serve` applies the job's."""
         torch.set_num_threads(threads)
         self.config = SparrowConfig.model_validate(config)
         self.index, self.worker_id, self.credentials = index, f"rollout-{index}", credentials
         engine_config = self.config.rollout.engine_config()
         self.model_dir = engine_config.model or model
         seed = stable_seed(self.config.run.seed, index, 2) % (2**31)
-        self.engine = create_engine(self.config.rollout.engine, engine_config.model_copy(update={"model": self.model_dir, "seed": seed}))
+        self.engine = create_engine(self.config.rollout.engine, engine_config.model_copy(
+            update={"model": self.model_dir, "seed": seed, "schedule": schedule}))
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)

@@ -5,7 +5,7 @@ landmark mode the same way (`sparrow.layout`), build the same layout from them, 
 jobs they cannot run; an engine's config adds its own rules by extending `check_job`.
 """
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from pydantic import Field
 
@@ -33,7 +33,10 @@ class EngineSettings(SparseLayoutSettings):
         return None
 
     max_num_seqs: int = Field(64, ge=1, description="sequences decoded together (a GRPO group counts n)")
-    schedule: str | None = Field(None, description="initial sparsity schedule (name or file); None = dense")
+    schedule: str | dict[str, Any] | None = Field(
+        None, description="initial sparsity schedule (name, file, or inline mapping); None = dense. In a job the "
+        "worker sets it to the job's schedule in force (rollout.schedule), so an engine that fixes its kernels when it "
+        "starts (vLLM's full decode graphs) starts with the job's")
     kv_cache_dtype: KVCacheDType = Field(
         "auto",
         description="K/V pages: auto = the model's dtype; fp8_e4m3 (native engine) = e4m3 with one float32 scale per stored vector "

@@ -13,6 +13,7 @@ given) and yaml only for schedule files, so `sparrow schedule list` starts fast.
 
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from importlib import resources
 from pathlib import Path
@@ -209,9 +210,12 @@ def published_schedules() -> dict[str, SparsitySchedule]:
     }
 
 
-def load_schedule(name_or_file: str | Path) -> SparsitySchedule:
-    """A published schedule by name, or a JSON/YAML schedule file."""
-    text = str(name_or_file)
+def load_schedule(source: str | Path | Mapping, origin: str = "inline schedule") -> SparsitySchedule:
+    """A published schedule by name, a JSON/YAML schedule file, or a schedule's mapping (`to_dict`'s form, named
+    `origin` in errors: how a job hands its engines the schedule in force when they start)."""
+    if isinstance(source, Mapping):
+        return SparsitySchedule.from_dict(dict(source), origin=origin)
+    text = str(source)
     tables = published_schedules()
     if text in tables:
         return tables[text]

@@ -128,15 +128,15 @@ def test_stock_vllm_runs_the_dense_schedule_without_a_controller():
     assert "controller.enabled=true steers the rollout's sparsity, and rollout.vllm.attention='stock'" in steered
 
 
-def test_a_job_refuses_vllm_full_decode_graphs_before_any_pool_starts():
-    """A job's engines start dense and take its schedule after; a vLLM engine started dense with full decode graphs
-    refuses every schedule, the job's dense one too. Found on an H100: `bench rl-step --engine vllm --set
-    rollout.vllm.cuda_graphs=full_decode` failed at the first schedule, after 144 s of start-up."""
+def test_a_vllm_job_takes_full_decode_graphs_and_keeps_the_engines_schedule_to_rollout_schedule():
+    """A job's engines start with its schedule (the worker hands it over), so vLLM's full decode graphs capture the
+    kernel the job runs; they once started dense and refused the job's schedule (found on an H100, after 144 s of
+    start-up). The engine's own `schedule` stays the job's to set, once, with rollout.schedule."""
     vllm = ["rollout.engine=vllm", "rollout.sampling.top_p=1.0"]
-    load_config(None, [*vllm, "rollout.vllm.cuda_graphs=piecewise"])
-    refused = _error([*vllm, "rollout.vllm.cuda_graphs=full_decode"])
-    assert "rollout.vllm.cuda_graphs='full_decode': a job's engines start dense" in refused
-    assert "use rollout.vllm.cuda_graphs='piecewise' in a job" in refused
+    for graphs in ("piecewise", "full_decode"):
+        assert load_config(None, [*vllm, f"rollout.vllm.cuda_graphs={graphs}"]).rollout.engine_config().cuda_graphs == graphs
+    refused = _error([*vllm, "rollout.vllm.schedule=qwen3-1.7b-0.86"])
+    assert "rollout.vllm.schedule='qwen3-1.7b-0.86': the job's schedule is set once, with rollout.schedule" in refused
 
 
 def test_partial_rollouts_bound_staleness_past_the_runs_and_need_an_engine_that_interrupts():

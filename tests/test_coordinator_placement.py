@@ -39,7 +39,8 @@ def _config(model, rollout_size: int):
 
 
 def _workers(pool: RolloutPool) -> list[dict]:
-    return ray.get([pool.spawn(slot).info.remote() if slot.actor is None else slot.actor.info.remote()
+    schedule = pool.config.schedule_template()
+    return ray.get([pool.spawn(slot, schedule).info.remote() if slot.actor is None else slot.actor.info.remote()
                     for slot in pool.slots.values()])
 
 

@@ -98,3 +98,26 @@ def test_a_probe_longer_than_a_lease_is_renewed_while_it_runs_and_completes_once
     assert expired == [], "the running probe's lease expired"
     probe = dispatcher.take_step(0).probe_result
     assert probe is not None and probe.speedup > 0
+
+
+def test_the_engine_starts_with_the_schedule_the_job_hands_its_worker(tiny_qwen3):
+    """A worker's engine starts under the job's schedule in force (the fleet passes it, inline), before `serve`: an
+    engine that fixes its kernels when it starts (vLLM's full decode graphs) must start sparse to run sparse."""
+    from sparrow.coordinator.rollout_worker import RolloutWorker
+    from sparrow.coordinator.transport import JobCredentials
+
+    config = load_config(overrides=[
+        f"model={tiny_qwen3}", "metrics.enabled=false",
+        "rollout.schedule={name: small, topk_blocks: [2, 4], edges: [160]}",
+        "rollout.native={max_num_seqs: 8, max_model_len: 512, num_kv_blocks: 64}",
+    ])
+    in_force = config.initial_schedule().with_topk([3, 5], version=4)  # as the controller left it
+    credentials = JobCredentials.create(config.transport)
+    started = RolloutWorker(config.worker_payload(), str(tiny_qwen3), 0, 1, credentials, in_force.to_dict())
+    dense = RolloutWorker(config.worker_payload(), str(tiny_qwen3), 1, 1, credentials)
+    try:
+        assert started.engine.schedule == in_force and started.engine.schedule_version == 4
+        assert dense.engine.schedule is None and dense.engine.schedule_version == -1
+    finally:
+        started.shutdown()
+        dense.shutdown()

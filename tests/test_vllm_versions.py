@@ -178,7 +178,8 @@ def test_a_full_decode_graph_reads_fixed_addresses_that_each_step_refills():
     """A replayed decode graph reads what its capture read, at the same addresses: views of vLLM's persistent seq_lens
     and block table, and the builder's budgets buffer, refilled in place from each step's lengths and the schedule in
     force (a dense one too: every block). The graph's padding rows (no query token, length 0) are decodes that are
-    not requests. An engine started dense captured the dense kernel: it refuses a sparse schedule, naming the fix."""
+    not requests. An engine started dense captured the dense kernel: it takes a dense schedule (a dense job's bins)
+    and still reads no budgets, and refuses a sparse one, naming the fix."""
     from sparrow.rollout_workers.vllm_backend import runtime
     from sparrow.rollout_workers.vllm_backend.backend import step_metadata
 
@@ -216,6 +217,8 @@ def test_a_full_decode_graph_reads_fixed_addresses_that_each_step_refills():
 
     runtime.configure(runtime.WorkerOptions(attention_backend="reference", full_decode_graphs=True).to_dict())
     assert step([100, 150, 700]).budgets is None
+    runtime.current().set_schedule(SMALL.with_topk([None] * SMALL.num_bins).to_dict())
+    assert runtime.current().schedule.is_dense and step([100, 150, 700]).budgets is None
     with pytest.raises(ValueError, match="started dense with cuda_graphs='full_decode'.*start it with a schedule"):
         runtime.current().set_schedule(SMALL.to_dict())
 

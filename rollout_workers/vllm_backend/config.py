@@ -81,14 +81,8 @@ class VllmEngineConfig(EngineSettings):
 
     def check_job(self, sampling: SamplingParams, schedule: SparsitySchedule, section: str, name: str) -> None:
         """The shared rules, and vLLM's: unfiltered logprobs (no top-p / top-k), enough top-k logprobs, and stock
-        attention only under the dense schedule; no full decode graphs (a job's engines start dense and take the
-        job's schedule after: one started dense with full_decode refuses it)."""
+        attention only under the dense schedule."""
         super().check_job(sampling, schedule, section, name)
-        if self.cuda_graphs == "full_decode":
-            raise ValueError(f"{section}.{name}.cuda_graphs='full_decode': a job's engines start dense and take its "
-                             f"schedule after they start, which an engine started dense with full decode graphs "
-                             f"refuses (its graphs hold the dense kernel); use {section}.{name}.cuda_graphs='piecewise' "
-                             f"in a job (full_decode serves an engine started with its schedule)")
         dense = self.dense_only(section, name)
         if dense and not schedule.is_dense:
             raise ValueError(f"{section}.schedule={schedule.name!r}: {dense}; set {section}.schedule=dense, or "

@@ -73,7 +73,8 @@ class SparseRuntime:
         self.full_decode_graphs = options.full_decode_graphs
         self.graph_budgets = options.full_decode_graphs and options.schedule is not None
         """Decode graphs captured with budgets: every later schedule, dense (None) too, is read through budgets
-        (dense = DENSE_BUDGET, every block). An engine started dense captured the dense kernel and stays dense."""
+        (dense = DENSE_BUDGET, every block). An engine started dense (None) captured the dense kernel and stays dense:
+        it takes dense schedules (a job's bins) only."""
         self.schedule: SparsitySchedule | None = None
         self._budget_lookup: tuple[tuple, torch.Tensor] | None = None
         """(block-table width, device) -> the schedule's budget by block count there; dropped with the schedule."""
@@ -96,7 +97,7 @@ class SparseRuntime:
 
     def set_schedule(self, payload: dict | None) -> None:
         schedule = None if payload is None else SparsitySchedule.from_dict(payload, origin="sparrow_set_schedule")
-        if schedule is not None and self.full_decode_graphs and not self.graph_budgets:
+        if schedule is not None and not schedule.is_dense and self.full_decode_graphs and not self.graph_budgets:
             raise ValueError(f"schedule {schedule.name!r}: this engine started dense with cuda_graphs='full_decode', "
                              "so its decode graphs hold the dense kernel; start it with a schedule (a dense one may "
                              "follow), or use cuda_graphs='piecewise'")
@@ -115,7 +116,7 @@ class SparseRuntime:
         lists each step copied them host to device, which waits for the GPU's queue (`max_blocks`: the block
         table's width, the most blocks a row can hold). Written into `out` when given: a decode graph reads the
         budgets from the address it captured."""
-        if self.schedule is None and not self.graph_budgets:
+        if (self.schedule is None or self.schedule.is_dense) and not self.graph_budgets:
             return None
         key = (max_blocks, seq_lens.device)
         if self._budget_lookup is None or self._budget_lookup[0] != key:
