@@ -431,10 +431,12 @@ def test_sleep_gives_memory_back_and_wake_restores_the_same_engine(bf16_sleepy, 
     this test: ours 3.3e-2 and stock 0.0, then ours 0.0 and stock 3.1e-2 = 2^-5, a logit's step in [4, 8))."""
     requests = unseen(seed=11)  # sleep resets the prefix cache: the woken run prefills in full, so must this one
     awake = run(bf16_sleepy, SMALL, requests)
+    attended = bf16_sleepy.stats()["sparse_blocks_attended"]
     asleep = bf16_sleepy.sleep()
     with pytest.raises(RuntimeError, match="asleep"):
         bf16_sleepy.generate(requests)
     woken = bf16_sleepy.wake()
+    assert bf16_sleepy.stats()["sparse_blocks_attended"] == attended > 0, "the block counters live through a sleep"
     record({"sleep.gib_freed": asleep.bytes / 2**30, "sleep.seconds": asleep.seconds,
             "wake.gib_taken": woken.bytes / 2**30, "wake.seconds": woken.seconds})
     assert asleep.bytes >= 0.9 * KV_BYTES and woken.bytes >= 0.9 * KV_BYTES

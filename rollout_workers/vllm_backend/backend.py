@@ -72,7 +72,6 @@ class SparrowMetadataBuilder(_vllm.AttentionMetadataBuilder[SparrowMetadata]):
         max_rows = max(scheduler.max_num_seqs, vllm_config.compilation_config.max_cudagraph_capture_size or 0)
         self.budgets = torch.zeros(max_rows, dtype=torch.long, device=device)
         """The decode rows' budgets, refilled in place each step (the address a decode graph captured)."""
-        state.prepare_counters(torch.device(device))
         if state.full_decode_graphs:  # on CUDA, pages of BLOCK_SIZE (VllmEngineConfig): the scratch before capture
             width = -(-model.max_model_len // BLOCK_SIZE)
             width = -(-width // BLOCK_TABLE_ALIGN) * BLOCK_TABLE_ALIGN

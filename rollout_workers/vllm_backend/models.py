@@ -41,6 +41,7 @@ def install_sparse_attention(model, vllm_config) -> list[int]:
         setattr(model.get_submodule(parent_name), attr, replacement)
         sparse.append(index)
     state.first_sparse_layer = min(sparse) if sparse else None
+    state.prepare_counters(next(model.parameters()).device)
     return sparse
 
 

@@ -133,8 +133,10 @@ class SparseRuntime:
         self.decode_rows += rows
 
     def prepare_counters(self, device: torch.device) -> None:
-        """The device counters the first sparse layer adds to in place (before any graph is captured: a captured
-        add then counts every replay)."""
+        """The device counters the first sparse layer adds to in place, made with the model (before any graph is
+        captured: a captured add then counts every replay). Not with the attention builders: vLLM makes those with the
+        KV cache, in the memory pool its sleep mode discards, and the counts read 0 after a sleep (H100, 12-07); the
+        model's pool is backed up by a level-1 sleep."""
         if self._block_sums is None:
             self._block_sums = torch.zeros(2, dtype=torch.long, device=device)
 
