@@ -39,8 +39,9 @@ class VllmEngineConfig(EngineSettings):
         "piecewise", description="piecewise = vLLM's graphs between the sparse layers, which run eagerly (run on "
                                  "an H100 and an H200); full_decode = a decode-only step replays one graph of the "
                                  "whole model, sparse layers included (CUDA, pages of 16 tokens, Triton kernels; "
-                                 "matches the native engine on an H100, not timed yet). An engine started dense "
-                                 "with full_decode stays dense, so a job (whose engines start dense) refuses it"
+                                 "matches the native engine on an H100; in a one-step job on an H100 the rollout ran "
+                                 "1.8x (dense) and 2.7x (sparse) faster than piecewise). An engine started dense "
+                                 "with full_decode stays dense (a job starts its engines with the job's schedule)"
     )
     attention_backend: Literal["auto", "reference", "triton"] = Field(
         "auto", description="sparse decode kernels; auto = triton on CUDA, reference (torch) on CPU"
@@ -51,8 +52,10 @@ class VllmEngineConfig(EngineSettings):
         "auto", description="how a state dict reaches vLLM: memory = loaded in place from shared buffers vLLM's worker "
                             "maps (no disk); reload = written as a checkpoint, then loaded in place (reload_weights); "
                             "recreate = vLLM restarted on that checkpoint (~20 s on CPU even for a tiny model); "
-                            "auto = memory on CPU, reload on GPU (memory is not measured on a GPU yet). On CPU the "
-                            "packed GEMM copies are re-packed after an in-place load"
+                            "auto = memory on CPU, reload on GPU: memory keeps one more copy of the weights on the GPU "
+                            "(the buffers), which is KV memory; it publishes faster (a 2.83 GB version in a job step "
+                            "on an H100: 0.6-0.7 s, reload 3.8-4.2 s). On CPU the packed GEMM copies are re-packed "
+                            "after an in-place load"
     )
     weight_transfer_backend: str | None = Field(
         None, description="vLLM native weight transfer for trainer pushes, e.g. 'nccl' (GPU only)"
