@@ -93,10 +93,21 @@ def bf16_sleepy(qwen3_128):
 
 @pytest.fixture(scope="module")
 def bf16_full_graphs(qwen3_128, tmp_path_factory):
-    """`cuda_graphs: full_decode`, started sparse (an engine started dense keeps the dense kernel it captured)."""
+    """`cuda_graphs: full_decode`, started sparse (an engine started dense keeps the dense kernel it captured), from a
+    schedule file."""
     schedule_file = tmp_path_factory.mktemp("schedule") / "small.json"
     SMALL.save(schedule_file)
     engine = make_engine(qwen3_128, dtype="bfloat16", cuda_graphs="full_decode", schedule=str(schedule_file))
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def bf16_job_engine(qwen3_128):
+    """A colocated job's engine at its fastest: full decode graphs, sleep mode, state dicts through shared buffers,
+    started with the job's schedule handed over inline (as a rollout worker starts it)."""
+    engine = make_engine(qwen3_128, dtype="bfloat16", cuda_graphs="full_decode", sleep_mode=True,
+                         weight_update="memory", schedule=SMALL.to_dict())
     yield engine
     engine.shutdown()
 
@@ -441,6 +452,29 @@ def test_sleep_gives_memory_back_and_wake_restores_the_same_engine(bf16_sleepy, 
             "wake.gib_taken": woken.bytes / 2**30, "wake.seconds": woken.seconds})
     assert asleep.bytes >= 0.9 * KV_BYTES and woken.bytes >= 0.9 * KV_BYTES
     compare(bf16_sleepy.generate(requests), awake, max(BF16_TOL, 2 * stock_sleep_drift), "sleep_wake")
+
+
+def test_full_decode_graphs_replay_right_after_a_sleep_and_a_new_version_as_a_job_step_runs_them(
+        bf16_job_engine, qwen3_128, fresh_perturbed):
+    """A job step's cycle on its engine: decode, sleep (the KV pool, the graphs' budget buffer and kernel scratch
+    discarded), wake, decode again through the same captured graphs; then a version loaded while asleep. The 12-07
+    job run (H100) had one step a mode, so its only rollout came before the first sleep."""
+    engine = bf16_job_engine
+    assert engine.stats()["sparse_cudagraph_mode"] == "FULL_AND_PIECEWISE"
+    requests = unseen(seed=13)
+    awake = run(engine, SMALL, requests)
+    attended = engine.stats()["sparse_blocks_attended"]
+    engine.sleep()
+    engine.wake()
+    woken = engine.generate(requests)
+    assert engine.stats()["sparse_blocks_attended"] == 2 * attended > 0, "the same blocks, counted across the sleep"
+    compare(woken, awake, BF16_TOL, "full_decode_sleep_wake")
+    engine.sleep()
+    engine.load_weights({k: v.cuda() for k, v in perturbed(qwen3_128, seed=1).items()}, version=1)
+    engine.wake()
+    updated = engine.generate(greedy())
+    assert all(s.policy_version == 1 for s in updated)
+    matches_a_fresh_load(updated, fresh_perturbed, "full_decode_load_while_asleep_vs_fresh")
 
 
 def test_weights_loaded_while_asleep_equal_a_fresh_load(bf16_sleepy, qwen3_128, fresh_perturbed):
