@@ -311,12 +311,15 @@ def test_weight_update_in_place_equals_a_fresh_load_refuses_bad_weights_and_runs
     engine re-packs it, so CPU reloads in place (< 1 s) instead of restarting vLLM (~20 s). A bad update is refused
     whole before anything is loaded. A state dict reaches the worker through shared memory (`memory`, the CPU default),
     a directory is reloaded from disk, and `recreate` (a restart on a checkpoint) stays as the fallback: all three
-    run."""
+    run. A version read from a colocated trainer's shared buffers goes to vLLM's worker in them, not copied into the
+    engine's own."""
     import ray
     from safetensors.torch import load_file
 
     from sparrow.rollout_workers.vllm_backend import VllmEngine, VllmEngineConfig
     from sparrow.rollout_workers.vllm_backend.weights import save_checkpoint
+    from sparrow.weight_sync import SharedMappings, SharedSender, SharedSource, WeightReceiver
+    from sparrow.weight_sync.send import publish_state_dict
 
     requests = greedy_requests(random_prompts((100, 210), seed=6), max_tokens=24)
     original = load_file(str(Path(tiny_llama) / "model.safetensors"))
@@ -342,6 +345,17 @@ def test_weight_update_in_place_equals_a_fresh_load_refuses_bad_weights_and_runs
         engine.load_weights(str(tiny_llama), version=4)  # a directory: reload_weights in place from disk
         back = engine.generate(requests)
         stats = engine.stats()
+        other, trainer = perturbed(original, seed=1), SharedSender("cpu")  # a colocated trainer rank's buffers
+        try:
+            handle = publish_state_dict(other, 5, trainer, 1 << 20).handle
+            WeightReceiver(engine).receive(SharedSource(handle, SharedMappings()))
+            handed_on = engine.generate(requests)
+            own = engine._memory_sender.buffer(0).clone()
+            engine.load_weights(other, version=6)  # a plain state dict: packed into the engine's own buffers
+            repacked = engine.generate(requests)
+            own_after = engine._memory_sender.buffer(0).clone()
+        finally:
+            trainer.close()
     finally:
         engine.shutdown()
     assert_same_rollouts(kept, before, tol=1e-5)
@@ -349,6 +363,10 @@ def test_weight_update_in_place_equals_a_fresh_load_refuses_bad_weights_and_runs
     assert all(s.policy_version == 0 for s in kept) and all(s.policy_version == 3 for s in after)
     assert written == [] and stats["engine_starts"] == 1 and stats["schedule_version"] == SMALL.version
     assert any(not torch.equal(a.token_ids, b.token_ids) for a, b in zip(before, after))
+    assert_same_rollouts(handed_on, repacked, tol=1e-5)
+    assert all(s.policy_version == 5 for s in handed_on) and any(
+        not torch.equal(a.token_ids, b.token_ids) for a, b in zip(handed_on, after))
+    assert not torch.equal(own, own_after), "version 5 went to vLLM's worker in the trainer's buffers, not the engine's"
 
     # A fresh load of the same weights, in a Ray actor (how the coordinator runs engines), set to restart on updates.
     fresh_dir = save_checkpoint(updated, Path(tiny_llama), tmp_path / "updated")

@@ -469,22 +469,23 @@ def test_full_decode_graphs_replay_right_after_a_sleep_and_a_new_version_as_a_jo
     woken = engine.generate(requests)
     assert engine.stats()["sparse_blocks_attended"] == 2 * attended > 0, "the same blocks, counted across the sleep"
     compare(woken, awake, BF16_TOL, "full_decode_sleep_wake")
+    loads_while_asleep_as_a_fresh_engine(engine, qwen3_128, fresh_perturbed, "full_decode_load_while_asleep_vs_fresh")
+
+
+def loads_while_asleep_as_a_fresh_engine(engine, model, fresh, name: str) -> None:
+    """A version loaded while the engine sleeps (a colocated step's cycle) generates what an engine started on it
+    does, under SMALL."""
+    engine.set_schedule(SMALL)
     engine.sleep()
-    engine.load_weights({k: v.cuda() for k, v in perturbed(qwen3_128, seed=1).items()}, version=1)
+    engine.load_weights({k: v.cuda() for k, v in perturbed(model, seed=1).items()}, version=1)
     engine.wake()
     updated = engine.generate(greedy())
     assert all(s.policy_version == 1 for s in updated)
-    matches_a_fresh_load(updated, fresh_perturbed, "full_decode_load_while_asleep_vs_fresh")
+    matches_a_fresh_load(updated, fresh, name)
 
 
 def test_weights_loaded_while_asleep_equal_a_fresh_load(bf16_sleepy, qwen3_128, fresh_perturbed):
-    bf16_sleepy.set_schedule(SMALL)
-    bf16_sleepy.sleep()
-    bf16_sleepy.load_weights({k: v.cuda() for k, v in perturbed(qwen3_128, seed=1).items()}, version=1)
-    bf16_sleepy.wake()
-    updated = bf16_sleepy.generate(greedy())
-    assert all(s.policy_version == 1 for s in updated)
-    matches_a_fresh_load(updated, fresh_perturbed, "load_while_asleep_vs_fresh")
+    loads_while_asleep_as_a_fresh_engine(bf16_sleepy, qwen3_128, fresh_perturbed, "load_while_asleep_vs_fresh")
 
 
 def test_reload_in_place_equals_a_fresh_load(bf16_sleepy, qwen3_128, perturbed_dir, fresh_perturbed):

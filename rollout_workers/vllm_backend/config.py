@@ -52,10 +52,10 @@ class VllmEngineConfig(EngineSettings):
         "auto", description="how a state dict reaches vLLM: memory = loaded in place from shared buffers vLLM's worker "
                             "maps (no disk); reload = written as a checkpoint, then loaded in place (reload_weights); "
                             "recreate = vLLM restarted on that checkpoint (~20 s on CPU even for a tiny model); "
-                            "auto = memory on CPU, reload on GPU: memory keeps one more copy of the weights on the GPU "
-                            "(the buffers), which is KV memory; it publishes faster (a 2.83 GB version in a job step "
-                            "on an H100: 0.6-0.7 s, reload 3.8-4.2 s). On CPU the packed GEMM copies are re-packed "
-                            "after an in-place load"
+                            "auto = memory on CPU, reload on GPU. memory publishes faster (a 2.83 GB version in a job "
+                            "step on an H100: 0.6-0.7 s, reload 3.8-4.2 s); a state dict not read from a colocated "
+                            "trainer's shared buffers is copied into the engine's own, one more copy of the weights on "
+                            "the device. On CPU the packed GEMM copies are re-packed after an in-place load"
     )
     weight_transfer_backend: str | None = Field(
         None, description="vLLM native weight transfer for trainer pushes, e.g. 'nccl' (GPU only)"

@@ -32,7 +32,7 @@ from sparrow.rollout_workers.api import (
 )
 from sparrow.schedule import SparsitySchedule, load_schedule
 from sparrow.seeds import sample_seed
-from sparrow.weight_sync import SharedSender
+from sparrow.weight_sync import SharedSender, SharedStateDict
 from sparrow.weight_sync.send import publish_state_dict
 
 from . import _vllm
@@ -536,11 +536,16 @@ class VllmEngine(RolloutEngine):
         await self._after_reload()
 
     async def _load_from_memory(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
-        """The state dict packed into this engine's shared buffers (shared memory on CPU, CUDA IPC on a GPU), which
-        vLLM's worker maps and loads in place: no checkpoint on disk. The buffers are kept for the next version."""
-        if self._memory_sender is None:
-            self._memory_sender = SharedSender(next(iter(weights.values())).device)
-        handle = publish_state_dict(weights, version, self._memory_sender, MEMORY_BUCKET_BYTES).handle
+        """The state dict in shared buffers (shared memory on CPU, CUDA IPC on a GPU), which vLLM's worker maps and
+        loads in place: no checkpoint on disk. A version read from a colocated trainer's buffers is handed on in
+        them; any other is packed into this engine's own buffers, kept for the next version (one more copy of the
+        weights on the device)."""
+        if isinstance(weights, SharedStateDict):
+            handle = weights.handle
+        else:
+            if self._memory_sender is None:
+                self._memory_sender = SharedSender(next(iter(weights.values())).device)
+            handle = publish_state_dict(weights, version, self._memory_sender, MEMORY_BUCKET_BYTES).handle
         await self._wake_weights()
         await self._llm.collective_rpc("sparrow_load_shared", args=(encode_handle(handle),))
         await self._after_reload()

@@ -14,7 +14,7 @@ and rollout workers receive, without either importing the other.
 from .buckets import Bucket, Entry, Manifest, pack, plan_buckets, unpack
 from .channels import CollectiveGroup, CollectiveSender, CollectiveSource, HandleSource, ObjectStoreSender, WeightHandle
 from .receive import ReceiveReport, WeightReceiver, WeightsRefused, receive_state_dict
-from .shared import SharedHandle, SharedMappings, SharedSender, SharedSource, current_gpu
+from .shared import SharedHandle, SharedMappings, SharedSender, SharedSource, SharedStateDict, current_gpu
 
 __all__ = [
     "Bucket",
@@ -30,6 +30,7 @@ __all__ = [
     "SharedMappings",
     "SharedSender",
     "SharedSource",
+    "SharedStateDict",
     "current_gpu",
     "WeightHandle",
     "WeightReceiver",

@@ -6,16 +6,20 @@ from dataclasses import dataclass
 import torch
 
 from .buckets import unpack
+from .shared import SharedSource, SharedStateDict
 
 
 def receive_state_dict(source, device: torch.device | str | None = "cpu") -> tuple[dict[str, torch.Tensor], int]:
-    """All tensors of one published version, on `device` (None: where the source delivers them)."""
+    """All tensors of one published version, on `device` (None: where the source delivers them; read in place from
+    shared buffers, they come as a `SharedStateDict`)."""
     manifest = source.manifest()
     state: dict[str, torch.Tensor] = {}
     for index, bucket in enumerate(manifest.buckets):
         flat = source.bucket(index, bucket)
         state.update(unpack(bucket, flat if device is None else flat.to(device)))
     source.finish()
+    if device is None and isinstance(source, SharedSource):
+        state = SharedStateDict(state, source.handle)
     return state, manifest.version
 
 

@@ -186,6 +186,16 @@ class SharedMappings:
         return self._sets[handle.layout_id]
 
 
+class SharedStateDict(dict):
+    """A version's tensors as views of the shared buffers they were read from, with the `handle` that maps them: a
+    receiver that loads weights through another process on the same GPU or host (vLLM's worker) passes the handle
+    on instead of copying the tensors into buffers of its own. Valid until the sender's next publication."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], handle: SharedHandle):
+        super().__init__(tensors)
+        self.handle = handle
+
+
 class SharedSource:
     """The receiving end: every bucket as a view of the shared buffer (no copy; `staging` None)."""
 
