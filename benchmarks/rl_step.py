@@ -185,12 +185,13 @@ def reference_rollout(config, model_dir: Path, rows: list[dict], samples: int, p
         raise ValueError("--reference-rollout: the run recorded no peak batch or mean length to match")
     groups = max(1, round(peak / samples))
     length = max(2, round(sum(lengths) / len(lengths)))
-    settings = config.rollout.engine_config().model_copy(update={"model": str(model_dir)})
+    schedule = config.initial_schedule()  # started with it, as the job's workers start theirs
+    settings = config.rollout.engine_config().model_copy(
+        update={"model": str(model_dir), "schedule": None if schedule is None else schedule.to_dict()})
     vocab = checkpoint_config(model_dir)["vocab_size"]
     prompts = protocol_prompts(vocab, groups, prompt_tokens, seed=1)
     engine = registry.create_engine(config.rollout.engine, settings)
     try:
-        engine.set_schedule(config.initial_schedule())
         engine.generate(protocol_requests(prompts, samples, 2))
         result = timed_generate(engine, protocol_requests(prompts, samples, length), None)
     finally:

@@ -59,13 +59,16 @@ def test_dense_bins_and_custom_edges():
     assert s.budgets_for_lengths(torch.tensor([100, 256, 2000])).tolist() == [DENSE_BUDGET, 7, 15]
 
 
-def test_round_trip_json_and_yaml(tmp_path):
-    s = load_schedule("qwen3-4b-0.86").with_topk([None] + [40] * 19, name="mine")
-    assert s.version == 1
+def test_round_trip_json_yaml_and_inline(tmp_path):
+    """A file, or the mapping a job hands its engines (`to_dict`), version included."""
+    s = load_schedule("qwen3-4b-0.86").with_topk([None] + [40] * 19, name="mine", version=5)
     for suffix in (".json", ".yaml"):
         path = tmp_path / f"s{suffix}"
         s.save(path)
         assert load_schedule(path) == s
+    assert load_schedule(s.to_dict()) == s
+    with pytest.raises(ScheduleError, match=r"rollout.schedule: unknown key\(s\) \['budget'\]"):
+        load_schedule({**s.to_dict(), "budget": 3}, origin="rollout.schedule")
 
 
 @pytest.mark.parametrize(
