@@ -223,6 +223,26 @@ def test_a_full_decode_graph_reads_fixed_addresses_that_each_step_refills():
         runtime.current().set_schedule(SMALL.to_dict())
 
 
+
+def test_counts_start_at_zero_once_the_engine_is_up_at_the_address_graphs_add_to():
+    """vLLM's start-up runs (profile, warm-up, capture) decode dummy batches through the sparse layers; the engine
+    zeroes the counts once it is up (an engine started under a schedule read 119 blocks before its first request on an
+    H100). The device counter is zeroed in place, where a captured graph's add keeps writing."""
+    from sparrow.rollout_workers.vllm_backend import runtime
+
+    rt = runtime.configure(runtime.WorkerOptions(attention_backend="reference", schedule=SMALL.to_dict(),
+                                                 full_decode_graphs=True).to_dict())
+    rt.count_decode_step(rows=3)
+    rt.record_prompt([(0, 5), (5, 9)])
+    rt.record_step(torch.tensor([33, 17, 0]), torch.tensor([2, 1, 0]))
+    counter = rt._block_sums
+    assert (rt.stats()["blocks_attended"], rt.stats()["blocks_in_context"], rt.stats()["decode_steps"]) == (3, 5, 1)
+    rt.reset_counters()
+    counts = ("decode_steps", "decode_rows", "prompt_rows", "prompt_tokens", "blocks_attended", "blocks_in_context")
+    assert [rt.stats()[k] for k in counts] == [0] * len(counts)
+    rt.record_step(torch.tensor([16]), torch.tensor([1]))
+    assert rt._block_sums is counter and rt.stats()["blocks_attended"] == 1
+
 VERSION_SCRIPT = """
 import inspect
 from sparrow.rollout_workers.vllm_backend import _vllm, plugin

@@ -178,6 +178,8 @@ class VllmEngine(RolloutEngine):
         self._llm = _vllm.AsyncLLM.from_engine_args(self.engine_args(model_dir))
         if self.on_cpu:
             await self._llm.collective_rpc("sparrow_rewindable_cpu_generators")
+        if self.config.attention == "sparrow":
+            await self._llm.collective_rpc("sparrow_reset_counters")
 
     def _call(self, coro):
         """Run a coroutine on the engine's loop and wait for it (from any thread but the loop's)."""

@@ -140,6 +140,14 @@ class SparseRuntime:
         if self._block_sums is None:
             self._block_sums = torch.zeros(2, dtype=torch.long, device=device)
 
+    def reset_counters(self) -> None:
+        """Zero every count once the engine has started: vLLM's profile, warm-up and capture runs decode dummy
+        batches through the sparse layers (an engine started under a sparse schedule counted 119 blocks before its
+        first request, H100 12-07). Zeroed in place: captured graphs add to the counter's address."""
+        self.decode_steps = self.decode_rows = self.prompt_rows = self.prompt_tokens = 0
+        if self._block_sums is not None:
+            self._block_sums.zero_()
+
     def record_step(self, seq_lens: torch.Tensor, blocks: torch.Tensor) -> None:
         """Count one decode step of one sparse layer (the first): blocks attended vs in context (padding rows of a
         graph, of length 0, add nothing)."""

@@ -23,6 +23,9 @@ class SparrowWorkerExtension:
     def sparrow_stats(self) -> dict:
         return {**runtime.current().stats(), "cudagraph_mode": _vllm.cudagraph_mode(self)}
 
+    def sparrow_reset_counters(self) -> None:
+        runtime.current().reset_counters()
+
     def sparrow_trace(self) -> list[dict]:
         """Recent decode steps of the first sparse layer (kept when trace_steps > 0)."""
         trace = runtime.current().trace
