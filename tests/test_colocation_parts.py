@@ -187,3 +187,54 @@ def test_an_explicit_collective_channel_over_a_shared_gpu_is_refused_naming_both
         choose_channel(run, ["GPU-a"], ["GPU-a"])
     with pytest.raises(ValueError, match="rollout-0 and rollout-1 share GPU GPU-b"):
         choose_channel(run, ["GPU-a"], ["GPU-b", "GPU-b"])
+
+
+RANK_SCRIPT = textwrap.dedent("""
+    import json, socket, sys
+    import torch
+    from sparrow.trainer import Trajectory, TrajectoryBatch, TrainerRank
+
+    model, offload = sys.argv[1], sys.argv[2] == "1"
+    rank = TrainerRank({"model": model, "zero_stage": 2, "gradient_checkpointing": False,
+                        "optimizer": {"lr": 1e-2, "weight_decay": 0.1}}, 0, 1)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    rank.setup("127.0.0.1", port)
+    inner = rank.engine.optimizer.optimizer
+    if offload:
+        rank.offload_states()
+    made = sum(bool(inner.state[p]) for group in inner.param_groups for p in group["params"])
+    g = torch.Generator().manual_seed(0)
+    rows = [(torch.randint(3, 2000, (6,), generator=g), torch.randint(3, 2000, (5,), generator=g)) for _ in range(4)]
+    forced = rank.recompute(TrajectoryBatch([Trajectory(p, r, torch.zeros(5), advantage=1.0) for p, r in rows]))
+    batch = TrajectoryBatch([Trajectory(p, r, lp, advantage=(-1.0) ** i, group_id=str(i // 2))
+                             for i, ((p, r), lp) in enumerate(zip(rows, forced.logprobs))])
+    for _ in range(2):
+        if offload:
+            rank.reload_states()
+        rank.train_step(batch)
+        if offload:
+            rank.offload_states()
+    weights = [p.detach().double() for p in rank.engine.module.parameters()]
+    print(json.dumps({"made": made, "params": sum(len(g["params"]) for g in inner.param_groups),
+                      "sums": [float(w.sum()) for w in weights], "squares": [float(w.square().sum()) for w in weights]}))
+""")
+
+
+@pytest.mark.slow
+def test_a_ranks_first_offload_makes_adams_moments_and_training_is_unchanged(tiny_qwen3):
+    """A colocated rank's start-up offload makes Adam's moments in DeepSpeed's optimizer (so their pinned host buffers
+    are allocated before the first step, not inside it), and two updates then give the weights a rank that never
+    offloaded gets, bit for bit (ZeRO-2, the CPU's gloo)."""
+    import json
+
+    runs = {flag: subprocess.Popen([sys.executable, "-c", RANK_SCRIPT, str(tiny_qwen3), flag], stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True) for flag in ("0", "1")}
+    out = {}
+    for flag, proc in runs.items():
+        stdout, stderr = proc.communicate(timeout=300)
+        assert proc.returncode == 0, stderr[-3000:]
+        out[flag] = json.loads(stdout.strip().splitlines()[-1])
+    assert out["0"]["made"] == 0 and out["1"]["made"] == out["1"]["params"] > 0
+    assert out["1"]["sums"] == out["0"]["sums"] and out["1"]["squares"] == out["0"]["squares"]

@@ -1,6 +1,8 @@
 """Single-process pieces of the trainer: batch format, micro-batching, chunked log-probs, α binning,
 weight buckets, config validation, sparse attention inside an HF model."""
 
+import copy
+
 import pytest
 import torch
 
@@ -9,7 +11,7 @@ from sparrow.schedule import load_schedule
 from sparrow.trainer.alpha import AlphaReport, add_trajectory_alpha
 from sparrow.trainer.batch import Trajectory, TrajectoryBatch
 from sparrow.trainer.config import OptimizerConfig, TrainerConfig
-from sparrow.trainer.engine import lr_lambda
+from sparrow.trainer.engine import initialize_adam_states, lr_lambda
 from sparrow.trainer.logprobs import token_stats
 from sparrow.trainer.microbatch import collate, plan_micro_batches
 from sparrow.weight_sync import Manifest, pack, plan_buckets, unpack
@@ -149,6 +151,29 @@ def test_lr_schedule_warmup_and_decay():
     assert f(4) == pytest.approx(1.0) and f(9) == pytest.approx(0.55) and f(14) == pytest.approx(0.1) and f(100) == pytest.approx(0.1)
     lin = lr_lambda(OptimizerConfig(decay="linear", total_steps=10))
     assert lin(5) == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("options", [{}, {"amsgrad": True}, {"foreach": False}, {"fused": True}])
+def test_adam_states_made_up_front_train_bitwise_as_lazily_made_ones(options):
+    """A colocated rank makes Adam's moments before its start-up offload (their pinned buffers are then allocated
+    outside the first step): the same updates, the same states, as the moments torch makes at the first step."""
+    torch.manual_seed(0)
+    lazy_model = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
+    eager_model = copy.deepcopy(lazy_model)
+    make = lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1, **options)  # noqa: E731
+    lazy, eager = make(lazy_model), make(eager_model)
+    assert initialize_adam_states(eager) == 4 and initialize_adam_states(eager) == 0
+    for _ in range(3):
+        x = torch.randn(5, 8)
+        for model, optimizer in ((lazy_model, lazy), (eager_model, eager)):
+            optimizer.zero_grad()
+            model(x).square().sum().backward()
+            optimizer.step()
+    for a, b in zip(lazy_model.parameters(), eager_model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(lazy.state.values(), eager.state.values(), strict=True):
+        assert a.keys() == b.keys()
+        assert all(torch.equal(a[k], b[k]) and (a[k].dtype, a[k].device) == (b[k].dtype, b[k].device) for k in a)
 
 
 def test_sparse_forward_matches_native_engine_teacher_forcing(tiny_qwen3):

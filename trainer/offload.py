@@ -11,6 +11,7 @@ import time
 
 import torch
 
+from .engine import initialize_adam_states
 from .policy import Policy
 
 
@@ -26,7 +27,10 @@ def _moved(policy: Policy, move) -> dict[str, float]:
 
 
 def offload_states(policy: Policy) -> dict[str, float]:
-    """Everything DeepSpeed keeps for training to host memory; the seconds it took and the GPU bytes freed."""
+    """Everything DeepSpeed keeps for training to host memory; the seconds it took and the GPU bytes freed. Adam's
+    moments are made first if no update has made them yet, so the job's start-up offload allocates their pinned
+    buffers, not the first step's (on a CPU rank too, where nothing moves: one code path)."""
+    initialize_adam_states(getattr(policy.engine.optimizer, "optimizer", policy.engine.optimizer))
     return _moved(policy, policy.engine.offload_states)
 
 
