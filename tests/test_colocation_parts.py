@@ -2,6 +2,7 @@
 again, and weights handed over in place to another process (shared memory here; CUDA IPC on a GPU)."""
 
 import gc
+import json
 import pickle
 import subprocess
 import sys
@@ -227,8 +228,6 @@ def test_a_ranks_first_offload_makes_adams_moments_and_training_is_unchanged(tin
     """A colocated rank's start-up offload makes Adam's moments in DeepSpeed's optimizer (so their pinned host buffers
     are allocated before the first step, not inside it), and two updates then give the weights a rank that never
     offloaded gets, bit for bit (ZeRO-2, the CPU's gloo)."""
-    import json
-
     runs = {flag: subprocess.Popen([sys.executable, "-c", RANK_SCRIPT, str(tiny_qwen3), flag], stdout=subprocess.PIPE,
                                    stderr=subprocess.PIPE, text=True) for flag in ("0", "1")}
     out = {}
