@@ -133,7 +133,7 @@ def test_a_vllm_job_takes_full_decode_graphs_and_keeps_the_engines_schedule_to_r
     kernel the job runs; they once started dense and refused the job's schedule (found on an H100, after 144 s of
     start-up). The engine's own `schedule` stays the job's to set, once, with rollout.schedule."""
     vllm = ["rollout.engine=vllm", "rollout.sampling.top_p=1.0"]
-    for graphs in ("piecewise", "full_decode"):
+    for graphs in ("auto", "piecewise", "full_decode"):
         assert load_config(None, [*vllm, f"rollout.vllm.cuda_graphs={graphs}"]).rollout.engine_config().cuda_graphs == graphs
     refused = _error([*vllm, "rollout.vllm.schedule=qwen3-1.7b-0.86"])
     assert "rollout.vllm.schedule='qwen3-1.7b-0.86': the job's schedule is set once, with rollout.schedule" in refused

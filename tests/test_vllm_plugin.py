@@ -149,6 +149,23 @@ def test_config_errors_name_field_and_fix():
             VllmEngineConfig(cuda_graphs="full_decode", **setting)
 
 
+def test_auto_graphs_capture_the_sparse_layers_only_where_full_decode_can_and_the_schedule_may_change():
+    """`auto` (the default) takes full decode graphs where their capture rules hold and the engine started with a
+    schedule (one started without refuses a sparse schedule later); it never refuses a setting full_decode would."""
+    auto = VllmEngineConfig()
+    assert auto.cuda_graphs == "auto"
+    assert auto.full_decode_graphs(graphs_on=True, schedule_at_start=True) is True
+    assert auto.full_decode_graphs(graphs_on=True, schedule_at_start=False) is False
+    assert auto.full_decode_graphs(graphs_on=False, schedule_at_start=True) is False
+    for setting in ({"trace_steps": 4}, {"attention_backend": "reference"}, {"block_size": 32}, {"attention": "stock"}):
+        assert VllmEngineConfig(**setting).full_decode_graphs(graphs_on=True, schedule_at_start=True) is False
+    assert VllmEngineConfig(block_size=16).full_decode_graphs(graphs_on=True, schedule_at_start=True) is True
+    asked = VllmEngineConfig(cuda_graphs="full_decode")
+    assert asked.full_decode_graphs(graphs_on=True, schedule_at_start=False) is True
+    assert asked.full_decode_graphs(graphs_on=False, schedule_at_start=True) is False
+    assert VllmEngineConfig(cuda_graphs="piecewise").full_decode_graphs(graphs_on=True, schedule_at_start=True) is False
+
+
 def test_only_a_sleep_mode_engine_releases_memory_for_the_colocated_placement():
     assert VllmEngineConfig().releases_memory is False
     assert VllmEngineConfig(sleep_mode=True).releases_memory is True

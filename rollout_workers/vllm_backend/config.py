@@ -35,13 +35,15 @@ class VllmEngineConfig(EngineSettings):
     kv_cache_memory_bytes: int = Field(GiB, ge=1 << 20, description="per worker: KV pages + landmark side tables")
     enable_prefix_caching: bool = True
     enforce_eager: bool | None = Field(None, description="None = eager on CPU, CUDA graphs on CUDA (see cuda_graphs)")
-    cuda_graphs: Literal["piecewise", "full_decode"] = Field(
-        "piecewise", description="piecewise = vLLM's graphs between the sparse layers, which run eagerly (run on "
-                                 "an H100 and an H200); full_decode = a decode-only step replays one graph of the "
-                                 "whole model, sparse layers included (CUDA, pages of 16 tokens, Triton kernels; "
-                                 "matches the native engine on an H100; in a one-step job on an H100 the rollout ran "
-                                 "1.8x (dense) and 2.7x (sparse) faster than piecewise). An engine started dense "
-                                 "with full_decode stays dense (a job starts its engines with the job's schedule)"
+    cuda_graphs: Literal["auto", "piecewise", "full_decode"] = Field(
+        "auto", description="piecewise = vLLM's graphs between the sparse layers, which run eagerly; full_decode = a "
+                            "decode-only step replays one graph of the whole model, sparse layers included (CUDA, "
+                            "pages of 16 tokens, Triton kernels; matches the native engine on an H100, and after a "
+                            "sleep, a wake and a new version; in a one-step job on an H100 the rollout ran 1.8x "
+                            "(dense) and 2.7x (sparse) faster than piecewise). An engine started dense with "
+                            "full_decode stays dense (a job starts its engines with the job's schedule). auto = "
+                            "full_decode where it can capture (CUDA graphs on, sparrow attention, Triton kernels, "
+                            "pages of 16, no trace, a schedule given at start), piecewise otherwise"
     )
     attention_backend: Literal["auto", "reference", "triton"] = Field(
         "auto", description="sparse decode kernels; auto = triton on CUDA, reference (torch) on CPU"
@@ -73,6 +75,16 @@ class VllmEngineConfig(EngineSettings):
     def releases_memory(self) -> bool:
         """`sleep` / `wake` work only on an engine started in vLLM's sleep mode."""
         return self.sleep_mode
+
+    def full_decode_graphs(self, graphs_on: bool, schedule_at_start: bool) -> bool:
+        """Whether decode steps replay full graphs with the sparse layers inside: as asked, or under `auto` where
+        they can be captured and a schedule given at start lets the engine switch schedules later."""
+        if not graphs_on or self.attention != "sparrow":
+            return False
+        if self.cuda_graphs != "auto":
+            return self.cuda_graphs == "full_decode"
+        return (schedule_at_start and self.attention_backend != "reference" and self.trace_steps == 0
+                and self.block_size in (None, BLOCK_SIZE))
 
     def how_to_release_memory(self, section: str, name: str) -> str:
         return f"set {section}.{name}.sleep_mode=true (CUDA only), or use run.placement='disaggregated'"

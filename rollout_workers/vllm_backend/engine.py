@@ -159,7 +159,8 @@ class VllmEngine(RolloutEngine):
             options = WorkerOptions(
                 attention=self.layout, attention_backend=c.attention_backend,
                 schedule=None if self._schedule is None else self._schedule.to_dict(), trace_steps=c.trace_steps,
-                full_decode_graphs=c.cuda_graphs == "full_decode" and not (self.on_cpu or kwargs["enforce_eager"]),
+                full_decode_graphs=c.full_decode_graphs(graphs_on=not (self.on_cpu or kwargs["enforce_eager"]),
+                                                        schedule_at_start=self._schedule is not None),
             )
             kwargs.update(
                 hf_overrides={"architectures": [self.architecture]},
