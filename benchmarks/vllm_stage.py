@@ -3,13 +3,16 @@
     python3 benchmarks/vllm_stage.py [--version 0.26.0] [--part-mib N]   (checkout root; needs pip and the index)
 
 Which wheels: vLLM's METADATA `Requires-Dist` for CPython 3.12 on Linux x86_64 (extras skipped), less what the GPU
-machine's image has (`GPU_HAS`: KINDS.md's package list of the 'cuda' image, read there on 2026-11-17) and less what
-`AsyncLLM` / `LLM` import lazily or only for the HTTP server (`LAZY`). What is left (`RUNTIME`, each with where vLLM
-0.26 imports it at module level) is downloaded with what it needs in turn; every `Requires-Dist` of every carried
-wheel must then be carried or on the machine. A requirement in none of the three lists stops the script: read where
-that vLLM imports it and file it. The wheels land in `.vllm-wheels/` (git-ignored); `../shared/tools/stage-big.sh`
-splits them into parts that fit one device call beside the checkout, and the script prints the calls to make, the
-last of which runs `benchmarks/vllm_gpu.sh` (it installs the wheels there).
+machine's image has (`GPU_HAS`: KINDS.md's package list of the 'cuda' image, read there on 2026-11-17) at a version
+the pin admits (`MACHINE_VERSIONS`, where known), and less what `AsyncLLM` / `LLM` import lazily or only for the
+HTTP server (`LAZY`). A pin the image's version misses swaps that package: vLLM 0.33 pins torch 2.14.0 and
+torchvision 0.29.0, so both are carried, with each of torch's own pins the image misses in turn (cuDNN, NCCL,
+cuSPARSELt, Triton), and installed ahead of the image's copies on the path. What is left (`RUNTIME`, each with where
+vLLM 0.26 imports it at module level) is downloaded with what it needs in turn; every `Requires-Dist` of every
+carried wheel must then be carried or on the machine at a fitting version. A requirement in none of the three lists
+stops the script: read where that vLLM imports it and file it. The wheels land in `.vllm-wheels/` (git-ignored);
+`../shared/tools/stage-big.sh` splits them into parts that fit one device call beside the checkout, and the script
+prints the calls to make, the last of which runs `benchmarks/vllm_gpu.sh` (it installs the wheels there).
 """
 
 import argparse
@@ -24,11 +27,14 @@ from pathlib import Path
 
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name, parse_wheel_filename
+from packaging.version import Version
 
 WHEELS = Path(".vllm-wheels")
 CALL_MIB = 64
 """What one device call carries: the checkout plus the carried folders."""
-PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux1_x86_64")
+PLATFORMS = (*(f"manylinux_2_{minor}_x86_64" for minor in range(28, 4, -1)),
+             "manylinux2014_x86_64", "manylinux1_x86_64")
+"""glibc 2.28 and older: the machine ran vLLM's manylinux_2_28 wheel (pip matches a wheel's tags exactly)."""
 TARGET = ["--python-version", "3.12", "--implementation", "cp", *(a for p in PLATFORMS for a in ("--platform", p))]
 MARKERS = {"implementation_name": "cpython", "implementation_version": "3.12.3", "os_name": "posix",
            "platform_machine": "x86_64", "platform_python_implementation": "CPython", "platform_release": "",
@@ -55,6 +61,16 @@ statsmodels sympy tabulate tensorboard tensorboard-data-server tensorstore threa
 tokenizers toolz torch torchaudio torchdiffeq torch-geometric torchmetrics torchvision tqdm transformers treescope
 triton typer typing-extensions typing-inspect urllib3 uvloop wadler-lindig werkzeug wheel wrapt xarray xxhash yarl zipp
 """.split()))
+MACHINE_VERSIONS = {
+    # KINDS.md's pip list of the image (2026-11)
+    "torch": "2.11.0", "torchaudio": "2.11.0", "torchvision": "0.26.0", "triton": "3.6.0", "transformers": "5.17.0",
+    "tokenizers": "0.23.2", "safetensors": "0.8.0", "huggingface-hub": "1.33.0", "numpy": "2.5.2",
+    # the pins in torch 2.11.0's METADATA, which the image's torch (2.11.0+cu130) was installed with
+    "cuda-toolkit": "13.0.2", "nvidia-cudnn-cu13": "9.19.0.56", "nvidia-cusparselt-cu13": "0.8.0",
+    "nvidia-nccl-cu13": "2.28.9", "nvidia-nvshmem-cu13": "3.4.5",
+}
+SAME_ABI = {"cuda-toolkit": "a patch release of the same CUDA minor has the same sonames and ABI (torch 2.14.0 pins "
+                            "13.0.3, the machine has 13.0.2), and carrying it means every CUDA library again"}
 FORCE = {"typing-extensions": "there, but pydantic needs a newer one than the image may hold (device-wheels.sh too)"}
 
 RUNTIME = {
@@ -72,6 +88,7 @@ RUNTIME = {
     "llguidance": "v1.engine.core -> v1.structured_output -> backend_guidance (a class annotation loads it)",
     "xgrammar": "the same package -> backend_xgrammar",
     "apache-tvm-ffi": "xgrammar.exception, at its import",
+    "oss-harmony": "vLLM 0.33's openai_harmony module (a fork of openai-harmony): renderers.chat_utils.types",
 }
 ALONE = {"llguidance", "xgrammar", "apache-tvm-ffi"}
 """Only imported, never used (Sparrow's requests ask for no structured output): carried at the newest release the
@@ -81,7 +98,7 @@ which are all on the machine (xgrammar's include torch and triton, which a downl
 in full); `closure_problems` checks that."""
 LAZY_BY_REASON = {
     "the HTTP server": ["prometheus-fastapi-instrumentator", "anthropic", "model-hosting-container-standards",
-                        "watchfiles", "ijson", "mcp", "python-json-logger"],
+                        "watchfiles", "ijson", "mcp", "python-json-logger", "orjson"],
     "structured output, imported when a request asks for it": ["lm-format-enforcer", "outlines-core", "lark",
                                                                "jsonschema"],
     "optional, ImportError caught": ["setproctitle", "fastsafetensors", "opentelemetry-sdk", "opentelemetry-api",
@@ -91,7 +108,8 @@ LAZY_BY_REASON = {
         "flashinfer-python", "tilelang", "nvidia-cudnn-frontend", "nvidia-cutlass-dsl",
         "quack-kernels", "tokenspeed-mla", "humming-kernels"],
     "inputs and models Sparrow does not use (Mistral tokenizers, quantized checkpoints, images, video)": [
-        "mistral-common", "compressed-tensors", "blake3", "torchcodec", "pynvvideocodec"],
+        "mistral-common", "compressed-tensors", "blake3", "torchcodec", "pynvvideocodec",
+        "instanttensor"],
     "debugging and profiling switches": ["depyf", "nvtx"],
 }
 LAZY = {name: reason for reason, names in LAZY_BY_REASON.items() for name in names}
@@ -111,14 +129,29 @@ def requirements(wheel: Path) -> list[Requirement]:
     return [r for r in reqs if r.marker is None or r.marker.evaluate(MARKERS)]
 
 
-def classify(reqs: list[Requirement]) -> tuple[list[Requirement], list[str], dict[str, list[str]]]:
-    """vLLM's requirements → (to carry, assumed on the machine, left out by reason); unknown names stop the script."""
-    carry, there, left = [], [], {}
+def machine_fits(req: Requirement) -> bool:
+    """Whether the image's copy serves `req`: its version admitted where known (or of the same ABI), else assumed."""
+    name = canonicalize_name(req.name)
+    if name not in GPU_HAS:
+        return False
+    have = MACHINE_VERSIONS.get(name)
+    if have is None or req.specifier.contains(have, prereleases=True):
+        return True
+    pinned = [Version(s.version).release[:2] for s in req.specifier if s.operator == "=="]
+    return name in SAME_ABI and pinned == [Version(have).release[:2]]
+
+
+def classify(reqs: list[Requirement]) -> tuple[list[Requirement], list[Requirement], list[str], dict[str, list[str]]]:
+    """vLLM's requirements → (to carry, to swap for the image's copy, assumed on the machine, left out by reason);
+    unknown names stop the script."""
+    carry, swap, there, left = [], [], [], {}
     unknown = []
     for req in reqs:
         name = canonicalize_name(req.name)
         if name in RUNTIME:
             carry.append(Requirement(f"{name}{req.specifier}"))
+        elif name in GPU_HAS and not machine_fits(req):
+            swap.append(Requirement(f"{name}{req.specifier}"))
         elif name in GPU_HAS:
             there.append(f"{name}{req.specifier}")
         elif name in LAZY:
@@ -128,7 +161,24 @@ def classify(reqs: list[Requirement]) -> tuple[list[Requirement], list[str], dic
     if unknown:
         sys.exit(f"vllm requires {unknown}, which this script does not file: read where vLLM imports each and add it "
                  "to RUNTIME or LAZY in benchmarks/vllm_stage.py")
-    return carry, there, left
+    return carry, swap, there, left
+
+
+def download_swaps(swap: list[Requirement], dest: Path) -> list[str]:
+    """Each swapped package without its requirements, then each of those the machine's versions miss, in turn; the
+    rest of their requirements are on the machine (`closure_problems` checks). Returns what was swapped, for the
+    printout."""
+    done, queue = [], list(swap)
+    while queue:
+        req = queue.pop(0)
+        name = canonicalize_name(req.name)
+        if name in done:
+            continue
+        pip("download", "--no-deps", "--only-binary=:all:", *TARGET, "-d", str(dest), str(req))
+        done.append(name)
+        (wheel,) = [w for w in dest.glob("*.whl") if parse_wheel_filename(w.name)[0] == name]
+        queue += [r for r in requirements(wheel) if canonicalize_name(r.name) in GPU_HAS and not machine_fits(r)]
+    return done
 
 
 def closure_problems(wheels: list[Path]) -> list[str]:
@@ -140,8 +190,10 @@ def closure_problems(wheels: list[Path]) -> list[str]:
             dep = canonicalize_name(req.name)
             if dep in carried and not req.specifier.contains(carried[dep][0], prereleases=True):
                 problems.append(f"{name} needs {req}, carried {dep} {carried[dep][0]}")
-            elif dep not in carried and dep not in GPU_HAS:
-                problems.append(f"{name} needs {req}: neither carried nor on the GPU machine")
+            elif dep not in carried and not machine_fits(req):
+                have = MACHINE_VERSIONS.get(dep)
+                problems.append(f"{name} needs {req}: not carried, and the GPU machine has "
+                                + (f"{dep} {have}" if have else "none"))
     return problems
 
 
@@ -153,7 +205,8 @@ def tree_mib() -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--version", default="0.26.0", help="vLLM release (0.26.x pins the machine's torch, 2.11)")
+    parser.add_argument("--version", default="0.26.0",
+                        help="vLLM release (0.26.x pins the machine's torch, 2.11; a later one carries its own)")
     parser.add_argument("--part-mib", type=int, help="part size (default: what fits beside the checkout, at most 58)")
     args = parser.parse_args()
     top = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True, check=True)
@@ -162,12 +215,14 @@ def main() -> None:
         tmp = Path(tmp_dir)
         pip("download", "--no-deps", "--only-binary=:all:", *TARGET, "-d", str(tmp / "vllm"), f"vllm=={args.version}")
         (vllm_wheel,) = (tmp / "vllm").glob("*.whl")
-        carry, there, left = classify(requirements(vllm_wheel))
+        carry, swap, there, left = classify(requirements(vllm_wheel))
         alone = [r for r in carry if canonicalize_name(r.name) in ALONE]
         pip("download", "--only-binary=:all:", *TARGET, "-d", str(tmp / "deps"), *(str(r) for r in carry if r not in alone))
         pip("download", "--no-deps", "--only-binary=:all:", *TARGET, "-d", str(tmp / "deps"), *(r.name for r in alone))
         wheels = [w for w in sorted((tmp / "deps").glob("*.whl"))
                   if (name := parse_wheel_filename(w.name)[0]) not in GPU_HAS or name in FORCE]
+        swapped = download_swaps(swap, tmp / "swap")
+        wheels += sorted((tmp / "swap").glob("*.whl"))
         problems = closure_problems(wheels)
         if problems:
             sys.exit("requirement problems:\n  " + "\n  ".join(problems))
@@ -178,6 +233,8 @@ def main() -> None:
         for wheel in [vllm_wheel, *wheels]:
             shutil.copy2(wheel, root / WHEELS / wheel.name)
     print(f"vllm {args.version}: assumed on the GPU machine: {', '.join(there)}")
+    if swapped:
+        print(f"carried in place of the machine's own (ahead of them on the path): {', '.join(swapped)}")
     print("left out (imported lazily or by the HTTP server only):")
     for reason, names in left.items():
         print(f"  {reason}: {', '.join(names)}")
