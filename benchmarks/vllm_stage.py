@@ -69,8 +69,12 @@ MACHINE_VERSIONS = {
     "cuda-toolkit": "13.0.2", "nvidia-cudnn-cu13": "9.19.0.56", "nvidia-cusparselt-cu13": "0.8.0",
     "nvidia-nccl-cu13": "2.28.9", "nvidia-nvshmem-cu13": "3.4.5",
 }
-SAME_ABI = {"cuda-toolkit": "a patch release of the same CUDA minor has the same sonames and ABI (torch 2.14.0 pins "
-                            "13.0.3, the machine has 13.0.2), and carrying it means every CUDA library again"}
+SAME_ABI = {"cuda-toolkit": "a patch release of the same CUDA minor: the same sonames, and every cuBLAS and CUDA "
+                            "runtime symbol torch 2.14.0's libraries import is defined by 13.0.2's (cuBLAS 13.1.0.3 "
+                            "against 13.0.3's 13.1.1.3, runtime 13.0.96 in both; nm -D, 2026-12-08)"}
+"""Unlike NCCL: torch 2.14.0 imports 11 symbols NCCL 2.28.9 lacks (ncclCommGrow, ncclCommSuspend, ...), so it is
+carried. cuDNN 9.19 and cuSPARSELt 0.8.0 define every symbol it imports, but torch refuses a cuDNN older than its
+build at first use, so both are carried too (they are its pins)."""
 FORCE = {"typing-extensions": "there, but pydantic needs a newer one than the image may hold (device-wheels.sh too)"}
 
 RUNTIME = {
